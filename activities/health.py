@@ -1,0 +1,100 @@
+"""Judging an observation of an incarnation: fault, completion, or progress (pure)."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from infra.local import Observation, RankObservation
+from spec.records import FaultReport
+from spec.run import RecoveryPolicy
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one observation means."""
+
+    step: int
+    fault: FaultReport | None = None
+    completed: bool = False
+
+
+def _at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, timezone.utc)
+
+
+def _ended(rank: RankObservation) -> str:
+    if rank.exit is not None:
+        error = f": {rank.exit['error']}" if rank.exit.get("error") else ""
+        return f"rank {rank.rank} on {rank.node} exited with code {rank.exit['code']}{error}"
+    if rank.returncode is not None and rank.returncode < 0:
+        return f"rank {rank.rank} on {rank.node} was killed by {signal.Signals(-rank.returncode).name}"
+    return f"rank {rank.rank} on {rank.node} ended without an exit record (killed or crashed)"
+
+
+def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float) -> Verdict:
+    """Decide what an observation shows.
+
+    `last_poll` is when the incarnation was last seen healthy: a rank found dead now
+    died after it, so that is the fault's time (MTTR errs long by at most one interval).
+    Blame, in order: nodes the backend saw die; ranks gone without an exit record (a
+    kill); the earliest rank that exited with an error (its peers fail after it); the
+    rank with the oldest heartbeat once heartbeats are stale.
+    """
+    ranks = observation.ranks
+    steps = [r.heartbeat["step"] if r.heartbeat else observation.resume_step for r in ranks]
+    step = min(steps, default=observation.resume_step)
+    incarnation = observation.incarnation
+
+    def fault(kind: str, blamed: list[RankObservation], occurred: float, reason: str, nodes=None) -> Verdict:
+        beats = [r.heartbeat["time"] for r in blamed if r.heartbeat]
+        return Verdict(step, FaultReport(
+            kind=kind,
+            nodes=sorted(set(nodes or (r.node for r in blamed))),
+            incarnation=incarnation,
+            occurred_at=_at(occurred),
+            detected_at=_at(now),
+            step=step,
+            last_heartbeat_at=_at(max(beats)) if beats else None,
+            reason=reason,
+        ))
+
+    if observation.dead_nodes:
+        nodes = sorted(observation.dead_nodes)
+        blamed = [r for r in ranks if r.node in observation.dead_nodes]
+        died = min(observation.dead_nodes.values()).timestamp()
+        return fault("node_down", blamed, died, f"backend reports node {', '.join(nodes)} dead", nodes)
+
+    gone = [r for r in ranks if r.launched and not r.alive]
+    killed = [r for r in gone if r.exit is None]
+    failed = sorted((r for r in gone if r.exit is not None and r.exit["code"] != 0), key=lambda r: r.exit["time"])
+    if killed:
+        return fault("rank_exit", killed, last_poll, "; ".join(_ended(r) for r in killed))
+    if failed:
+        first = failed[0]
+        return fault("rank_exit", [first], first.exit["time"], _ended(first))
+
+    if ranks and all(r.exit is not None and r.exit["code"] == 0 for r in ranks):
+        return Verdict(min(r.exit["step"] for r in ranks), completed=True)
+
+    stale = []
+    for r in ranks:
+        if not r.alive or r.exit is not None:
+            continue
+        if r.heartbeat is None or r.heartbeat["phase"] == "starting":
+            since = r.heartbeat["time"] if r.heartbeat else observation.launched_at
+            if since is not None and now - since > policy.startup_grace_seconds:
+                stale.append((r, now - since))
+        elif now - r.heartbeat["time"] > policy.hang_after_seconds:
+            stale.append((r, now - r.heartbeat["time"]))
+    if stale:
+        # Every rank stalls behind a hung one in the next collective; the hung one is the
+        # one that got least far (lowest step, then oldest heartbeat).
+        def lag(item):
+            rank, age = item
+            return (rank.heartbeat["step"] if rank.heartbeat else -1, -age)
+        culprit, age = min(stale, key=lag)
+        return fault("hang", [culprit], now - age,
+                     f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s")
+    return Verdict(step)

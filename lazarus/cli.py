@@ -1,0 +1,216 @@
+"""The `lazarus` command: server, worker, runs, chaos and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime
+
+from lazarus.config import HELP as ENV_HELP
+from lazarus.config import Settings
+
+
+class UserError(Exception):
+    """A mistake of the user's: printed as one line, exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lazarus",
+        description="Training runs that survive a dead node: each run is a durable Temporal workflow "
+                    "whose activities detect, drain, reschedule, replace and resume.",
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    server = commands.add_parser("server", help="run the Temporal dev server (127.0.0.1, web UI, SQLite under LAZARUS_HOME)")
+    server.add_argument("--port", type=int, default=None, help="gRPC port (default: the port of LAZARUS_TEMPORAL_ADDRESS, 7233)")
+    server.add_argument("--ui-port", type=int, default=None, help="web UI port (default: gRPC port + 1000)")
+    mode = server.add_mutually_exclusive_group()
+    mode.add_argument("--detach", action="store_true", help="start it in the background and return")
+    mode.add_argument("--stop", action="store_true", help="stop a server started with --detach (or by the demo)")
+
+    commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
+
+    run = commands.add_parser("run", help="start a run or read its status")
+    run_commands = run.add_subparsers(dest="run_command", required=True, metavar="ACTION")
+    start = run_commands.add_parser("start", help="start a run from a YAML spec")
+    start.add_argument("spec", help="path of the run spec (YAML), e.g. examples/demo.yaml")
+    start.add_argument("--run-id", help="run id, also the workflow id (default: <name>-<date>-<time>)")
+    status = run_commands.add_parser("status", help="state, step, assignment and incidents of a run")
+    status.add_argument("run_id", metavar="RUN")
+    status.add_argument("--json", action="store_true", help="print the full status as JSON")
+
+    chaos = commands.add_parser("chaos", help="break things on purpose (local backend)")
+    chaos_commands = chaos.add_subparsers(dest="chaos_command", required=True, metavar="ACTION")
+    kill = chaos_commands.add_parser("kill-node", help="SIGKILL every process of a node and mark it dead")
+    kill.add_argument("run_id", metavar="RUN")
+    kill.add_argument("node", metavar="NODE", help="node name, e.g. node-2")
+    back = chaos_commands.add_parser("return-node", help="return a repaired node to the pool as a healthy spare")
+    back.add_argument("run_id", metavar="RUN")
+    back.add_argument("node", metavar="NODE")
+
+    demo = commands.add_parser("demo", help="server, worker, a real run, a node killed mid-run, automatic recovery, its cost")
+    demo.add_argument("--spec", help="run spec (default: examples/demo.yaml)")
+    fault = demo.add_mutually_exclusive_group()
+    fault.add_argument("--kill-at-step", type=int, metavar="N", help="kill a node once the run reaches step N (default: mid-run)")
+    fault.add_argument("--no-fault", action="store_true", help="kill nothing (the reference run)")
+    demo.add_argument("--json", action="store_true", help="print the final status as JSON (progress goes to stderr)")
+    return parser
+
+
+def _load(path: str):
+    from spec.load import SpecError, load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as error:
+        raise UserError(str(error)) from None
+
+
+async def _client(settings: Settings):
+    from lazarus.client import connect
+
+    try:
+        return await connect(settings)
+    except RuntimeError as error:
+        raise UserError(f"cannot reach Temporal at {settings.address} ({str(error).splitlines()[0]}); "
+                        f"start one with `lazarus server` or set LAZARUS_TEMPORAL_ADDRESS") from None
+
+
+def _server(args, settings: Settings) -> int:
+    from infra.temporal_server import ServerError, dev_server_command, port_answers, split_address, start_detached, stop_detached
+
+    if args.stop:
+        pid = stop_detached(settings.home)
+        print("no detached server recorded" if pid is None else f"stopped the Temporal dev server (pid {pid})")
+        return 0
+    port = args.port or split_address(settings.address)[1]
+    ui_port = args.ui_port or port + 1000
+    if port_answers("127.0.0.1", port):
+        raise UserError(f"something already listens on 127.0.0.1:{port}; is a server running? (`lazarus server --stop`)")
+    settings.home.mkdir(parents=True, exist_ok=True)
+    try:
+        if args.detach:
+            pid = start_detached(settings.home, port, ui_port)
+            print(f"Temporal dev server pid {pid}: gRPC 127.0.0.1:{port}, web UI http://127.0.0.1:{ui_port}")
+            return 0
+        command = dev_server_command(settings.home / "temporal.db", port, ui_port)
+    except ServerError as error:
+        raise UserError(str(error)) from None
+    print(f"Temporal dev server: gRPC 127.0.0.1:{port}, web UI http://127.0.0.1:{ui_port}, "
+          f"state {settings.home / 'temporal.db'} (Ctrl-C stops)", flush=True)
+    try:
+        return subprocess.call(command)
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _worker(settings: Settings) -> int:
+    from activities.failpoints import Failpoints
+    from infra.local import LocalCluster
+    from lazarus.worker import build_worker, serve
+
+    client = await _client(settings)
+    worker = build_worker(client, settings.task_queue, LocalCluster(settings.home), Failpoints.from_environ())
+    print(f"worker pid {os.getpid()} on task queue {settings.task_queue!r} at {settings.address}, "
+          f"runs under {settings.home.resolve() / 'runs'}", flush=True)
+    await serve(worker)
+    return 0
+
+
+async def _run(args, settings: Settings) -> int:
+    from temporalio.client import WorkflowQueryFailedError
+    from temporalio.service import RPCError
+
+    from lazarus.client import run_status, start_run
+
+    if args.run_command == "start":
+        spec = _load(args.spec)
+        run_id = args.run_id or f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        client = await _client(settings)
+        try:
+            await start_run(client, settings, spec, run_id)
+        except RPCError as error:
+            raise UserError(f"cannot start run {run_id}: {error.message}") from None
+        print(f"started run {run_id}\n  status: lazarus run status {run_id}\n  web UI: {settings.workflow_url(run_id)}")
+        return 0
+
+    client = await _client(settings)
+    try:
+        status = await run_status(client, args.run_id)
+    except RPCError as error:
+        raise UserError(f"no status for run {args.run_id}: {error.message}") from None
+    except WorkflowQueryFailedError as error:
+        raise UserError(f"run {args.run_id} did not answer: {error}; is a worker running (`lazarus worker`)?") from None
+    if args.json:
+        print(json.dumps(status.summary(), indent=2))
+        return 0
+    from lazarus.demo import stage_table
+
+    assignment = status.assignment
+    print(f"run {status.run_id}: {status.state.value}, step {status.step}/{status.total_steps}, "
+          f"layout dp={status.layout.dp} pp={status.layout.pp} tp={status.layout.tp}")
+    if assignment:
+        print(f"incarnation {assignment.incarnation} on {', '.join(assignment.nodes)}")
+    if status.reason:
+        print(f"reason: {status.reason}")
+    print(stage_table(status))
+    return 0
+
+
+def _chaos(args, settings: Settings) -> int:
+    from infra.local import ClusterError, LocalCluster
+
+    cluster = LocalCluster(settings.home)
+    try:
+        if args.chaos_command == "kill-node":
+            pids = cluster.kill_node(args.run_id, args.node)
+            print(f"killed {args.node} of run {args.run_id} (pids: {', '.join(map(str, pids)) or 'none alive'})")
+        else:
+            cluster.return_node(args.run_id, args.node)
+            print(f"{args.node} of run {args.run_id} is a healthy spare again")
+    except ClusterError as error:
+        raise UserError(str(error)) from None
+    return 0
+
+
+async def _demo(args, settings: Settings) -> int:
+    from lazarus.demo import DEFAULT_SPEC, DemoError, default_kill_step, run_demo
+
+    spec = _load(args.spec or DEFAULT_SPEC)
+    kill_at = None if args.no_fault else (args.kill_at_step or default_kill_step(spec))
+    try:
+        return await run_demo(settings, spec, kill_at, args.json)
+    except DemoError as error:
+        raise UserError(str(error)) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `lazarus` console script."""
+    args = _parser().parse_args(argv)
+    settings = Settings.from_environ()
+    code = 1
+    try:
+        if args.command == "server":
+            code = _server(args, settings)
+        elif args.command == "chaos":
+            code = _chaos(args, settings)
+        else:
+            handler = {"worker": _worker, "run": _run, "demo": _demo}[args.command]
+            code = asyncio.run(handler(settings) if args.command == "worker" else handler(args, settings))
+    except UserError as error:
+        print(f"lazarus: error: {error}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # End explicitly: Temporal's native client can crash at interpreter exit
+    # (sdk-python#300), which would turn a clean run into a failed exit status.
+    os._exit(code)

@@ -1,0 +1,61 @@
+"""Settings read from the environment, shared by the CLI, the worker and the demo."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_ADDRESS = "LAZARUS_TEMPORAL_ADDRESS"
+ENV_NAMESPACE = "LAZARUS_NAMESPACE"
+ENV_TASK_QUEUE = "LAZARUS_TASK_QUEUE"
+ENV_HOME = "LAZARUS_HOME"
+ENV_UI_URL = "LAZARUS_UI_URL"
+ENV_TLS_CERT = "LAZARUS_TEMPORAL_TLS_CERT"
+ENV_TLS_KEY = "LAZARUS_TEMPORAL_TLS_KEY"
+ENV_TLS_CA = "LAZARUS_TEMPORAL_TLS_CA"
+
+HELP = f"""environment:
+  {ENV_ADDRESS}   Temporal frontend host:port (default 127.0.0.1:7233)
+  {ENV_NAMESPACE}          Temporal namespace (default: default)
+  {ENV_TASK_QUEUE}         task queue of the Lazarus worker (default: lazarus)
+  {ENV_HOME}               state folder: runs, dev server database (default: ./.lazarus)
+  {ENV_UI_URL}             web UI base URL for links (default: http://<host>:<port+1000>)
+  {ENV_TLS_CERT}, {ENV_TLS_KEY}, {ENV_TLS_CA}
+                             client certificate, key and server CA (PEM files) for a TLS cluster
+"""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where Temporal is and where Lazarus keeps its state."""
+
+    address: str = "127.0.0.1:7233"
+    namespace: str = "default"
+    task_queue: str = "lazarus"
+    home: Path = Path(".lazarus")
+    ui_url: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    @classmethod
+    def from_environ(cls, environ=os.environ) -> Settings:
+        return cls(
+            address=environ.get(ENV_ADDRESS, cls.address),
+            namespace=environ.get(ENV_NAMESPACE, cls.namespace),
+            task_queue=environ.get(ENV_TASK_QUEUE, cls.task_queue),
+            home=Path(environ.get(ENV_HOME, cls.home)),
+            ui_url=environ.get(ENV_UI_URL),
+            tls_cert=environ.get(ENV_TLS_CERT),
+            tls_key=environ.get(ENV_TLS_KEY),
+            tls_ca=environ.get(ENV_TLS_CA),
+        )
+
+    def workflow_url(self, workflow_id: str) -> str:
+        """Link to a run's history in the Temporal web UI."""
+        base = self.ui_url
+        if base is None:
+            host, _, port = self.address.rpartition(":")
+            base = f"http://{host}:{int(port) + 1000}" if port.isdigit() else "http://127.0.0.1:8233"
+        return f"{base.rstrip('/')}/namespaces/{self.namespace}/workflows/{workflow_id}"

@@ -1,0 +1,151 @@
+"""`lazarus demo`: a real run on the local backend loses a node and comes back on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+from temporalio.client import WorkflowFailureError
+
+from infra.local import LocalCluster
+from infra.temporal_server import port_answers, split_address, start_detached
+from lazarus.client import connect, run_status, start_run
+from lazarus.config import Settings
+from lazarus.worker import build_worker
+from spec.contract import RunDir
+from spec.records import STAGES, RunState, RunStatus
+from spec.run import RunSpec
+
+DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run as asked (a message for the user, not a traceback)."""
+
+
+def default_kill_step(spec: RunSpec) -> int:
+    """Mid-run and between two checkpoints, so the recovery visibly loses and redoes steps."""
+    every = spec.trainer.checkpoint_every
+    step = (spec.trainer.steps // 2 // every) * every + max(1, every // 2)
+    return min(step, spec.trainer.steps - 1)
+
+
+def last_metric(run: RunDir) -> dict | None:
+    """The newest complete line of rank 0's metrics.jsonl."""
+    try:
+        lines = run.metrics_file.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+    return None
+
+
+async def ensure_server(settings: Settings, say) -> None:
+    """Use the Temporal server at the configured address; start a local dev server if none answers."""
+    host, port = split_address(settings.address)
+    if port_answers(host, port):
+        return
+    if host not in ("127.0.0.1", "localhost"):
+        raise DemoError(f"no Temporal server answers at {settings.address}; start it or unset LAZARUS_TEMPORAL_ADDRESS")
+    say(f"starting the Temporal dev server on 127.0.0.1:{port} (web UI on :{port + 1000}, state in {settings.home})")
+    pid = await asyncio.to_thread(start_detached, settings.home, port, port + 1000)
+    say(f"  server pid {pid}; it stays up for the web UI; stop it with `lazarus server --stop`")
+
+
+def stage_table(status: RunStatus) -> str:
+    """The incidents of a run as a table: each stage's seconds, MTTR, steps lost, decision."""
+    lines = []
+    for incident in status.incidents:
+        fault = incident.fault
+        lines.append(f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step} "
+                     f"({fault.reason})")
+        lines.append(f"  {'stage':<20}{'seconds':>9}")
+        for name in STAGES:
+            stage = incident.stages.get(name)
+            seconds = "-" if stage is None or stage.seconds is None else f"{stage.seconds:.2f}"
+            lines.append(f"  {name:<20}{seconds:>9}")
+        mttr = incident.mttr_seconds
+        lines.append(f"  {'MTTR':<20}{'-' if mttr is None else f'{mttr:.2f}':>9}   (fault -> first new training step)")
+        if incident.decision:
+            lines.append(f"  decision: {incident.decision.reason}")
+        lines.append(f"  resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
+                     f"outcome: {incident.outcome}")
+    if not lines:
+        lines.append("No incidents: the run trained without a fault.")
+    return "\n".join(lines)
+
+
+async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_json: bool) -> int:
+    """Run the demo; returns the process exit code."""
+    out = sys.stderr if as_json else sys.stdout
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {message}", file=out, flush=True)
+
+    if kill_at is not None and not 1 <= kill_at < spec.trainer.steps:
+        raise DemoError(f"--kill-at-step {kill_at} must be between 1 and {spec.trainer.steps - 1} (the run trains {spec.trainer.steps} steps)")
+    if kill_at is not None and spec.cluster.spare_nodes < 1:
+        say("note: no hot spare in this spec; after the kill the run waits for capacity, then fails")
+
+    await ensure_server(settings, say)
+    client = await connect(settings)
+    cluster = LocalCluster(settings.home)
+    run_id = f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}"
+    # A queue of its own: a `lazarus worker` elsewhere may use another LAZARUS_HOME.
+    queue = f"{settings.task_queue}-demo-{uuid.uuid4().hex[:8]}"
+    worker = build_worker(client, queue, cluster)
+    run = cluster.run_dir(run_id)
+
+    say(f"run {run_id}: {spec.cluster.active_nodes} active nodes + {spec.cluster.spare_nodes} hot spare(s), "
+        f"dp={spec.layout.dp}, {spec.trainer.steps} steps, checkpoint every {spec.trainer.checkpoint_every}")
+    say(f"web UI: {settings.workflow_url(run_id)}")
+    async with worker:
+        handle = await start_run(client, Settings(**{**settings.__dict__, "task_queue": queue}), spec, run_id)
+        result_task = asyncio.ensure_future(handle.result())
+        last_state, last_step, killed = None, 0, kill_at is None
+        report_every = max(10, spec.trainer.steps // 15 // 10 * 10)
+        while not result_task.done():
+            status = await run_status(client, run_id)
+            metric = last_metric(run)
+            step = metric["step"] if metric else 0
+            if status.state != last_state:
+                say(f"{status.state.value}")
+                last_state = status.state
+            if metric and step != last_step and (step % report_every == 0 or step == spec.trainer.steps):
+                say(f"  step {step}/{spec.trainer.steps}  loss {metric['loss']:.4f}  incarnation {metric['incarnation']}")
+            last_step = step
+            if not killed and status.state == RunState.TRAINING and step >= kill_at and status.assignment:
+                node = status.assignment.nodes[len(status.assignment.nodes) // 2]
+                pids = cluster.kill_node(run_id, node)
+                say(f"chaos: killed {node} at step {step} (SIGKILL to pid {', '.join(map(str, pids))})")
+                killed = True
+            await asyncio.wait([result_task], timeout=0.1)
+        try:
+            final = await result_task
+        except WorkflowFailureError as failure:
+            final = await run_status(client, run_id)
+            say(f"run FAILED: {final.reason or failure.cause}")
+            if as_json:
+                print(json.dumps(final.summary(), indent=2))
+            return 1
+
+    say(f"{final.state.value}: {final.step}/{final.total_steps} steps")
+    if as_json:
+        print(json.dumps(final.summary(), indent=2))
+    else:
+        print()
+        print(stage_table(final))
+        print()
+        print(f"History in the web UI: {settings.workflow_url(run_id)}")
+        print(f"Run directory: {final.run_dir}")
+    return 0 if final.state == RunState.COMPLETED else 1

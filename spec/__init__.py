@@ -1,0 +1,46 @@
+"""The language of a run: what a user writes and what the system records (pydantic only)."""
+
+from spec.layout import Layout
+from spec.load import SpecError, load_spec, parse_spec
+from spec.records import (
+    STAGES,
+    Assignment,
+    Decision,
+    DetectResult,
+    FaultReport,
+    Incident,
+    Inventory,
+    NodeRecord,
+    RankProgress,
+    RunStart,
+    RunState,
+    RunStatus,
+    StageRecord,
+)
+from spec.run import ClusterSpec, RecoveryPolicy, RunSpec, StagePolicies, StagePolicy, TrainerSettings
+
+__all__ = [
+    "STAGES",
+    "Assignment",
+    "ClusterSpec",
+    "Decision",
+    "DetectResult",
+    "FaultReport",
+    "Incident",
+    "Inventory",
+    "Layout",
+    "NodeRecord",
+    "RankProgress",
+    "RecoveryPolicy",
+    "RunSpec",
+    "RunStart",
+    "RunState",
+    "RunStatus",
+    "SpecError",
+    "StagePolicies",
+    "StagePolicy",
+    "StageRecord",
+    "TrainerSettings",
+    "load_spec",
+    "parse_spec",
+]

@@ -1,0 +1,138 @@
+"""The contract between controller and trainer: environment variables and run-directory files.
+
+Environment of every rank process (torchrun's names, plus Lazarus's own):
+
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT   as torchrun sets them
+    LAZARUS_RUN_DIR       the run directory below
+    LAZARUS_INCARNATION   launch counter K: 0 at start, +1 per recovery
+    LAZARUS_NODE          name of the node the rank runs on
+    LAZARUS_RESUME_STEP   checkpoint step to restore (0: start from scratch); chosen by the controller
+
+Both sides build paths only through RunDir, so the file layout is written down once:
+
+    <run_dir>/spec.json                         the RunSpec (JSON)
+    <run_dir>/inventory.json                    the local backend's nodes
+    <run_dir>/metrics.jsonl                     rank 0: one line per optimizer step
+    <run_dir>/checkpoints/step-N/               torch.distributed.checkpoint folder
+    <run_dir>/checkpoints/step-N/COMMITTED      written last; only then does step-N count
+    <run_dir>/incarnations/K/assignment.json    nodes and rendezvous of incarnation K
+    <run_dir>/incarnations/K/ranks/R.lock       held (flock) by rank R's process while it lives
+    <run_dir>/incarnations/K/ranks/R.pid        pid and start time of rank R's process
+    <run_dir>/incarnations/K/heartbeat/R.json   rank R's last completed step and its time
+    <run_dir>/incarnations/K/exit/R.json        rank R's exit code, when it ended on its own
+    <run_dir>/incarnations/K/logs/R.log         rank R's stdout and stderr
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+ENV_RUN_DIR = "LAZARUS_RUN_DIR"
+ENV_INCARNATION = "LAZARUS_INCARNATION"
+ENV_NODE = "LAZARUS_NODE"
+ENV_RESUME_STEP = "LAZARUS_RESUME_STEP"
+
+COMMIT_MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class RunDir:
+    """Paths of one run's directory."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    @property
+    def spec_file(self) -> Path:
+        return self.root / "spec.json"
+
+    @property
+    def inventory_file(self) -> Path:
+        return self.root / "inventory.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def incarnation(self, k: int) -> Path:
+        """Folder of incarnation k."""
+        return self.root / "incarnations" / str(k)
+
+    def assignment_file(self, k: int) -> Path:
+        return self.incarnation(k) / "assignment.json"
+
+    def lock_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "ranks" / f"{rank}.lock"
+
+    def pid_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "ranks" / f"{rank}.pid"
+
+    def heartbeat_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "heartbeat" / f"{rank}.json"
+
+    def exit_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "exit" / f"{rank}.json"
+
+    def log_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "logs" / f"{rank}.log"
+
+    def incarnations(self) -> list[int]:
+        """Incarnations that have an assignment, in order."""
+        base = self.root / "incarnations"
+        if not base.is_dir():
+            return []
+        return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit() and (p / "assignment.json").exists())
+
+    def checkpoint(self, step: int) -> Path:
+        """Folder of the checkpoint taken after `step` steps."""
+        return self.checkpoints / f"step-{step}"
+
+    def checkpoint_steps(self, complete_only: bool = True) -> list[int]:
+        """Steps that have a checkpoint folder (only complete ones by default), ascending.
+
+        A folder is complete when the checkpoint's metadata and the commit marker exist; the
+        marker is written after every rank has finished writing, so a folder without it may
+        be half-written and is never loaded.
+        """
+        if not self.checkpoints.is_dir():
+            return []
+        steps = []
+        for entry in self.checkpoints.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if not match:
+                continue
+            if complete_only and not (
+                (entry / ".metadata").is_file() and (entry / COMMIT_MARKER).is_file()
+            ):
+                continue
+            steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def newest_checkpoint(self) -> int:
+        """Newest complete checkpoint step, 0 when there is none (train from scratch)."""
+        steps = self.checkpoint_steps()
+        return steps[-1] if steps else 0
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON so a reader sees the old or the new content, never a torn file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as handle:
+        json.dump(data, handle)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON in a file, or None when it does not exist (yet)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None

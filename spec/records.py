@@ -1,0 +1,189 @@
+"""What the system records: assignments, faults, incidents and the run's status."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spec.layout import Layout
+from spec.run import RunSpec
+
+STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
+"""The recovery stages, in order; also the Temporal activity type names."""
+
+
+class Record(BaseModel):
+    """Base for records: unknown fields are refused so a renamed field fails loudly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunState(str, Enum):
+    """The run's place in the recovery state machine (DESIGN.md)."""
+
+    PENDING = "PENDING"
+    LAUNCHING = "LAUNCHING"
+    TRAINING = "TRAINING"
+    DETECTED = "DETECTED"
+    DRAINING = "DRAINING"
+    RESCHEDULING = "RESCHEDULING"
+    WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
+    REPLACING = "REPLACING"
+    RESHARDING = "RESHARDING"
+    RESUMING = "RESUMING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    ABORTED = "ABORTED"
+
+
+class Assignment(Record):
+    """Which node hosts which ranks in one incarnation (one launch of the rank processes)."""
+
+    incarnation: int = Field(ge=0, description="Launch counter: 0 at start, +1 per recovery.")
+    nodes: list[str] = Field(description="Node names in rank order: node i hosts ranks i*ranks_per_node .. (i+1)*ranks_per_node-1.")
+    layout: Layout = Field(description="The parallel layout this incarnation runs.")
+    master_addr: str = Field("127.0.0.1", description="Address of rank 0's rendezvous store.")
+    master_port: int = Field(ge=1, le=65535, description="TCP port of rank 0's rendezvous store.")
+
+
+class NodeRecord(Record):
+    """One node of the inventory."""
+
+    name: str = Field(description="Node name, unique within the run.")
+    role: Literal["active", "spare", "quarantined"] = Field(description="active: in the current assignment; spare: free; quarantined: held out after a fault.")
+    healthy: bool = Field(True, description="False once the backend saw the node die.")
+    died_at: datetime | None = Field(None, description="When the node was seen to die (UTC).")
+    note: str = Field("", description="Why the node has its role (for quarantine: the fault).")
+
+
+class Inventory(Record):
+    """The run's nodes as the backend sees them."""
+
+    nodes: list[NodeRecord] = Field(description="Every node of the run, active, spare or quarantined.")
+
+    def free_spares(self) -> list[str]:
+        """Healthy spare nodes, in name order."""
+        return sorted(n.name for n in self.nodes if n.role == "spare" and n.healthy)
+
+    def node(self, name: str) -> NodeRecord:
+        """The record of one node; KeyError names it when unknown."""
+        for record in self.nodes:
+            if record.name == name:
+                return record
+        raise KeyError(f"unknown node {name!r}")
+
+
+FaultKind = Literal["node_down", "rank_exit", "hang", "external"]
+
+
+class FaultReport(Record):
+    """A fault: which nodes, what kind, when it happened and when it was seen."""
+
+    kind: FaultKind = Field(description="node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; external: reported by signal.")
+    nodes: list[str] = Field(description="Nodes blamed for the fault; they are quarantined.")
+    incarnation: int = Field(ge=0, description="Incarnation that was running.")
+    occurred_at: datetime = Field(description="Best known time of the fault (UTC): the backend's death time, else when it was first seen.")
+    detected_at: datetime = Field(description="When the detector reported it (UTC).")
+    step: int = Field(ge=0, description="Last step every rank had completed when the fault was detected.")
+    last_heartbeat_at: datetime | None = Field(None, description="Newest heartbeat of the blamed ranks before the fault (UTC).")
+    reason: str = Field("", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words.")
+
+
+class RankProgress(Record):
+    """A snapshot of training progress from the rank heartbeats."""
+
+    step: int = Field(ge=0, description="Last step every rank had completed.")
+    at: datetime = Field(description="When the snapshot was taken (UTC).")
+
+
+class DetectResult(Record):
+    """What one detect attempt returns: a fault, completion, or a progress snapshot."""
+
+    fault: FaultReport | None = Field(None, description="Set when a fault was found.")
+    completed: bool = Field(False, description="True when every rank finished the last step and exited cleanly.")
+    progress: RankProgress = Field(description="Progress at the time of return.")
+
+
+class Decision(Record):
+    """What reschedule decided for one incident."""
+
+    action: Literal["replace", "wait"] = Field(description="replace: take hot spares in place of lost nodes; wait: no capacity yet.")
+    replacements: dict[str, str] = Field(default_factory=dict, description="Lost node -> spare that takes its ranks.")
+    layout: Layout = Field(description="Layout of the next incarnation.")
+    reason: str = Field(description="Why, in words an operator reads in the UI.")
+
+
+class StageRecord(Record):
+    """Start and end of one stage of an incident."""
+
+    started_at: datetime = Field(description="Stage start (UTC).")
+    ended_at: datetime | None = Field(None, description="Stage end (UTC); None while running.")
+
+    @property
+    def seconds(self) -> float | None:
+        """Duration in seconds, once ended."""
+        return None if self.ended_at is None else (self.ended_at - self.started_at).total_seconds()
+
+
+class Incident(Record):
+    """One fault and its recovery: what happened, what each stage cost, what was lost."""
+
+    number: int = Field(ge=1, description="1 for the run's first incident, and so on.")
+    fault: FaultReport = Field(description="The fault that started the recovery.")
+    stages: dict[str, StageRecord] = Field(default_factory=dict, description="Stage name -> its timing; detect spans fault to report.")
+    decision: Decision | None = Field(None, description="Reschedule's decision.")
+    old_assignment: Assignment = Field(description="Assignment of the incarnation that failed.")
+    new_assignment: Assignment | None = Field(None, description="Assignment of the incarnation that resumed.")
+    resumed_from_step: int | None = Field(None, description="Checkpoint step the new incarnation restored (0: from scratch).")
+    lost_steps: int | None = Field(None, description="Steps trained after that checkpoint and lost to the fault (steps).")
+    first_step_at: datetime | None = Field(None, description="When the new incarnation completed its first step (UTC).")
+    outcome: Literal["recovering", "recovered", "interrupted", "failed"] = Field(
+        "recovering",
+        description="recovered: trained past the checkpoint; interrupted: a new fault hit before that (see the next incident); failed: the run failed.",
+    )
+
+    @property
+    def mttr_seconds(self) -> float | None:
+        """Fault to first new training step (seconds)."""
+        if self.first_step_at is None:
+            return None
+        return (self.first_step_at - self.fault.occurred_at).total_seconds()
+
+    def summary(self) -> dict:
+        """JSON-ready view with each stage's seconds and the MTTR (the `run status --json` shape)."""
+        data = self.model_dump(mode="json")
+        for name, stage in self.stages.items():
+            data["stages"][name]["seconds"] = stage.seconds
+        data["mttr_seconds"] = self.mttr_seconds
+        return data
+
+
+class RunStatus(Record):
+    """The run as the workflow sees it; the `status` query and the workflow result."""
+
+    run_id: str = Field(description="Run id; also the Temporal workflow id.")
+    run_dir: str | None = Field(None, description="Directory holding the run's checkpoints, metrics and rank files.")
+    state: RunState = Field(RunState.PENDING, description="State in the recovery state machine.")
+    step: int = Field(0, ge=0, description="Last step every rank completed, as of the last progress report.")
+    total_steps: int = Field(ge=1, description="Steps the run trains for.")
+    layout: Layout = Field(description="Layout the run currently trains with.")
+    assignment: Assignment | None = Field(None, description="Current incarnation's nodes.")
+    incidents: list[Incident] = Field(default_factory=list, description="Every fault and its recovery, oldest first.")
+    reason: str = Field("", description="Why the run ended in FAILED or ABORTED.")
+
+    def summary(self) -> dict:
+        """JSON-ready view (`run status --json`): incidents carry stage seconds and MTTR."""
+        data = self.model_dump(mode="json", exclude={"incidents"})
+        data["incidents"] = [incident.summary() for incident in self.incidents]
+        return data
+
+
+class RunStart(Record):
+    """Workflow input: the spec and the run's id, and the state carried over a continue-as-new."""
+
+    run_id: str = Field(description="Run id; also the Temporal workflow id.")
+    spec: RunSpec = Field(description="The validated run spec.")
+    carried: RunStatus | None = Field(None, description="Status of the previous workflow run when continued as new; None at launch.")

@@ -1,0 +1,133 @@
+"""What a user writes: the run spec (trainer, layout, cluster, recovery policy)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from spec.layout import Layout
+
+
+class Strict(BaseModel):
+    """Base for spec models: unknown fields are refused, so a typo is an error, not a no-op."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainerSettings(Strict):
+    """The built-in GPT-style trainer: model size, schedule and checkpointing."""
+
+    vocab_size: int = Field(64, ge=8, le=65536, description="Vocabulary size of the synthetic token stream (tokens).")
+    seq_len: int = Field(32, ge=4, le=4096, description="Tokens per training sample.")
+    d_model: int = Field(64, ge=8, le=8192, description="Width of the transformer (hidden units).")
+    n_layers: int = Field(2, ge=1, le=128, description="Number of transformer blocks.")
+    n_heads: int = Field(4, ge=1, le=128, description="Attention heads per block; must divide d_model.")
+    steps: int = Field(60, ge=1, description="Optimizer steps the run trains for.")
+    global_batch: int = Field(16, ge=1, description="Samples per optimizer step, summed over all data-parallel replicas.")
+    learning_rate: float = Field(3e-3, gt=0, description="AdamW learning rate (dimensionless).")
+    seed: int = Field(0, ge=0, description="Seed for model initialisation and the token stream.")
+    checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints.")
+    keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept on disk; older ones are purged.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TrainerSettings:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"trainer.n_heads: {self.n_heads} does not divide trainer.d_model {self.d_model}; "
+                f"pick n_heads from the divisors of d_model"
+            )
+        return self
+
+
+class ClusterSpec(Strict):
+    """Where the ranks run and how many nodes stand by."""
+
+    backend: Literal["local"] = Field("local", description="Cluster backend; `local` runs each node as rank processes on this machine.")
+    active_nodes: int = Field(4, ge=1, description="Nodes that train at launch (nodes).")
+    spare_nodes: int = Field(1, ge=0, description="Hot spares kept idle to replace a lost node (nodes).")
+
+
+class StagePolicy(Strict):
+    """Timeout and retry policy of one activity (one recovery stage)."""
+
+    timeout_seconds: float = Field(gt=0, description="Start-to-close timeout of one attempt (seconds).")
+    heartbeat_timeout_seconds: float = Field(gt=0, description="An attempt that does not heartbeat for this long is presumed lost (seconds).")
+    max_attempts: int = Field(5, ge=0, description="Attempts before the stage counts as failed; 0 means unlimited.")
+    initial_retry_seconds: float = Field(0.5, gt=0, description="Wait before the first retry (seconds).")
+    retry_backoff: float = Field(2.0, ge=1, description="Factor by which each retry's wait grows (dimensionless).")
+    max_retry_seconds: float = Field(10.0, gt=0, description="Longest wait between retries (seconds).")
+
+
+def _stage(timeout: float, heartbeat: float, attempts: int = 5) -> StagePolicy:
+    return StagePolicy(timeout_seconds=timeout, heartbeat_timeout_seconds=heartbeat, max_attempts=attempts)
+
+
+class StagePolicies(Strict):
+    """Per-activity timeouts and retries; `launch` starts incarnation 0, the rest are the recovery stages."""
+
+    launch: StagePolicy = Field(default_factory=lambda: _stage(120, 10), description="Create the run's cluster state and start incarnation 0.")
+    detect: StagePolicy = Field(default_factory=lambda: _stage(120, 5, attempts=0), description="Watch the run; returns a fault, a progress snapshot or completion.")
+    drain: StagePolicy = Field(default_factory=lambda: _stage(60, 5), description="Quarantine faulty nodes and stop every rank of the incarnation.")
+    reschedule: StagePolicy = Field(default_factory=lambda: _stage(30, 5), description="Read the node inventory for the recovery decision.")
+    replace_or_reshard: StagePolicy = Field(default_factory=lambda: _stage(30, 5), description="Claim spares and write the next incarnation's assignment.")
+    resume: StagePolicy = Field(default_factory=lambda: _stage(300, 10), description="Start the next incarnation and wait for its first new step.")
+
+
+class RecoveryPolicy(Strict):
+    """How faults are detected and how recovery behaves; every stage's timeouts and retries."""
+
+    heartbeat_interval_seconds: float = Field(0.1, gt=0, le=60, description="How often detect reads rank heartbeats and node health, and heartbeats to Temporal (seconds).")
+    hang_after_seconds: float = Field(30.0, gt=0, description="A rank whose last heartbeat is older than this counts as hung (seconds).")
+    startup_grace_seconds: float = Field(120.0, gt=0, description="Time a new incarnation may take to its first heartbeat before it counts as hung (seconds).")
+    progress_every_seconds: float = Field(5.0, gt=0, description="Detect returns a progress snapshot (step) to the workflow at least this often (seconds).")
+    min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
+    capacity_wait_seconds: float = Field(300.0, ge=0, description="How long to wait for a free spare before the run fails (seconds).")
+    capacity_poll_seconds: float = Field(5.0, gt=0, description="How often the inventory is read again while waiting for capacity (seconds).")
+    max_incidents: int = Field(20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents).")
+    stages: StagePolicies = Field(default_factory=StagePolicies, description="Per-stage timeouts and retry policies.")
+
+    @model_validator(mode="after")
+    def _hang_longer_than_interval(self) -> RecoveryPolicy:
+        if self.hang_after_seconds <= self.heartbeat_interval_seconds:
+            raise ValueError(
+                f"recovery.hang_after_seconds: {self.hang_after_seconds} must exceed "
+                f"recovery.heartbeat_interval_seconds {self.heartbeat_interval_seconds}; raise it to several intervals"
+            )
+        if self.stages.detect.timeout_seconds <= self.progress_every_seconds:
+            raise ValueError(
+                f"recovery.stages.detect.timeout_seconds: {self.stages.detect.timeout_seconds} must exceed "
+                f"recovery.progress_every_seconds {self.progress_every_seconds}, or every watch times out"
+            )
+        return self
+
+
+class RunSpec(Strict):
+    """One training run: what to train, on how many nodes, and how to recover."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", description="Run name: lowercase letters, digits and dashes; the default run id prefix.")
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Model, schedule and checkpoints of the built-in trainer.")
+    layout: Layout = Field(default_factory=Layout, description="Parallel layout: dp x pp x tp ranks, ranks_per_node ranks on each node.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Backend and node counts.")
+    recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy, description="Detection and recovery policy.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunSpec:
+        ranks = self.cluster.active_nodes * self.layout.ranks_per_node
+        if self.layout.world_size != ranks:
+            raise ValueError(
+                f"layout: dp*pp*tp = {self.layout.world_size} but cluster.active_nodes x "
+                f"layout.ranks_per_node = {self.cluster.active_nodes} x {self.layout.ranks_per_node} = {ranks} ranks; "
+                f"make them equal (for example layout.dp: {ranks // (self.layout.pp * self.layout.tp) or 1})"
+            )
+        if self.recovery.min_dp > self.layout.dp:
+            raise ValueError(
+                f"recovery.min_dp: {self.recovery.min_dp} exceeds layout.dp {self.layout.dp}; "
+                f"set it between 1 and {self.layout.dp}"
+            )
+        if self.trainer.global_batch < self.layout.dp:
+            raise ValueError(
+                f"trainer.global_batch: {self.trainer.global_batch} is smaller than layout.dp {self.layout.dp}; "
+                f"every replica needs at least one sample per step"
+            )
+        return self

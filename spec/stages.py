@@ -1,0 +1,90 @@
+"""Inputs and results of the activities: one model in, one model out, per stage."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import Field
+
+from spec.records import Assignment, Decision, FaultReport, Record
+from spec.run import RecoveryPolicy, RunSpec
+
+
+class LaunchInput(Record):
+    """Create the run's cluster state and start incarnation 0."""
+
+    run_id: str = Field(description="Run id.")
+    spec: RunSpec = Field(description="The run's spec.")
+
+
+class LaunchResult(Record):
+    """Where the run lives and who runs incarnation 0."""
+
+    run_dir: str = Field(description="The run's directory.")
+    assignment: Assignment = Field(description="Incarnation 0's nodes.")
+
+
+class DetectInput(Record):
+    """Watch one incarnation."""
+
+    run_id: str = Field(description="Run id.")
+    incarnation: int = Field(ge=0, description="Incarnation to watch.")
+    total_steps: int = Field(ge=1, description="Steps the run trains for; reaching them is completion.")
+    policy: RecoveryPolicy = Field(description="Heartbeat interval, hang threshold, progress interval.")
+
+
+class DrainInput(Record):
+    """Stop an incarnation and quarantine the nodes blamed for its fault."""
+
+    run_id: str = Field(description="Run id.")
+    incarnation: int = Field(ge=0, description="Incarnation to stop.")
+    nodes: list[str] = Field(description="Nodes to quarantine.")
+    reason: str = Field(description="Why; recorded on the quarantined nodes.")
+
+
+class DrainResult(Record):
+    """What drain did."""
+
+    quarantined: list[str] = Field(description="Nodes now quarantined.")
+    stopped_ranks: list[int] = Field(description="Ranks that were still alive and were killed.")
+    removed_partial_checkpoints: list[int] = Field(description="Steps of half-written checkpoints deleted.")
+
+
+class RescheduleInput(Record):
+    """Read the inventory for a recovery decision."""
+
+    run_id: str = Field(description="Run id.")
+
+
+class ReplaceInput(Record):
+    """Carry out a replace decision: claim spares and write the next assignment."""
+
+    run_id: str = Field(description="Run id.")
+    decision: Decision = Field(description="Reschedule's decision.")
+    old_assignment: Assignment = Field(description="Assignment of the failed incarnation.")
+
+
+class ResumeInput(Record):
+    """Start an incarnation from the newest complete checkpoint."""
+
+    run_id: str = Field(description="Run id.")
+    assignment: Assignment = Field(description="The incarnation to start.")
+    total_steps: int = Field(ge=1, description="Steps the run trains for.")
+    policy: RecoveryPolicy = Field(description="Heartbeat interval and hang thresholds while waiting.")
+
+
+class ResumeResult(Record):
+    """How the new incarnation started: its first step, or a fault on the way."""
+
+    resumed_from_step: int = Field(ge=0, description="Checkpoint step restored (0: from scratch).")
+    first_step_at: datetime | None = Field(None, description="When every rank had completed its first step past the restored one (UTC).")
+    fault: FaultReport | None = Field(None, description="A fault that hit the new incarnation before its first step.")
+    completed: bool = Field(False, description="The restored checkpoint was the last step: nothing left to train.")
+
+
+class FaultSignal(Record):
+    """`report_fault` signal: an external detector or an operator blames nodes."""
+
+    nodes: list[str] = Field(min_length=1, description="Nodes to treat as faulty; names not in the current assignment are ignored.")
+    reason: str = Field("reported by signal", description="Why, in the reporter's words.")
+    occurred_at: datetime | None = Field(None, description="When the fault happened, if the reporter knows (UTC); else when the signal arrived.")

@@ -1,0 +1,1 @@
+"""The PyTorch workload: a small GPT trained data-parallel over gloo, speaking the contract of spec/contract.py."""

@@ -1,0 +1,3 @@
+from trainer.train import main
+
+main()

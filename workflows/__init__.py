@@ -1,0 +1,1 @@
+"""Deterministic Temporal workflow code and the pure recovery policy."""
