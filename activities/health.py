@@ -75,7 +75,8 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
         first = failed[0]
         return fault("rank_exit", [first], first.exit["time"], _ended(first))
 
-    if ranks and all(r.exit is not None and r.exit["code"] == 0 for r in ranks):
+    # Complete only once every process is gone too: the exit record is written just before exiting.
+    if ranks and all(r.exit is not None and r.exit["code"] == 0 and not r.alive for r in ranks):
         return Verdict(min(r.exit["step"] for r in ranks), completed=True)
 
     stale = []

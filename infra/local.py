@@ -103,9 +103,10 @@ def free_port() -> int:
 class LocalCluster:
     """Runs' nodes as rank processes on this machine, with state under `home/runs/<run_id>`."""
 
-    def __init__(self, home: str | Path, python: str = sys.executable):
+    def __init__(self, home: str | Path, rank_command: list[str] | None = None):
         self.home = Path(home).resolve()
-        self.python = python
+        # What each rank runs; the built-in trainer unless told otherwise (tests use a stand-in).
+        self.rank_command = rank_command or [sys.executable, "-m", "trainer"]
         # Rank processes this object started, so their exit codes can be collected and
         # they do not linger as zombies; after a restart the lock files tell liveness.
         self._children: dict[tuple[str, int, int], subprocess.Popen] = {}
@@ -267,7 +268,7 @@ class LocalCluster:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as log:
                 child = subprocess.Popen(
-                    [self.python, "-m", "trainer"],
+                    self.rank_command,
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -337,8 +338,13 @@ class LocalCluster:
             if _lock_is_held(run.lock_file(incarnation, rank)):
                 self._kill(record)
                 killed.append(rank)
+        self._wait_gone(run_id, run, [(incarnation, rank) for rank, _ in self._rank_pids(run, incarnation)], timeout)
+        return killed
+
+    def _wait_gone(self, run_id: str, run: RunDir, ranks: list[tuple[int, int]], timeout: float) -> None:
+        """Wait until the processes of (incarnation, rank) have ended: their locks are released."""
         deadline = time.monotonic() + timeout
-        for rank, _ in self._rank_pids(run, incarnation):
+        for incarnation, rank in ranks:
             while _lock_is_held(run.lock_file(incarnation, rank)):
                 if time.monotonic() > deadline:
                     raise ClusterError(f"rank {rank} of incarnation {incarnation} is still alive {timeout:.0f} s after SIGKILL")
@@ -346,21 +352,26 @@ class LocalCluster:
             child = self._children.pop((run_id, incarnation, rank), None)
             if child:
                 child.wait()
-        return killed
 
     def kill_node(self, run_id: str, node: str) -> list[int]:
-        """Chaos: SIGKILL every process of a node and mark the node dead; returns the pids killed."""
+        """Chaos: mark a node dead, SIGKILL every process on it, and wait until they are gone.
+
+        Returns the pids killed. The node is marked dead first, with the time just before
+        the kill, so a detector sees a dead node rather than only its ranks' exits.
+        """
         run = self._existing(run_id)
         names = sorted(n.name for n in self.inventory(run_id).nodes)
         if node not in names:
             raise ClusterError(f"run {run_id!r} has no node {node!r}; nodes: {', '.join(names)}")
-        killed = []
+        self.update_nodes(run_id, {node: {"healthy": False, "died_at": _utcnow(), "note": "killed (chaos kill-node)"}})
+        killed, ranks = [], []
         for incarnation in run.incarnations():
             for rank, record in self._rank_pids(run, incarnation):
                 if record.get("node") == node and _lock_is_held(run.lock_file(incarnation, rank)):
                     self._kill(record)
                     killed.append(record["pid"])
-        self.update_nodes(run_id, {node: {"healthy": False, "died_at": _utcnow(), "note": "killed (chaos kill-node)"}})
+                    ranks.append((incarnation, rank))
+        self._wait_gone(run_id, run, ranks, timeout=30.0)
         return killed
 
     def return_node(self, run_id: str, node: str) -> Inventory:

@@ -214,3 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     # End explicitly: Temporal's native client can crash at interpreter exit
     # (sdk-python#300), which would turn a clean run into a failed exit status.
     os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -84,6 +85,39 @@ def stage_table(status: RunStatus) -> str:
     return "\n".join(lines)
 
 
+async def drive_run(client, settings: Settings, cluster: LocalCluster, spec: RunSpec, run_id: str,
+                    kill_at: int | None, say) -> RunStatus:
+    """Start a run (a worker must serve settings.task_queue), follow it, kill a node at `kill_at`.
+
+    Returns the final status; a failed run's status carries its reason.
+    """
+    run = cluster.run_dir(run_id)
+    handle = await start_run(client, settings, spec, run_id)
+    result = asyncio.ensure_future(handle.result())
+    last_state, last_step, killed = None, 0, kill_at is None
+    report_every = max(10, spec.trainer.steps // 15 // 10 * 10)
+    while not result.done():
+        status = await run_status(client, run_id)
+        metric = last_metric(run)
+        step = metric["step"] if metric else 0
+        if status.state != last_state:
+            say(status.state.value)
+            last_state = status.state
+        if metric and step != last_step and (step % report_every == 0 or step == spec.trainer.steps):
+            say(f"  step {step}/{spec.trainer.steps}  loss {metric['loss']:.4f}  incarnation {metric['incarnation']}")
+        last_step = step
+        if not killed and status.state == RunState.TRAINING and step >= kill_at and status.assignment:
+            node = status.assignment.nodes[len(status.assignment.nodes) // 2]
+            pids = cluster.kill_node(run_id, node)
+            say(f"chaos: killed {node} at step {step} (SIGKILL to pid {', '.join(map(str, pids))})")
+            killed = True
+        await asyncio.wait([result], timeout=0.05)
+    try:
+        return await result
+    except WorkflowFailureError:
+        return await run_status(client, run_id)
+
+
 async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_json: bool) -> int:
     """Run the demo; returns the process exit code."""
     out = sys.stderr if as_json else sys.stdout
@@ -102,44 +136,18 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
     cluster = LocalCluster(settings.home)
     run_id = f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}"
     # A queue of its own: a `lazarus worker` elsewhere may use another LAZARUS_HOME.
-    queue = f"{settings.task_queue}-demo-{uuid.uuid4().hex[:8]}"
-    worker = build_worker(client, queue, cluster)
-    run = cluster.run_dir(run_id)
+    settings = dataclasses.replace(settings, task_queue=f"{settings.task_queue}-demo-{uuid.uuid4().hex[:8]}")
 
     say(f"run {run_id}: {spec.cluster.active_nodes} active nodes + {spec.cluster.spare_nodes} hot spare(s), "
         f"dp={spec.layout.dp}, {spec.trainer.steps} steps, checkpoint every {spec.trainer.checkpoint_every}")
     say(f"web UI: {settings.workflow_url(run_id)}")
-    async with worker:
-        handle = await start_run(client, Settings(**{**settings.__dict__, "task_queue": queue}), spec, run_id)
-        result_task = asyncio.ensure_future(handle.result())
-        last_state, last_step, killed = None, 0, kill_at is None
-        report_every = max(10, spec.trainer.steps // 15 // 10 * 10)
-        while not result_task.done():
-            status = await run_status(client, run_id)
-            metric = last_metric(run)
-            step = metric["step"] if metric else 0
-            if status.state != last_state:
-                say(f"{status.state.value}")
-                last_state = status.state
-            if metric and step != last_step and (step % report_every == 0 or step == spec.trainer.steps):
-                say(f"  step {step}/{spec.trainer.steps}  loss {metric['loss']:.4f}  incarnation {metric['incarnation']}")
-            last_step = step
-            if not killed and status.state == RunState.TRAINING and step >= kill_at and status.assignment:
-                node = status.assignment.nodes[len(status.assignment.nodes) // 2]
-                pids = cluster.kill_node(run_id, node)
-                say(f"chaos: killed {node} at step {step} (SIGKILL to pid {', '.join(map(str, pids))})")
-                killed = True
-            await asyncio.wait([result_task], timeout=0.1)
-        try:
-            final = await result_task
-        except WorkflowFailureError as failure:
-            final = await run_status(client, run_id)
-            say(f"run FAILED: {final.reason or failure.cause}")
-            if as_json:
-                print(json.dumps(final.summary(), indent=2))
-            return 1
+    async with build_worker(client, settings.task_queue, cluster):
+        final = await drive_run(client, settings, cluster, spec, run_id, kill_at, say)
 
-    say(f"{final.state.value}: {final.step}/{final.total_steps} steps")
+    if final.state == RunState.FAILED:
+        say(f"run FAILED: {final.reason}")
+    else:
+        say(f"{final.state.value}: {final.step}/{final.total_steps} steps")
     if as_json:
         print(json.dumps(final.summary(), indent=2))
     else:

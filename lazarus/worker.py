@@ -26,6 +26,10 @@ def build_worker(client: Client, task_queue: str, cluster: LocalCluster, failpoi
                     stages.replace_or_reshard, stages.resume],
         # Shutdown waits this long for running activities; detect is cancelled and retried elsewhere.
         graceful_shutdown_timeout=timedelta(seconds=2),
+        # After a worker dies, the run's next workflow task waits this long on the dead
+        # worker's sticky queue before any worker may take it (SDK default: 10 s). A
+        # controller crash mid-recovery should cost seconds, not tens of them.
+        sticky_queue_schedule_to_start_timeout=timedelta(seconds=2),
     )
 
 

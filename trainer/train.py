@@ -153,6 +153,8 @@ def train(env: RankEnv, heartbeat: Heartbeat) -> int:
 def main() -> None:
     """Entry point of one rank; always ends the process explicitly with an exit record."""
     env = RankEnv.from_environ()
+    print(f"lazarus trainer: rank {env.rank}/{env.world_size} pid {os.getpid()} on {env.node}, "
+          f"incarnation {env.incarnation}, resume step {env.resume_step}", flush=True)
     heartbeat = Heartbeat(env)
     step = env.resume_step
     heartbeat.beat(step, "starting")

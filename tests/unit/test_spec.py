@@ -1,0 +1,118 @@
+"""A bad spec is refused with one line that names the field and says how to fix it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from spec import RunSpec, SpecError, load_spec, parse_spec
+
+
+def refuse(data: dict) -> str:
+    with pytest.raises(SpecError) as error:
+        parse_spec({"name": "ok", **data})
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_defaults_make_a_valid_spec():
+    spec = parse_spec({"name": "ok"})
+    assert spec.layout.world_size == spec.cluster.active_nodes * spec.layout.ranks_per_node
+
+
+def test_layout_must_match_the_active_nodes():
+    message = refuse({"layout": {"dp": 8}})
+    assert message.startswith("layout: dp*pp*tp = 8") and "cluster.active_nodes" in message and "layout.dp: 4" in message
+
+
+def test_negative_interval_is_refused():
+    assert refuse({"recovery": {"heartbeat_interval_seconds": -1}}) == \
+        "recovery.heartbeat_interval_seconds: must be greater than 0 (got -1)"
+
+
+def test_negative_stage_timeout_names_the_stage():
+    message = refuse({"recovery": {"stages": {"drain": {"timeout_seconds": -3, "heartbeat_timeout_seconds": 1}}}})
+    assert message.startswith("recovery.stages.drain.timeout_seconds: must be greater than 0")
+
+
+def test_unknown_backend_is_refused():
+    assert refuse({"cluster": {"backend": "slurm"}}) == "cluster.backend: 'slurm' is not supported; must be 'local'"
+
+
+def test_unknown_field_is_refused():
+    assert refuse({"trainer": {"stpes": 10}}).startswith("trainer.stpes: unknown field")
+
+
+def test_missing_name_is_refused():
+    with pytest.raises(SpecError, match="^name: required field is missing$"):
+        parse_spec({})
+
+
+def test_bad_name_is_refused():
+    assert refuse({"name": "My Run"}).startswith("name: 'My Run' is not allowed; use lowercase letters")
+
+
+def test_min_dp_above_dp_is_refused():
+    assert refuse({"recovery": {"min_dp": 5}}).startswith("recovery.min_dp: 5 exceeds layout.dp 4")
+
+
+def test_heads_must_divide_width():
+    assert refuse({"trainer": {"d_model": 64, "n_heads": 5}}).startswith("trainer.n_heads: 5 does not divide")
+
+
+def test_global_batch_below_dp_is_refused():
+    assert refuse({"trainer": {"global_batch": 2}}).startswith("trainer.global_batch: 2 is smaller than layout.dp 4")
+
+
+def test_hang_threshold_must_exceed_the_interval():
+    assert refuse({"recovery": {"heartbeat_interval_seconds": 2, "hang_after_seconds": 1}}).startswith(
+        "recovery.hang_after_seconds: 1.0 must exceed")
+
+
+def test_detect_timeout_must_exceed_the_progress_interval():
+    message = refuse({"recovery": {"progress_every_seconds": 200}})
+    assert message.startswith("recovery.stages.detect.timeout_seconds: 120.0 must exceed recovery.progress_every_seconds")
+
+
+def test_node_must_not_hold_parts_of_two_replicas():
+    message = refuse({"layout": {"dp": 2, "pp": 3, "ranks_per_node": 2}, "cluster": {"active_nodes": 3}})
+    assert message.startswith("layout.ranks_per_node: 2 neither divides nor is a multiple")
+
+
+def test_yaml_errors_name_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\ntrainer: [unclosed\n")
+    with pytest.raises(SpecError, match=r"not valid YAML at line \d"):
+        load_spec(path)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- name: x\n")
+    with pytest.raises(SpecError, match="expected a mapping"):
+        load_spec(path)
+
+
+def test_missing_file_is_one_line(tmp_path):
+    with pytest.raises(SpecError, match="cannot read the spec"):
+        load_spec(tmp_path / "absent.yaml")
+
+
+def test_examples_are_valid():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml")):
+        assert isinstance(load_spec(path), RunSpec)
+
+
+def test_cli_prints_one_line_and_exit_code_2(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nlayout:\n  dp: 3\n")
+    done = subprocess.run([sys.executable, "-m", "lazarus.cli", "run", "start", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("lazarus: error: layout: dp*pp*tp = 3")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
