@@ -32,10 +32,6 @@ from spec.stages import (
 )
 
 
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 def _permanent(error: Exception, kind: str) -> ApplicationError:
     return ApplicationError(str(error), type=kind, non_retryable=True)
 

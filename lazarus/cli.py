@@ -79,7 +79,8 @@ async def _client(settings: Settings):
     try:
         return await connect(settings)
     except RuntimeError as error:
-        raise UserError(f"cannot reach Temporal at {settings.address} ({str(error).splitlines()[0]}); "
+        cause = "connection refused" if "Connection refused" in str(error) else str(error).splitlines()[0][:160]
+        raise UserError(f"cannot reach Temporal at {settings.address} ({cause}); "
                         f"start one with `lazarus server` or set LAZARUS_TEMPORAL_ADDRESS") from None
 
 

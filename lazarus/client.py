@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from temporalio.client import Client, TLSConfig, WorkflowHandle
+from temporalio.common import WorkflowIDReusePolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from lazarus.config import Settings
@@ -28,6 +29,8 @@ async def start_run(client: Client, settings: Settings, spec: RunSpec, run_id: s
     """Start the TrainingRun workflow; the run id is the workflow id."""
     return await client.start_workflow(
         TrainingRun.run, RunStart(run_id=run_id, spec=spec), id=run_id, task_queue=settings.task_queue,
+        # A run id names one run directory; reusing it would resume a finished run's state.
+        id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
     )
 
 

@@ -78,8 +78,11 @@ def stage_table(status: RunStatus) -> str:
         lines.append(f"  {'MTTR':<20}{'-' if mttr is None else f'{mttr:.2f}':>9}   (fault -> first new training step)")
         if incident.decision:
             lines.append(f"  decision: {incident.decision.reason}")
-        lines.append(f"  resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
-                     f"outcome: {incident.outcome}")
+        if incident.resumed_from_step is None:
+            lines.append(f"  outcome: {incident.outcome}")
+        else:
+            lines.append(f"  resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
+                         f"outcome: {incident.outcome}")
     if not lines:
         lines.append("No incidents: the run trained without a fault.")
     return "\n".join(lines)

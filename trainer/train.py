@@ -104,11 +104,12 @@ def train(env: RankEnv, heartbeat: Heartbeat) -> int:
     torch.manual_seed(settings.seed)
     model = GPT(settings.vocab_size, settings.seq_len, settings.d_model, settings.n_layers, settings.n_heads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
 
-    step = 0
+    step, samples = 0, 0  # samples: the data position, global index of the next sample
     if env.resume_step:
-        step = checkpoint.load(env.run_dir, model, optimizer, env.resume_step)["step"]
+        progress = checkpoint.load(env.run_dir, model, optimizer, env.resume_step)
+        step, samples = progress["step"], progress["samples"]
     heartbeat.beat(step, "restored")
 
     replica = layout.replica_of_rank(env.rank)
@@ -116,8 +117,7 @@ def train(env: RankEnv, heartbeat: Heartbeat) -> int:
     metrics = open(env.run_dir.metrics_file, "a") if env.rank == 0 else None
 
     while step < settings.steps:
-        first_index = step * settings.global_batch
-        inputs, targets = batch(settings.seed, first_index, offsets, settings.seq_len, settings.vocab_size)
+        inputs, targets = batch(settings.seed, samples, offsets, settings.seq_len, settings.vocab_size)
         logits = model(inputs)
         per_token = F.cross_entropy(logits.reshape(-1, settings.vocab_size), targets.reshape(-1), reduction="none")
         local_loss_sum = per_token.view(len(offsets), -1).mean(dim=1).sum()
@@ -135,6 +135,7 @@ def train(env: RankEnv, heartbeat: Heartbeat) -> int:
             offset += p.numel()
         optimizer.step()
         step += 1
+        samples += settings.global_batch
         loss = flat[-1].item() / settings.global_batch
 
         heartbeat.beat(step, "training")
@@ -142,8 +143,7 @@ def train(env: RankEnv, heartbeat: Heartbeat) -> int:
             metrics.write(json.dumps({"step": step, "loss": loss, "incarnation": env.incarnation, "dp": layout.dp}) + "\n")
             metrics.flush()
         if step % settings.checkpoint_every == 0 or step == settings.steps:
-            checkpoint.save(env.run_dir, model, optimizer, step, step * settings.global_batch,
-                            env.incarnation, settings.keep_checkpoints)
+            checkpoint.save(env.run_dir, model, optimizer, step, samples, env.incarnation, settings.keep_checkpoints)
 
     dist.barrier()
     heartbeat.beat(step, "done")

@@ -190,7 +190,6 @@ class TrainingRun:
         )
         status.incidents.append(incident)
         status.step = fault.step
-        self._set(RunState.DETECTED)
 
         self._set(RunState.DRAINING)
         await self._stage("drain", RecoveryActivities.drain, DrainInput(

@@ -55,7 +55,7 @@ def test_kill_node_kills_its_ranks_and_marks_it_dead(cluster):
 
 def test_kill_unknown_node_is_a_clear_error(cluster):
     launch(cluster)
-    with pytest.raises(ClusterError, match="has no node 'node-9'; nodes: node-0, node-1"):
+    with pytest.raises(ClusterError, match="has no node node-9; nodes: node-0, node-1"):
         cluster.kill_node("r1", "node-9")
 
 
