@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import datetime
@@ -106,9 +107,16 @@ def _server(args, settings: Settings) -> int:
         raise UserError(str(error)) from None
     print(f"Temporal dev server: gRPC 127.0.0.1:{port}, web UI http://127.0.0.1:{ui_port}, "
           f"state {settings.home / 'temporal.db'} (Ctrl-C stops)", flush=True)
+    server = subprocess.Popen(command)
     try:
-        return subprocess.call(command)
+        return server.wait()
     except KeyboardInterrupt:
+        # Let the server close its SQLite file cleanly rather than killing it.
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
         return 0
 
 

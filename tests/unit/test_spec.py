@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from spec import RunSpec, SpecError, load_spec, parse_spec
@@ -106,13 +103,3 @@ def test_examples_are_valid():
 
     for path in sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml")):
         assert isinstance(load_spec(path), RunSpec)
-
-
-def test_cli_prints_one_line_and_exit_code_2(tmp_path):
-    path = tmp_path / "bad.yaml"
-    path.write_text("name: x\nlayout:\n  dp: 3\n")
-    done = subprocess.run([sys.executable, "-m", "lazarus.cli", "run", "start", str(path)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert done.stderr.startswith("lazarus: error: layout: dp*pp*tp = 3")
-    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
