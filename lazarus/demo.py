@@ -149,8 +149,6 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
 
     if final.state == RunState.FAILED:
         say(f"run FAILED: {final.reason}")
-    else:
-        say(f"{final.state.value}: {final.step}/{final.total_steps} steps")
     if as_json:
         print(json.dumps(final.summary(), indent=2))
     else:

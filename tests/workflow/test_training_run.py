@@ -261,3 +261,34 @@ async def test_report_fault_signal_cancels_detect_and_recovers(time_skipping_env
     assert incident.fault.reason == "ECC errors"
     assert incident.new_assignment.nodes == ["node-0", "node-4", "node-2", "node-3"]
     assert status.state == RunState.COMPLETED
+
+
+async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
+    """On a dev server that suggests continue-as-new after 20 events, the run keeps its state."""
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.testing import WorkflowEnvironment
+
+    from infra.local import free_port
+    from infra.temporal_server import temporal_cli
+
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_cli(), data_converter=pydantic_data_converter, port=free_port(),
+        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20"])
+    try:
+        stages = FakeStages(watch=[fault(step=15), *range(16, 40), "done"])
+        queue = f"wf-{uuid.uuid4()}"
+        async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
+            handle = await env.client.start_workflow(
+                TrainingRun.run, RunStart(run_id="long", spec=make_spec()), id=f"long-{uuid.uuid4()}", task_queue=queue)
+            status = await handle.result()
+            first_run = env.client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
+            first_history = await first_run.fetch_history()
+    finally:
+        await env.shutdown()
+
+    assert any(e.HasField("workflow_execution_continued_as_new_event_attributes") for e in first_history.events)
+    # Launched once; the incident from before the continue-as-new is still in the final status.
+    assert stages.names().count("launch") == 1
+    assert status.state == RunState.COMPLETED
+    [incident] = status.incidents
+    assert incident.outcome == "recovered" and incident.new_assignment.incarnation == 1
