@@ -12,6 +12,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from activities.recovery import RecoveryActivities
     from spec.records import (
+        Decision,
         DetectResult,
         FaultReport,
         Incident,
@@ -36,6 +37,14 @@ with workflow.unsafe.imports_passed_through():
 
 class RunFailed(Exception):
     """A business failure: the run cannot go on; the workflow fails with this reason."""
+
+
+class StageRefused(RunFailed):
+    """An activity refused its request for good (a non-retryable error of type `kind`)."""
+
+    def __init__(self, stage: str, kind: str, message: str):
+        super().__init__(f"{stage} refused ({kind}): {message}")
+        self.kind = kind
 
 
 def stage_options(stage: StagePolicy) -> dict:
@@ -105,6 +114,8 @@ class TrainingRun:
         try:
             result = await workflow.execute_activity_method(method, request, **stage_options(policy))
         except ActivityError as error:
+            if isinstance(error.cause, ApplicationError) and error.cause.non_retryable:
+                raise StageRefused(name, error.cause.type or "error", error.cause.message) from None
             attempts = "unlimited" if policy.max_attempts == 0 else policy.max_attempts
             raise RunFailed(
                 f"{name} failed after its retry policy (recovery.stages.{name}: {attempts} attempts, "
@@ -178,6 +189,28 @@ class TrainingRun:
             self._reported.pop(0)
         return None
 
+    async def _decide(self, incident: Incident, fault: FaultReport) -> Decision:
+        """Read the inventory until the policy can replace the lost nodes, or fail after the capacity wait."""
+        status = self._status
+        self._set(RunState.RESCHEDULING)
+        waited_since = workflow.now()
+        while True:
+            inventory = await self._stage("reschedule", RecoveryActivities.reschedule,
+                                          RescheduleInput(run_id=status.run_id), incident)
+            decision = plan_recovery(inventory, status.assignment, fault.nodes)
+            incident.decision = decision
+            if decision.action == "replace":
+                return decision
+            self._set(RunState.WAITING_FOR_CAPACITY)
+            waited = (workflow.now() - waited_since).total_seconds()
+            if waited >= self._policy.capacity_wait_seconds:
+                raise RunFailed(
+                    f"no capacity to recover from incident {incident.number}: {decision.reason}; "
+                    f"waited {waited:.0f} s (recovery.capacity_wait_seconds: {self._policy.capacity_wait_seconds:g}); "
+                    f"return a repaired node with `lazarus chaos return-node` and start the run again"
+                )
+            await workflow.sleep(min(self._policy.capacity_poll_seconds, self._policy.capacity_wait_seconds - waited))
+
     async def _recover(self, fault: FaultReport) -> tuple[FaultReport | None, bool]:
         """One incident: drain, reschedule, replace, resume. Returns a fault that hit the new
         incarnation before its first step (the next incident), and whether training is done."""
@@ -197,29 +230,19 @@ class TrainingRun:
             reason=f"incident {incident.number}: {fault.kind}: {fault.reason}",
         ), incident)
 
-        self._set(RunState.RESCHEDULING)
-        waited_since = workflow.now()
         while True:
-            inventory = await self._stage("reschedule", RecoveryActivities.reschedule,
-                                          RescheduleInput(run_id=status.run_id), incident)
-            decision = plan_recovery(inventory, status.assignment, fault.nodes)
-            incident.decision = decision
-            if decision.action == "replace":
+            decision = await self._decide(incident, fault)
+            self._set(RunState.REPLACING)
+            try:
+                assignment = await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard, ReplaceInput(
+                    run_id=status.run_id, decision=decision, old_assignment=status.assignment,
+                ), incident)
                 break
-            self._set(RunState.WAITING_FOR_CAPACITY)
-            waited = (workflow.now() - waited_since).total_seconds()
-            if waited >= self._policy.capacity_wait_seconds:
-                raise RunFailed(
-                    f"no capacity to recover from incident {incident.number}: {decision.reason}; "
-                    f"waited {waited:.0f} s (recovery.capacity_wait_seconds: {self._policy.capacity_wait_seconds:g}); "
-                    f"return a repaired node with `lazarus chaos return-node` and start the run again"
-                )
-            await workflow.sleep(min(self._policy.capacity_poll_seconds, self._policy.capacity_wait_seconds - waited))
-
-        self._set(RunState.REPLACING)
-        assignment = await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard, ReplaceInput(
-            run_id=status.run_id, decision=decision, old_assignment=status.assignment,
-        ), incident)
+            except StageRefused as refused:
+                # A spare that died or was taken since the inventory was read: decide again.
+                if refused.kind != "SpareUnavailable":
+                    raise
+                workflow.logger.warning("%s; rescheduling", refused)
         status.assignment = incident.new_assignment = assignment
         status.layout = assignment.layout
 

@@ -63,8 +63,9 @@ class FakeStages:
     """The recovery activities, scripted: detect plays `watch` in order; records each call."""
 
     def __init__(self, watch: list, spares=("node-4",), drain_failures=0, resume_timeouts=0, resume_sleep=0.0,
-                 spare_returns_at_read: int | None = None):
+                 spare_returns_at_read: int | None = None, spare_dies_before_claim: bool = False):
         self.watch = list(watch)
+        self.spare_dies_before_claim = spare_dies_before_claim
         self.spare_returns_at_read = spare_returns_at_read
         self.spares = list(spares)
         self.drain_failures = drain_failures
@@ -129,6 +130,11 @@ class FakeStages:
     @activity.defn(name="replace_or_reshard")
     async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
         self._called("replace_or_reshard")
+        if self.spare_dies_before_claim:
+            self.spare_dies_before_claim = False
+            for spare in request.decision.replacements.values():
+                self.nodes[spare] = "quarantined"
+            raise ApplicationError("node-4 is no longer a free spare", type="SpareUnavailable", non_retryable=True)
         for spare in request.decision.replacements.values():
             self.nodes[spare] = "active"
         old = request.old_assignment
@@ -197,6 +203,15 @@ async def test_drain_failing_past_its_attempts_fails_the_run_with_the_reason(tim
     assert isinstance(failure.value.cause, ApplicationError) and failure.value.cause.type == "RunFailed"
     assert "drain failed after its retry policy (recovery.stages.drain: 2 attempts" in failure.value.cause.message
     assert "transient drain failure on attempt 2" in failure.value.cause.message
+
+
+async def test_spare_lost_before_its_claim_is_rescheduled(time_skipping_env):
+    stages = FakeStages(watch=[fault(), "done"], spares=("node-4", "node-5"), spare_dies_before_claim=True)
+    status = await run_workflow(time_skipping_env, stages, make_spec())
+
+    assert stages.names()[2:8] == ["drain", "reschedule", "replace_or_reshard", "reschedule", "replace_or_reshard", "resume"]
+    assert status.incidents[0].decision.replacements == {"node-2": "node-5"}
+    assert status.incidents[0].new_assignment.nodes == ["node-0", "node-1", "node-5", "node-3"]
 
 
 async def test_resume_past_its_timeout_is_retried(time_skipping_env):
