@@ -1,5 +1,7 @@
 """The contract between controller and trainer: environment variables and run-directory files.
 
+trainer/CONTRACT.md says what each variable and file means; this module names them.
+
 Environment of every rank process (torchrun's names, plus Lazarus's own):
 
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT   as torchrun sets them
