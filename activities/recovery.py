@@ -89,9 +89,12 @@ class RecoveryActivities:
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
+        in_flight, committed = await asyncio.to_thread(
+            self.cluster.await_checkpoint_in_flight, request.run_id, request.incarnation, request.save_grace_seconds)
         stopped = await asyncio.to_thread(self.cluster.stop_incarnation, request.run_id, request.incarnation)
         removed = self.cluster.remove_partial_checkpoints(request.run_id)
-        return DrainResult(quarantined=sorted(request.nodes), stopped_ranks=stopped, removed_partial_checkpoints=removed)
+        return DrainResult(quarantined=sorted(request.nodes), stopped_ranks=stopped, removed_partial_checkpoints=removed,
+                           in_flight_checkpoint=in_flight, in_flight_committed=committed)
 
     @activity.defn(name="reschedule")
     async def reschedule(self, request: RescheduleInput) -> Inventory:
@@ -100,14 +103,14 @@ class RecoveryActivities:
 
     @activity.defn(name="replace_or_reshard")
     async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
-        """Claim the decided spares (exactly once) and record the next incarnation's assignment."""
-        old = request.old_assignment
-        nodes = [request.decision.replacements.get(node, node) for node in old.nodes]
-        proposed = Assignment(incarnation=old.incarnation + 1, nodes=nodes, layout=request.decision.layout,
+        """Claim the decided spares and release leftover nodes (exactly once); record the next assignment."""
+        old, decision = request.old_assignment, request.decision
+        proposed = Assignment(incarnation=old.incarnation + 1, nodes=decision.nodes, layout=decision.layout,
                               master_addr=old.master_addr, master_port=free_port())
+        claims = [node for node in decision.nodes if node not in old.nodes]
         try:
-            return self.cluster.commit_assignment(request.run_id, proposed,
-                                                  claims=list(request.decision.replacements.values()))
+            return self.cluster.commit_assignment(request.run_id, proposed, claims=claims,
+                                                  releases=decision.released_nodes)
         except ClusterError as error:
             raise _permanent(error, "SpareUnavailable") from None
 
@@ -115,10 +118,12 @@ class RecoveryActivities:
     async def resume(self, request: ResumeInput) -> ResumeResult:
         """Start the incarnation from the newest complete checkpoint; return after its first new step."""
         run_id, incarnation = request.run_id, request.assignment.incarnation
-        newest = self.cluster.run_dir(run_id).newest_checkpoint()
+        newest, skipped = await asyncio.to_thread(self.cluster.run_dir(run_id).newest_checkpoint)
         if newest >= request.total_steps:
-            return ResumeResult(resumed_from_step=newest, completed=True)
-        resumed_from = self.cluster.start_ranks(run_id, incarnation, resume_step=newest)
+            return ResumeResult(resumed_from_step=newest, skipped_checkpoints=skipped, completed=True)
+        launch = self.cluster.start_ranks(run_id, incarnation, resume_step=newest, skipped=skipped)
+        resumed_from = launch["resume_step"]
+        skipped = {int(step): why for step, why in launch.get("skipped", {}).items()}
         await self.failpoints.reach("resume.after_launch")
 
         def trained_past_checkpoint(verdict, _now) -> bool:
@@ -126,10 +131,10 @@ class RecoveryActivities:
 
         verdict, _ = await self._watch(run_id, incarnation, request.policy, until=trained_past_checkpoint)
         if verdict.fault:
-            return ResumeResult(resumed_from_step=resumed_from, fault=verdict.fault)
+            return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
         # Every rank records when it finished its first step; the step is done when the
         # last of them has, whatever the poll interval was.
         beats = [r.heartbeat for r in self.cluster.observe(run_id, incarnation).ranks]
         first = max(b["first_step_at"] for b in beats if b and "first_step_at" in b)
-        return ResumeResult(resumed_from_step=resumed_from, completed=verdict.completed,
+        return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, completed=verdict.completed,
                             first_step_at=datetime.fromtimestamp(first, timezone.utc))

@@ -24,6 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from spec.contract import (
+    COMMIT_MARKER,
+    ENV_FAIL_AT,
     ENV_INCARNATION,
     ENV_NODE,
     ENV_RESUME_STEP,
@@ -181,13 +183,15 @@ class LocalCluster:
         data = read_json(self.run_dir(run_id).assignment_file(incarnation))
         return None if data is None else Assignment.model_validate(data)
 
-    def commit_assignment(self, run_id: str, assignment: Assignment, claims: list[str] = ()) -> Assignment:
-        """Record an incarnation's assignment and claim the spares it uses, exactly once.
+    def commit_assignment(self, run_id: str, assignment: Assignment, claims: list[str] = (),
+                          releases: list[str] = ()) -> Assignment:
+        """Record an incarnation's assignment, claim the spares it uses and release nodes, exactly once.
 
         Under the inventory lock: if the incarnation already has an assignment (an earlier
         attempt wrote it), that one is returned; otherwise every claimed node must be a
         free healthy spare. Either way the nodes of the returned assignment are marked
-        active, which also completes an attempt that crashed between the two writes.
+        active and the released ones spare, which also completes an attempt that crashed
+        between the two writes.
         """
         run = self._existing(run_id)
         with self._inventory_lock(run):
@@ -200,21 +204,26 @@ class LocalCluster:
                     raise ClusterError(f"node {', '.join(taken)} is no longer a free spare (free: {', '.join(free) or 'none'})")
                 write_json_atomic(run.assignment_file(assignment.incarnation), assignment.model_dump(mode="json"))
                 recorded = assignment
-            active = set(recorded.nodes)
-            self._write_inventory(run, Inventory(nodes=[
-                n.model_copy(update={"role": "active", "note": f"incarnation {recorded.incarnation}"})
-                if n.name in active and n.role != "active" else n
-                for n in inventory.nodes
-            ]))
+            active, released = set(recorded.nodes), set(releases) - set(recorded.nodes)
+
+            def role(node: NodeRecord) -> NodeRecord:
+                if node.name in active and node.role != "active":
+                    return node.model_copy(update={"role": "active", "note": f"incarnation {recorded.incarnation}"})
+                if node.name in released and node.role == "active":
+                    return node.model_copy(update={"role": "spare", "note": f"released at incarnation {recorded.incarnation}"})
+                return node
+
+            self._write_inventory(run, Inventory(nodes=[role(n) for n in inventory.nodes]))
         return recorded
 
     # --- rank processes --------------------------------------------------------------
 
-    def start_ranks(self, run_id: str, incarnation: int, resume_step: int) -> int:
-        """Start every rank of an incarnation that is not running; returns the resume step in force.
+    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None) -> dict:
+        """Start every rank of an incarnation that is not running; returns the launch record in force.
 
-        The resume step is recorded with the first launch, so a retried launch restores
-        the same checkpoint as the ranks the first attempt may have started.
+        The record ({resume_step, skipped, launched_at}) is written by the first launch, so
+        a retried launch restores the same checkpoint as the ranks the first attempt may
+        have started, and reports the same skipped checkpoints.
         """
         run = self._existing(run_id)
         assignment = self.assignment(run_id, incarnation)
@@ -223,11 +232,14 @@ class LocalCluster:
         launch_file = run.incarnation(incarnation) / "launch.json"
         record = read_json(launch_file)
         if record is None:
-            record = {"resume_step": resume_step, "launched_at": time.time()}
+            record = {"resume_step": resume_step, "skipped": {str(k): v for k, v in (skipped or {}).items()},
+                      "launched_at": time.time()}
             write_json_atomic(launch_file, record)
         resume_step = record["resume_step"]
 
         layout = assignment.layout
+        spec = RunSpec.model_validate_json(run.spec_file.read_text())
+        planned = {f.node: f"{f.point}:{f.step}" for f in spec.faults if f.incarnation == incarnation}
         for rank in range(layout.world_size):
             node = assignment.nodes[layout.node_of_rank(rank)]
             env = {
@@ -245,8 +257,11 @@ class LocalCluster:
                 ENV_NODE: node,
                 ENV_RESUME_STEP: str(resume_step),
             }
+            env.pop(ENV_FAIL_AT, None)
+            if node in planned:
+                env[ENV_FAIL_AT] = planned[node]
             self._spawn(run, run_id, incarnation, rank, node, env)
-        return resume_step
+        return record
 
     def _spawn(self, run: RunDir, run_id: str, incarnation: int, rank: int, node: str, env: dict) -> None:
         lock_path = run.lock_file(incarnation, rank)
@@ -375,6 +390,29 @@ class LocalCluster:
         run = self.run_dir(run_id)
         return [record["pid"] for k in run.incarnations() for rank, record in self._rank_pids(run, k)
                 if _lock_is_held(run.lock_file(k, rank))]
+
+    def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
+        """If a checkpoint was being written when the fault hit, give it `grace` seconds to commit.
+
+        Returns its step (None if there was none) and whether it committed. A save whose
+        writer died usually cannot finish (its ranks meet in a collective at the end), but
+        one whose every shard was written commits within milliseconds, and keeping it saves
+        up to a whole checkpoint interval of training.
+        """
+        run = self._existing(run_id)
+        complete = run.checkpoint_steps()
+        newer = [s for s in run.checkpoint_steps(complete_only=False) if not complete or s > complete[-1]]
+        if not newer:
+            return None, False
+        step = newer[-1]
+        deadline = time.monotonic() + grace
+        ranks = range(self.assignment(run_id, incarnation).layout.world_size)
+        while not (run.checkpoint(step) / COMMIT_MARKER).is_file():
+            alive = any(_lock_is_held(run.lock_file(incarnation, rank)) for rank in ranks)
+            if not alive or time.monotonic() > deadline:
+                return step, False
+            time.sleep(0.02)
+        return step, True
 
     def remove_partial_checkpoints(self, run_id: str) -> list[int]:
         """Delete checkpoint folders that never got their commit marker; returns their steps.

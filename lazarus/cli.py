@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     back.add_argument("node", metavar="NODE")
 
     demo = commands.add_parser("demo", help="server, worker, a real run, a node killed mid-run, automatic recovery, its cost")
-    demo.add_argument("--spec", help="run spec (default: examples/demo.yaml)")
+    demo.add_argument("--spec", help="run spec (default: examples/demo.yaml; examples/dp2-pp2.yaml for pipeline replicas)")
+    demo.add_argument("--spares", type=int, metavar="N", help="hot spares, overriding the spec's cluster.spare_nodes "
+                                                            "(0: the run reshards to fewer replicas)")
     fault = demo.add_mutually_exclusive_group()
     fault.add_argument("--kill-at-step", type=int, metavar="N", help="kill a node once the run reaches step N (default: mid-run)")
     fault.add_argument("--no-fault", action="store_true", help="kill nothing (the reference run)")
@@ -193,6 +195,15 @@ async def _demo(args, settings: Settings) -> int:
     from lazarus.demo import DEFAULT_SPEC, DemoError, default_kill_step, run_demo
 
     spec = _load(args.spec or DEFAULT_SPEC)
+    if args.spares is not None:
+        from spec.load import SpecError, parse_spec
+
+        data = spec.model_dump(mode="json")
+        data["cluster"]["spare_nodes"] = args.spares
+        try:
+            spec = parse_spec(data)
+        except SpecError as error:
+            raise UserError(f"--spares {args.spares}: {error}") from None
     kill_at = None if args.no_fault else (args.kill_at_step or default_kill_step(spec))
     try:
         return await run_demo(settings, spec, kill_at, args.json)

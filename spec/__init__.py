@@ -17,7 +17,7 @@ from spec.records import (
     RunStatus,
     StageRecord,
 )
-from spec.run import ClusterSpec, RecoveryPolicy, RunSpec, StagePolicies, StagePolicy, TrainerSettings
+from spec.run import ClusterSpec, FaultInjection, RecoveryPolicy, RunSpec, StagePolicies, StagePolicy, TrainerSettings
 
 __all__ = [
     "STAGES",
@@ -25,6 +25,7 @@ __all__ = [
     "ClusterSpec",
     "Decision",
     "DetectResult",
+    "FaultInjection",
     "FaultReport",
     "Incident",
     "Inventory",

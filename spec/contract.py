@@ -9,6 +9,7 @@ Environment of every rank process (torchrun's names, plus Lazarus's own):
     LAZARUS_INCARNATION   launch counter K: 0 at start, +1 per recovery
     LAZARUS_NODE          name of the node the rank runs on
     LAZARUS_RESUME_STEP   checkpoint step to restore (0: start from scratch); chosen by the controller
+    LAZARUS_FAIL_AT       injected fault: `step:N` or `checkpoint:N` (the rank SIGKILLs itself there)
 
 Both sides build paths only through RunDir, so the file layout is written down once:
 
@@ -23,10 +24,12 @@ Both sides build paths only through RunDir, so the file layout is written down o
     <run_dir>/incarnations/K/heartbeat/R.json   rank R's last completed step and its time
     <run_dir>/incarnations/K/exit/R.json        rank R's exit code, when it ended on its own
     <run_dir>/incarnations/K/logs/R.log         rank R's stdout and stderr
+    <run_dir>/incarnations/K/samples/R.jsonl    data-loading rank R: sample ids trained per step
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -36,6 +39,7 @@ ENV_RUN_DIR = "LAZARUS_RUN_DIR"
 ENV_INCARNATION = "LAZARUS_INCARNATION"
 ENV_NODE = "LAZARUS_NODE"
 ENV_RESUME_STEP = "LAZARUS_RESUME_STEP"
+ENV_FAIL_AT = "LAZARUS_FAIL_AT"
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -85,6 +89,9 @@ class RunDir:
     def log_file(self, k: int, rank: int) -> Path:
         return self.incarnation(k) / "logs" / f"{rank}.log"
 
+    def samples_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "samples" / f"{rank}.jsonl"
+
     def incarnations(self) -> list[int]:
         """Incarnations that have an assignment, in order."""
         base = self.root / "incarnations"
@@ -117,10 +124,51 @@ class RunDir:
             steps.append(int(match.group(1)))
         return sorted(steps)
 
-    def newest_checkpoint(self) -> int:
-        """Newest complete checkpoint step, 0 when there is none (train from scratch)."""
-        steps = self.checkpoint_steps()
-        return steps[-1] if steps else 0
+    def checkpoint_problem(self, step: int) -> str | None:
+        """Why checkpoint `step` must not be loaded, or None when its files match its manifest.
+
+        The commit marker lists every file with its size and SHA-256; a missing, truncated
+        or altered file makes the checkpoint corrupt.
+        """
+        folder = self.checkpoint(step)
+        marker = read_json(folder / COMMIT_MARKER) if folder.is_dir() else None
+        if marker is None or not (folder / ".metadata").is_file():
+            return "incomplete (no commit marker)"
+        for name, expected in marker.get("files", {}).items():
+            path = folder / name
+            if not path.is_file():
+                return f"corrupt: {name} is missing"
+            if path.stat().st_size != expected["size"]:
+                return f"corrupt: {name} has {path.stat().st_size} bytes, the manifest says {expected['size']}"
+            if file_sha256(path) != expected["sha256"]:
+                return f"corrupt: {name} does not match its SHA-256"
+        return None
+
+    def newest_checkpoint(self) -> tuple[int, dict[int, str]]:
+        """Newest checkpoint that is complete and intact (0: none, start from scratch), and
+        the newer ones that were skipped, each with the reason."""
+        skipped = {}
+        for step in reversed(self.checkpoint_steps(complete_only=False)):
+            problem = self.checkpoint_problem(step)
+            if problem is None:
+                return step, skipped
+            skipped[step] = problem
+        return 0, skipped
+
+
+def checkpoint_manifest(folder: Path) -> dict[str, dict]:
+    """Size and SHA-256 of every file of a checkpoint folder (the commit marker's `files`)."""
+    return {path.name: {"size": path.stat().st_size, "sha256": file_sha256(path)}
+            for path in sorted(folder.iterdir()) if path.is_file() and path.name != COMMIT_MARKER}
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

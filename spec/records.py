@@ -110,9 +110,13 @@ class DetectResult(Record):
 class Decision(Record):
     """What reschedule decided for one incident."""
 
-    action: Literal["replace", "wait"] = Field(description="replace: take hot spares in place of lost nodes; wait: no capacity yet.")
-    replacements: dict[str, str] = Field(default_factory=dict, description="Lost node -> spare that takes its ranks.")
+    action: Literal["replace", "reshard", "wait"] = Field(description="replace: hot spares take the lost nodes' places; reshard: fewer replicas, same global batch; wait: no capacity yet.")
+    nodes: list[str] = Field(default_factory=list, description="Nodes of the next incarnation in rank order (empty when waiting).")
+    replacements: dict[str, str] = Field(default_factory=dict, description="Lost node -> spare that takes its ranks (replace).")
     layout: Layout = Field(description="Layout of the next incarnation.")
+    lost_replicas: list[int] = Field(default_factory=list, description="Data-parallel replicas that had a rank on a lost node.")
+    released_nodes: list[str] = Field(default_factory=list, description="Healthy nodes of broken replicas returned to the spare pool (reshard).")
+    below_target_dp: bool = Field(False, description="The next incarnation runs with fewer replicas than the spec's layout.dp.")
     reason: str = Field(description="Why, in words an operator reads in the UI.")
 
 
@@ -137,7 +141,10 @@ class Incident(Record):
     decision: Decision | None = Field(None, description="Reschedule's decision.")
     old_assignment: Assignment = Field(description="Assignment of the incarnation that failed.")
     new_assignment: Assignment | None = Field(None, description="Assignment of the incarnation that resumed.")
+    checkpoint_in_flight: int | None = Field(None, description="Step of a checkpoint being written when the fault hit, if any.")
+    discarded_checkpoints: list[int] = Field(default_factory=list, description="Half-written checkpoints drain deleted (never loaded).")
     resumed_from_step: int | None = Field(None, description="Checkpoint step the new incarnation restored (0: from scratch).")
+    skipped_checkpoints: dict[int, str] = Field(default_factory=dict, description="Newer checkpoints that were not restored, with the reason (incomplete or corrupt).")
     lost_steps: int | None = Field(None, description="Steps trained after that checkpoint and lost to the fault (steps).")
     first_step_at: datetime | None = Field(None, description="When the new incarnation completed its first step (UTC).")
     outcome: Literal["recovering", "recovered", "interrupted", "failed"] = Field(

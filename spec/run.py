@@ -29,6 +29,8 @@ class TrainerSettings(Strict):
     seed: int = Field(0, ge=0, description="Seed for model initialisation and the token stream.")
     checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept on disk; older ones are purged.")
+    async_checkpoint: bool = Field(True, description="Write checkpoints from a background thread so training does not wait for the disk.")
+    microbatches: int | None = Field(None, ge=1, description="Pipeline microbatches per replica and step, at most (default: 2 x pp); the trainer takes the largest count that divides the replica's share of the batch evenly.")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TrainerSettings:
@@ -46,6 +48,15 @@ class ClusterSpec(Strict):
     backend: Literal["local"] = Field("local", description="Cluster backend; `local` runs each node as rank processes on this machine.")
     active_nodes: int = Field(4, ge=1, description="Nodes that train at launch (nodes).")
     spare_nodes: int = Field(1, ge=0, description="Hot spares kept idle to replace a lost node (nodes).")
+
+
+class FaultInjection(Strict):
+    """A fault planned in advance: every rank of `node` SIGKILLs itself at a given point."""
+
+    node: str = Field(description="Node whose ranks die, e.g. node-1.")
+    step: int = Field(ge=1, description="Step at which they die.")
+    point: Literal["step", "checkpoint"] = Field("step", description="step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, while it is being written.")
+    incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
 
 
 class StagePolicy(Strict):
@@ -85,6 +96,7 @@ class RecoveryPolicy(Strict):
     capacity_wait_seconds: float = Field(300.0, ge=0, description="How long to wait for a free spare before the run fails (seconds).")
     capacity_poll_seconds: float = Field(5.0, gt=0, description="How often the inventory is read again while waiting for capacity (seconds).")
     max_incidents: int = Field(20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents).")
+    save_grace_seconds: float = Field(1.0, ge=0, description="Drain waits this long for a checkpoint being written at the fault to commit before discarding it (seconds).")
     stages: StagePolicies = Field(default_factory=StagePolicies, description="Per-stage timeouts and retry policies.")
 
     @model_validator(mode="after")
@@ -110,6 +122,7 @@ class RunSpec(Strict):
     layout: Layout = Field(default_factory=Layout, description="Parallel layout: dp x pp x tp ranks, ranks_per_node ranks on each node.")
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Backend and node counts.")
     recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy, description="Detection and recovery policy.")
+    faults: list[FaultInjection] = Field(default_factory=list, description="Faults to inject on purpose (tests, demos); empty in production.")
 
     @model_validator(mode="after")
     def _consistent(self) -> RunSpec:
@@ -125,6 +138,17 @@ class RunSpec(Strict):
                 f"recovery.min_dp: {self.recovery.min_dp} exceeds layout.dp {self.layout.dp}; "
                 f"set it between 1 and {self.layout.dp}"
             )
+        if self.layout.pp > self.trainer.n_layers:
+            raise ValueError(
+                f"layout.pp: {self.layout.pp} pipeline stages but trainer.n_layers is {self.trainer.n_layers}; "
+                f"every stage needs a block, so set pp to at most {self.trainer.n_layers}"
+            )
+        nodes = self.cluster.active_nodes + self.cluster.spare_nodes
+        for fault in self.faults:
+            if not fault.node.startswith("node-") or not fault.node[5:].isdigit() or int(fault.node[5:]) >= nodes:
+                raise ValueError(f"faults.node: {fault.node!r} is not a node of this run; use node-0 .. node-{nodes - 1}")
+            if fault.step > self.trainer.steps:
+                raise ValueError(f"faults.step: {fault.step} is past trainer.steps {self.trainer.steps}")
         if self.trainer.global_batch < self.layout.dp:
             raise ValueError(
                 f"trainer.global_batch: {self.trainer.global_batch} is smaller than layout.dp {self.layout.dp}; "

@@ -40,6 +40,7 @@ class DrainInput(Record):
     incarnation: int = Field(ge=0, description="Incarnation to stop.")
     nodes: list[str] = Field(description="Nodes to quarantine.")
     reason: str = Field(description="Why; recorded on the quarantined nodes.")
+    save_grace_seconds: float = Field(1.0, ge=0, description="How long to let a checkpoint being written commit before the ranks are stopped (seconds).")
 
 
 class DrainResult(Record):
@@ -48,6 +49,8 @@ class DrainResult(Record):
     quarantined: list[str] = Field(description="Nodes now quarantined.")
     stopped_ranks: list[int] = Field(description="Ranks that were still alive and were killed.")
     removed_partial_checkpoints: list[int] = Field(description="Steps of half-written checkpoints deleted.")
+    in_flight_checkpoint: int | None = Field(None, description="Step of a checkpoint that was being written at the fault, if any.")
+    in_flight_committed: bool = Field(False, description="That checkpoint committed within the grace time (else it was discarded).")
 
 
 class RescheduleInput(Record):
@@ -77,6 +80,7 @@ class ResumeResult(Record):
     """How the new incarnation started: its first step, or a fault on the way."""
 
     resumed_from_step: int = Field(ge=0, description="Checkpoint step restored (0: from scratch).")
+    skipped_checkpoints: dict[int, str] = Field(default_factory=dict, description="Newer checkpoints not restored, with the reason (incomplete or corrupt).")
     first_step_at: datetime | None = Field(None, description="When every rank had completed its first step past the restored one (UTC).")
     fault: FaultReport | None = Field(None, description="A fault that hit the new incarnation before its first step.")
     completed: bool = Field(False, description="The restored checkpoint was the last step: nothing left to train.")

@@ -1,20 +1,36 @@
-"""Checkpoints as torch.distributed.checkpoint folders that count only once committed."""
+"""Checkpoints as torch.distributed.checkpoint folders that count only once committed.
+
+A save is collective. With `asynchronous`, dcp.async_save stages a copy of the state and
+writes it from a background thread over a process group of its own (on the training
+group it aborts the process), so training goes on while the files are written. Rank 0
+commits a checkpoint once its save has completed, which for the coordinator means every
+rank's files and the metadata are on disk: it writes the manifest (size and SHA-256 of every
+file) as the `COMMITTED` marker, atomically, last. A folder without it is never loaded.
+"""
 
 from __future__ import annotations
 
 import shutil
+import threading
 import time
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from spec.contract import COMMIT_MARKER, RunDir, write_json_atomic
+from spec.contract import COMMIT_MARKER, RunDir, checkpoint_manifest, write_json_atomic
+
+
+# Optimizer state keyed by parameter name (`state.blocks.3.qkv.weight.exp_avg`, and the same
+# for param_groups): each pipeline stage then has keys of its own. Unflattened, every stage
+# has a `param_groups.0`, which the checkpoint's deduplication takes for one replicated value.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, samples: int) -> dict:
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     return {
         "model": model_state,
         "optim": optim_state,
@@ -23,35 +39,73 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, 
     }
 
 
-def save(run: RunDir, model, optimizer, step: int, samples: int, incarnation: int, keep: int) -> None:
-    """Save the training state after `step` steps; rank 0 commits it and purges old ones.
+class Checkpointer:
+    """Saves `step-N` checkpoints (at most one in flight), commits them, keeps the newest k."""
 
-    Every rank takes part (the save is collective). The commit marker is written by rank 0
-    only after dcp.save has returned there, which is after every rank's data and the
-    metadata are on disk; a folder without the marker is never loaded.
-    """
-    path = run.checkpoint(step)
-    dcp.save(_state(model, optimizer, step, samples), checkpoint_id=path)
-    if dist.get_rank() == 0:
-        write_json_atomic(path / COMMIT_MARKER, {"step": step, "incarnation": incarnation, "time": time.time()})
-        _purge(run, keep)
+    def __init__(self, run: RunDir, incarnation: int, keep: int, asynchronous: bool):
+        self.run = run
+        self.incarnation = incarnation
+        self.keep = keep
+        self.rank = dist.get_rank()
+        self.group = dist.new_group(backend="gloo") if asynchronous else None
+        self._in_flight: tuple[int, Future, threading.Thread | None] | None = None
 
+    def save(self, model, optimizer, step: int, samples: int) -> None:
+        """Checkpoint the state after `step` steps; returns once the state is staged (async) or written."""
+        self.wait()
+        path = self.run.checkpoint(step)
+        state = _state(model, optimizer, step, samples)
+        if self.group is None:
+            dcp.save(state, checkpoint_id=path)
+            self._commit(step)
+            return
+        future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+        committer = None
+        if self.rank == 0:
+            # Hashing the files and writing the marker happen off the training thread too.
+            committer = threading.Thread(target=self._commit_when_written, args=(step, future), daemon=True)
+            committer.start()
+        self._in_flight = (step, future, committer)
 
-def _purge(run: RunDir, keep: int) -> None:
-    complete = run.checkpoint_steps()
-    newest_kept = complete[-keep:]
-    for step in run.checkpoint_steps(complete_only=False):
-        # Incomplete folders older than the newest complete one are leftovers of a dead
-        # incarnation; nothing will ever finish them.
-        if step not in newest_kept and step <= complete[-1]:
-            shutil.rmtree(run.checkpoint(step), ignore_errors=True)
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is written and committed."""
+        if self._in_flight is None:
+            return
+        _, future, committer = self._in_flight
+        self._in_flight = None
+        future.result()
+        if committer is not None:
+            committer.join()
+
+    def _commit_when_written(self, step: int, future: Future) -> None:
+        future.result()
+        self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        if self.rank != 0:
+            return
+        folder = self.run.checkpoint(step)
+        write_json_atomic(folder / COMMIT_MARKER, {
+            "step": step, "incarnation": self.incarnation, "time": time.time(),
+            "files": checkpoint_manifest(folder),
+        })
+        self._purge()
+
+    def _purge(self) -> None:
+        complete = self.run.checkpoint_steps()
+        kept = complete[-self.keep:]
+        for step in self.run.checkpoint_steps(complete_only=False):
+            # Older incomplete folders are leftovers of a dead incarnation (the in-flight
+            # save is always newer than the newest complete one).
+            if step not in kept and step < complete[-1]:
+                shutil.rmtree(self.run.checkpoint(step), ignore_errors=True)
 
 
 def load(run: RunDir, model, optimizer, step: int) -> dict:
-    """Restore model, optimizer and RNG from checkpoint `step`; returns its progress record."""
+    """Restore model, optimizer and RNG from checkpoint `step`, whatever dp wrote it; returns its progress."""
     state = _state(model, optimizer, 0, 0)
     dcp.load(state, checkpoint_id=run.checkpoint(step))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
     torch.set_rng_state(state["rng"])
     progress = state["progress"]
     if progress["step"] != step:

@@ -1,4 +1,4 @@
-"""A small GPT: token and position embeddings, pre-norm transformer blocks, a linear head."""
+"""A small GPT and its pipeline stages: token and position embeddings, pre-norm blocks, a head."""
 
 from __future__ import annotations
 
@@ -29,19 +29,51 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only language model over `vocab_size` tokens and contexts of `seq_len`."""
+    """Decoder-only language model, or one pipeline stage of it.
+
+    Blocks are kept by their index in the whole model, so a stage's parameter names are the
+    whole model's (`blocks.3.qkv.weight`), and a checkpoint written by any layout reads back
+    into any other with the same stages.
+    """
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int):
         super().__init__()
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.position_embedding = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
-        self.ln_out = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab_size)
+        self.token_embedding: nn.Embedding | None = nn.Embedding(vocab_size, d_model)
+        self.position_embedding: nn.Embedding | None = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads) for i in range(n_layers)})
+        self.ln_out: nn.LayerNorm | None = nn.LayerNorm(d_model)
+        self.head: nn.Linear | None = nn.Linear(d_model, vocab_size)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1])
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.token_embedding is not None:
+            x = self.token_embedding(x) + self.position_embedding(torch.arange(x.shape[1]))
+        for block in self.blocks.values():
             x = block(x)
-        return self.head(self.ln_out(x))
+        if self.head is not None:
+            x = self.head(self.ln_out(x))
+        return x
+
+
+def stage_blocks(n_layers: int, stages: int, stage: int) -> range:
+    """Indices of the blocks that pipeline stage `stage` of `stages` holds (balanced, in order)."""
+    base, extra = divmod(n_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def build_stage(vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
+                stage: int, stages: int) -> GPT:
+    """The whole model built from the current RNG state, cut down to one pipeline stage.
+
+    Building the whole model first makes every parameter's initial value independent of
+    the pipeline layout.
+    """
+    model = GPT(vocab_size, seq_len, d_model, n_layers, n_heads)
+    keep = {str(i) for i in stage_blocks(n_layers, stages, stage)}
+    for name in [name for name in model.blocks if name not in keep]:
+        del model.blocks[name]
+    if stage != 0:
+        model.token_embedding = model.position_embedding = None
+    if stage != stages - 1:
+        model.ln_out = model.head = None
+    return model

@@ -1,31 +1,87 @@
-"""The recovery decision as a pure function of the inventory (deterministic, no I/O)."""
+"""The recovery decision as a pure function of the inventory (deterministic, no I/O).
+
+Capacity is counted in model replicas, not nodes: a lost node takes down every replica
+(pipeline and tensor-parallel group) that has a rank on it.
+"""
 
 from __future__ import annotations
 
+from spec.layout import Layout
 from spec.records import Assignment, Decision, Inventory
 
 
-def plan_recovery(inventory: Inventory, assignment: Assignment, lost: list[str]) -> Decision:
+def nodes_for(layout: Layout, dp: int) -> int | None:
+    """Nodes that dp replicas of this layout fill exactly; None if they would leave a node part-used."""
+    ranks = dp * layout.pp * layout.tp
+    return ranks // layout.ranks_per_node if ranks % layout.ranks_per_node == 0 else None
+
+
+def broken_replicas(assignment: Assignment, lost: set[str]) -> list[int]:
+    """Replicas with at least one rank on a lost node."""
+    layout = assignment.layout
+    replica_ranks = layout.pp * layout.tp
+    return sorted({
+        rank // replica_ranks
+        for index, node in enumerate(assignment.nodes) if node in lost
+        for rank in range(index * layout.ranks_per_node, (index + 1) * layout.ranks_per_node)
+    })
+
+
+def plan_recovery(inventory: Inventory, assignment: Assignment, lost: list[str], target_dp: int, min_dp: int,
+                  allow_reshard: bool = True) -> Decision:
     """Decide how the next incarnation gets its nodes after `lost` nodes failed.
 
-    A hot spare keeps the world size and so the math: each lost node that is part of the
-    assignment gets one free healthy spare, in name order, at the same place in rank
-    order. Without enough spares the run waits for capacity (resharding to fewer replicas
-    is not done here).
+    Prefer hot spares: each lost node gets a free healthy spare at the same place in rank
+    order, so the world size and the math stay the same. Without enough spares, reshard to
+    the largest dp >= min_dp that the intact replicas, the healthy nodes of broken replicas
+    and the free spares can fill; healthy nodes left over go back to the spare pool. If
+    not even min_dp fits (or resharding is not allowed), wait for capacity.
     """
-    lost_here = [node for node in assignment.nodes if node in set(lost)]
+    layout = assignment.layout
+    lost_set = set(lost) & set(assignment.nodes)
+    lost_here = [node for node in assignment.nodes if node in lost_set]
+    broken = broken_replicas(assignment, lost_set)
     spares = inventory.free_spares()
-    if len(spares) < len(lost_here):
+
+    if len(spares) >= len(lost_here):
+        replacements = dict(zip(lost_here, spares))
+        pairs = ", ".join(f"{old} -> {new}" for old, new in replacements.items())
         return Decision(
-            action="wait",
-            layout=assignment.layout,
-            reason=f"lost {len(lost_here)} node(s) ({', '.join(lost_here)}) but {len(spares)} free spare(s); waiting for capacity",
+            action="replace", replacements=replacements, layout=layout,
+            nodes=[replacements.get(node, node) for node in assignment.nodes],
+            lost_replicas=broken, below_target_dp=layout.dp < target_dp,
+            reason=f"hot spare replaces lost node, world size {layout.world_size} kept ({pairs})",
         )
-    replacements = dict(zip(lost_here, spares))
-    pairs = ", ".join(f"{old} -> {new}" for old, new in replacements.items())
+
+    per_node = layout.ranks_per_node
+    replica_ranks = layout.pp * layout.tp
+    replica_of_node = [
+        {rank // replica_ranks for rank in range(i * per_node, (i + 1) * per_node)} for i in range(len(assignment.nodes))
+    ]
+    intact = [n for i, n in enumerate(assignment.nodes) if not replica_of_node[i] & set(broken)]
+    orphans = [n for i, n in enumerate(assignment.nodes) if replica_of_node[i] & set(broken) and n not in lost_set]
+    pool = intact + orphans + spares
+
+    def fits(dp: int) -> bool:
+        needed = nodes_for(layout, dp)
+        return needed is not None and needed <= len(pool)
+
+    new_dp = next((dp for dp in range(layout.dp - 1, 0, -1) if fits(dp)), 0) if allow_reshard else 0
+    if new_dp < min_dp:
+        return Decision(
+            action="wait", layout=layout, lost_replicas=broken, below_target_dp=True,
+            reason=(f"lost {len(lost_here)} node(s) ({', '.join(lost_here)}) and replica(s) "
+                    f"{', '.join(map(str, broken))}; {len(spares)} free spare(s); "
+                    + (f"the healthy nodes fit dp={new_dp}, below recovery.min_dp={min_dp}; " if allow_reshard else "")
+                    + "waiting for capacity"),
+        )
+    new_layout = layout.model_copy(update={"dp": new_dp})
+    nodes = pool[:nodes_for(layout, new_dp)]
+    released = [n for n in assignment.nodes if n not in lost_set and n not in nodes]
     return Decision(
-        action="replace",
-        replacements=replacements,
-        layout=assignment.layout,
-        reason=f"hot spare replaces lost node, world size {assignment.layout.world_size} kept ({pairs})",
+        action="reshard", layout=new_layout, nodes=nodes, lost_replicas=broken, released_nodes=released,
+        below_target_dp=new_dp < target_dp,
+        reason=(f"lost replica(s) {', '.join(map(str, broken))} with node(s) {', '.join(lost_here)}; "
+                f"{len(spares)} free spare(s); reshard dp {layout.dp} -> {new_dp} (global batch kept)"
+                + (f"; {', '.join(released)} back to the spare pool" if released else "")),
     )

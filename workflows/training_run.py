@@ -35,6 +35,10 @@ with workflow.unsafe.imports_passed_through():
     from workflows.policy import plan_recovery
 
 
+RESHARD_PATCH = "reshard-without-spare"
+"""workflow.patched id: recovery reshards when there are too few spares (before: it waited)."""
+
+
 class RunFailed(Exception):
     """A business failure: the run cannot go on; the workflow fails with this reason."""
 
@@ -197,9 +201,14 @@ class TrainingRun:
         while True:
             inventory = await self._stage("reschedule", RecoveryActivities.reschedule,
                                           RescheduleInput(run_id=status.run_id), incident)
-            decision = plan_recovery(inventory, status.assignment, fault.nodes)
+            decision = plan_recovery(inventory, status.assignment, fault.nodes,
+                                     target_dp=self._start.spec.layout.dp, min_dp=self._policy.min_dp)
+            if decision.action == "reshard" and not workflow.patched(RESHARD_PATCH):
+                # Runs started before resharding existed keep waiting for a spare.
+                decision = plan_recovery(inventory, status.assignment, fault.nodes, target_dp=self._start.spec.layout.dp,
+                                         min_dp=self._policy.min_dp, allow_reshard=False)
             incident.decision = decision
-            if decision.action == "replace":
+            if decision.action != "wait":
                 return decision
             self._set(RunState.WAITING_FOR_CAPACITY)
             waited = (workflow.now() - waited_since).total_seconds()
@@ -225,14 +234,17 @@ class TrainingRun:
         status.step = fault.step
 
         self._set(RunState.DRAINING)
-        await self._stage("drain", RecoveryActivities.drain, DrainInput(
+        drained = await self._stage("drain", RecoveryActivities.drain, DrainInput(
             run_id=status.run_id, incarnation=fault.incarnation, nodes=fault.nodes,
             reason=f"incident {incident.number}: {fault.kind}: {fault.reason}",
+            save_grace_seconds=self._policy.save_grace_seconds,
         ), incident)
+        incident.checkpoint_in_flight = drained.in_flight_checkpoint
+        incident.discarded_checkpoints = drained.removed_partial_checkpoints
 
         while True:
             decision = await self._decide(incident, fault)
-            self._set(RunState.REPLACING)
+            self._set(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
             try:
                 assignment = await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard, ReplaceInput(
                     run_id=status.run_id, decision=decision, old_assignment=status.assignment,
@@ -251,6 +263,7 @@ class TrainingRun:
             run_id=status.run_id, assignment=assignment, total_steps=status.total_steps, policy=self._policy,
         ), incident)
         incident.resumed_from_step = resumed.resumed_from_step
+        incident.skipped_checkpoints = resumed.skipped_checkpoints
         incident.lost_steps = max(0, fault.step - resumed.resumed_from_step)
         if resumed.fault is not None:
             incident.outcome = "interrupted"

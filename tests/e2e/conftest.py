@@ -16,7 +16,9 @@ from infra.local import LocalCluster
 from spec import Assignment, load_spec
 from spec.contract import RunDir
 
-SMALL_SPEC = Path(__file__).resolve().parents[1] / "specs" / "small.yaml"
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+SMALL_SPEC = SPECS / "small.yaml"
+SMALL_PP_SPEC = SPECS / "small-pp.yaml"
 
 
 def wait_for(condition, timeout: float, what: str, every: float = 0.02):
@@ -66,29 +68,47 @@ def home(tmp_path):
     kill_rank_processes(home)
 
 
-@pytest.fixture(scope="session")
-def reference_losses(tmp_path_factory) -> dict[int, float]:
-    """Losses of the small spec trained once without any fault and without Temporal."""
-    home = tmp_path_factory.mktemp("reference")
-    spec = load_spec(SMALL_SPEC)
+def _train_without_fault(home: Path, spec_path: Path) -> dict[int, float]:
+    """Train a spec once without any fault and without Temporal; returns step -> loss."""
+    spec = load_spec(spec_path)
     cluster = LocalCluster(home)
     try:
         cluster.create("reference", spec)
         cluster.commit_assignment("reference", Assignment(
-            incarnation=0, nodes=[f"node-{i}" for i in range(4)], layout=spec.layout, master_port=_port()))
+            incarnation=0, nodes=[f"node-{i}" for i in range(spec.cluster.active_nodes)], layout=spec.layout,
+            master_port=_port()))
         cluster.start_ranks("reference", 0, resume_step=0)
 
         def finished():
             ranks = cluster.observe("reference", 0).ranks
             assert not any(r.exit and r.exit["code"] for r in ranks), [r.exit for r in ranks]
-            return all(r.exit is not None for r in ranks)
+            return all(r.exit is not None and not r.alive for r in ranks)
 
-        wait_for(finished, 180, "the reference run to finish", every=0.1)
+        wait_for(finished, 180, f"the reference run of {spec_path.name} to finish", every=0.1)
     finally:
         kill_rank_processes(home)
     result = losses(cluster.run_dir("reference"))
     assert sorted(result) == list(range(1, spec.trainer.steps + 1))
     return result
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """reference(spec_path) -> losses of that spec trained without a fault (once per session)."""
+    cache: dict[Path, dict[int, float]] = {}
+
+    def losses_of(spec_path: Path) -> dict[int, float]:
+        if spec_path not in cache:
+            cache[spec_path] = _train_without_fault(tmp_path_factory.mktemp("reference"), spec_path)
+        return cache[spec_path]
+
+    return losses_of
+
+
+@pytest.fixture(scope="session")
+def reference_losses(reference) -> dict[int, float]:
+    """Losses of the small spec trained once without any fault and without Temporal."""
+    return reference(SMALL_SPEC)
 
 
 def _port() -> int:

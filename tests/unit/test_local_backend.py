@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 import pytest
 
@@ -37,7 +38,7 @@ def test_launch_twice_starts_each_rank_once(cluster):
     launch(cluster)
     first = sorted(cluster.live_pids("r1"))
     assert len(first) == 4
-    assert cluster.start_ranks("r1", 0, resume_step=99) == 0  # the first launch's resume step stays
+    assert cluster.start_ranks("r1", 0, resume_step=99)["resume_step"] == 0  # the first launch's stays
     assert sorted(cluster.live_pids("r1")) == first
 
 
@@ -103,3 +104,21 @@ def test_partial_checkpoints_are_removed_complete_ones_kept(cluster):
             (folder / "COMMITTED").write_text("{}")
     assert cluster.remove_partial_checkpoints("r1") == [20]
     assert run.checkpoint_steps() == [10] and not run.checkpoint(20).exists()
+
+
+def test_drain_gives_an_in_flight_checkpoint_its_grace(cluster):
+    launch(cluster)
+    run = cluster.run_dir("r1")
+    assert cluster.await_checkpoint_in_flight("r1", 0, grace=0.1) == (None, False)
+    for step in (10, 20):
+        run.checkpoint(step).mkdir(parents=True)
+        (run.checkpoint(step) / ".metadata").write_text("x")
+    (run.checkpoint(10) / "COMMITTED").write_text("{}")
+    # Ranks are alive but nobody commits step 20: after the grace it is reported as not committed.
+    assert cluster.await_checkpoint_in_flight("r1", 0, grace=0.2) == (20, False)
+    # A commit that lands during the grace is waited for.
+    committer = threading.Timer(0.05, (run.checkpoint(20) / "COMMITTED").write_text, args=("{}",))
+    committer.start()
+    assert cluster.await_checkpoint_in_flight("r1", 0, grace=30) == (20, True)
+    committer.join()
+    assert cluster.await_checkpoint_in_flight("r1", 0, grace=0.1) == (None, False)

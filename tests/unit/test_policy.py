@@ -1,4 +1,4 @@
-"""The recovery decision: a hot spare per lost node, same place, same world; else wait."""
+"""The recovery decision: hot spares first, else the largest dp that fits, else wait."""
 
 from __future__ import annotations
 
@@ -6,43 +6,98 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from spec import Assignment, Inventory, Layout, NodeRecord
-from workflows.policy import plan_recovery
+from workflows.policy import nodes_for, plan_recovery
 
 
-def world(active: int, spares: int, dead_spares: int = 0) -> tuple[Inventory, Assignment]:
+def world(layout: Layout, spares: int, dead_spares: int = 0) -> tuple[Inventory, Assignment]:
+    active = layout.nodes
     names = [f"node-{i}" for i in range(active + spares + dead_spares)]
     nodes = [NodeRecord(name=n, role="active") for n in names[:active]]
     nodes += [NodeRecord(name=n, role="spare") for n in names[active:active + spares]]
     nodes += [NodeRecord(name=n, role="spare", healthy=False) for n in names[active + spares:]]
-    layout = Layout(dp=active, pp=1, tp=1, ranks_per_node=1)
     return Inventory(nodes=nodes), Assignment(incarnation=0, nodes=names[:active], layout=layout, master_port=1)
 
 
+DP4 = Layout(dp=4, pp=1, tp=1, ranks_per_node=1)
+DP2_PP2 = Layout(dp=2, pp=2, tp=1, ranks_per_node=1)
+
+
 def test_one_lost_node_is_replaced_in_place():
-    inventory, assignment = world(4, 1)
-    decision = plan_recovery(inventory, assignment, ["node-2"])
+    inventory, assignment = world(DP4, spares=1)
+    decision = plan_recovery(inventory, assignment, ["node-2"], target_dp=4, min_dp=1)
     assert decision.action == "replace"
     assert decision.replacements == {"node-2": "node-4"}
-    assert decision.layout == assignment.layout
+    assert decision.nodes == ["node-0", "node-1", "node-4", "node-3"]
+    assert decision.layout == DP4 and decision.lost_replicas == [2] and not decision.below_target_dp
 
 
-def test_no_free_spare_means_wait():
-    inventory, assignment = world(4, 0, dead_spares=1)
-    decision = plan_recovery(inventory, assignment, ["node-1"])
-    assert decision.action == "wait" and decision.replacements == {}
-    assert "0 free spare(s)" in decision.reason
+def test_pipeline_replica_with_a_spare_replaces_only_the_dead_node():
+    inventory, assignment = world(DP2_PP2, spares=1)
+    decision = plan_recovery(inventory, assignment, ["node-1"], target_dp=2, min_dp=1)
+    assert decision.action == "replace" and decision.nodes == ["node-0", "node-4", "node-2", "node-3"]
+    assert decision.lost_replicas == [0]
 
 
-@given(active=st.integers(1, 16), spares=st.integers(0, 6), dead=st.integers(0, 3), data=st.data())
-def test_replacements_are_distinct_free_spares_for_exactly_the_lost_nodes(active, spares, dead, data):
-    inventory, assignment = world(active, spares, dead)
+def test_pipeline_replica_without_a_spare_reshards_and_frees_its_healthy_node():
+    inventory, assignment = world(DP2_PP2, spares=0)
+    decision = plan_recovery(inventory, assignment, ["node-1"], target_dp=2, min_dp=1)
+    assert decision.action == "reshard"
+    assert decision.layout == Layout(dp=1, pp=2, tp=1, ranks_per_node=1)
+    assert decision.nodes == ["node-2", "node-3"]
+    assert decision.lost_replicas == [0] and decision.released_nodes == ["node-0"]
+    assert decision.below_target_dp
+
+
+def test_data_parallel_without_a_spare_reshards_to_the_survivors():
+    inventory, assignment = world(DP4, spares=0, dead_spares=1)
+    decision = plan_recovery(inventory, assignment, ["node-1"], target_dp=4, min_dp=2)
+    assert decision.action == "reshard" and decision.layout.dp == 3
+    assert decision.nodes == ["node-0", "node-2", "node-3"] and decision.released_nodes == []
+
+
+def test_below_the_minimum_dp_means_wait():
+    inventory, assignment = world(DP2_PP2, spares=0)
+    decision = plan_recovery(inventory, assignment, ["node-1"], target_dp=2, min_dp=2)
+    assert decision.action == "wait" and decision.nodes == []
+    assert "below recovery.min_dp=2" in decision.reason
+
+
+def fits(layout: Layout, dp: int, nodes: int) -> bool:
+    needed = nodes_for(layout, dp)
+    return needed is not None and needed <= nodes
+
+
+layouts = st.builds(
+    lambda dp, pp, per_node: Layout(dp=dp, pp=pp, tp=1, ranks_per_node=per_node),
+    dp=st.integers(1, 8), pp=st.sampled_from([1, 2, 4]), per_node=st.sampled_from([1, 2]),
+).filter(lambda layout: layout.world_size % layout.ranks_per_node == 0
+         and (layout.pp % layout.ranks_per_node == 0 or layout.ranks_per_node % layout.pp == 0))
+
+
+@given(layout=layouts, spares=st.integers(0, 4), dead=st.integers(0, 2), min_dp=st.integers(1, 8), data=st.data())
+def test_every_decision_keeps_the_invariants(layout, spares, dead, min_dp, data):
+    inventory, assignment = world(layout, spares, dead)
     lost = data.draw(st.lists(st.sampled_from(assignment.nodes), min_size=1, unique=True))
-    decision = plan_recovery(inventory, assignment, lost + ["not-in-assignment"])
-    if len(lost) > spares:
-        assert decision.action == "wait"
+    min_dp = min(min_dp, layout.dp)
+    decision = plan_recovery(inventory, assignment, lost + ["not-in-assignment"], target_dp=layout.dp, min_dp=min_dp)
+    healthy = [n for n in assignment.nodes if n not in lost]
+    free = inventory.free_spares()
+
+    if decision.action == "wait":
+        assert decision.nodes == [] and len(free) < len(lost)
+        assert not [d for d in range(min_dp, layout.dp) if fits(layout, d, len(healthy) + len(free))]
         return
-    assert decision.action == "replace"
-    assert set(decision.replacements) == set(lost)
-    assert len(set(decision.replacements.values())) == len(lost)
-    assert set(decision.replacements.values()) <= set(inventory.free_spares())
-    assert decision.layout.world_size == assignment.layout.world_size
+    new = decision.layout
+    assert (new.pp, new.tp, new.ranks_per_node) == (layout.pp, layout.tp, layout.ranks_per_node)
+    assert len(decision.nodes) == nodes_for(layout, new.dp) == len(set(decision.nodes))
+    assert not set(decision.nodes) & set(lost)
+    assert set(decision.nodes) <= set(healthy) | set(free)
+    if decision.action == "replace":
+        assert len(free) >= len(lost) and new.dp == layout.dp
+        assert set(decision.replacements) == set(lost)
+        assert [decision.replacements.get(n, n) for n in assignment.nodes] == decision.nodes
+        return
+    assert len(free) < len(lost) and min_dp <= new.dp < layout.dp
+    assert decision.released_nodes == [n for n in healthy if n not in decision.nodes]
+    # The largest that fits: no bigger dp below the old one fits the healthy nodes and spares.
+    assert not [d for d in range(new.dp + 1, layout.dp) if fits(layout, d, len(healthy) + len(free))]

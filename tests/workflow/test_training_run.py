@@ -118,7 +118,8 @@ class FakeStages:
             raise RuntimeError(f"transient drain failure on attempt {attempt}")
         for node in request.nodes:
             self.nodes[node] = "quarantined"
-        return DrainResult(quarantined=request.nodes, stopped_ranks=[0, 1, 2, 3], removed_partial_checkpoints=[])
+        return DrainResult(quarantined=request.nodes, stopped_ranks=[0, 1, 2, 3], removed_partial_checkpoints=[20],
+                           in_flight_checkpoint=20)
 
     @activity.defn(name="reschedule")
     async def reschedule(self, request: RescheduleInput) -> Inventory:
@@ -135,11 +136,13 @@ class FakeStages:
             for spare in request.decision.replacements.values():
                 self.nodes[spare] = "quarantined"
             raise ApplicationError("node-4 is no longer a free spare", type="SpareUnavailable", non_retryable=True)
-        for spare in request.decision.replacements.values():
-            self.nodes[spare] = "active"
-        old = request.old_assignment
-        return old.model_copy(update={"incarnation": old.incarnation + 1,
-                                      "nodes": [request.decision.replacements.get(n, n) for n in old.nodes]})
+        decision, old = request.decision, request.old_assignment
+        for node in decision.nodes:
+            self.nodes[node] = "active"
+        for node in decision.released_nodes:
+            self.nodes[node] = "spare"
+        return old.model_copy(update={"incarnation": old.incarnation + 1, "nodes": decision.nodes,
+                                      "layout": decision.layout})
 
     @activity.defn(name="resume")
     async def resume(self, request: ResumeInput) -> ResumeResult:
@@ -178,6 +181,7 @@ async def test_stages_run_in_order_and_the_incident_is_recorded(time_skipping_en
     assert incident.new_assignment.nodes == ["node-0", "node-1", "node-4", "node-3"]
     assert incident.new_assignment.incarnation == 1
     assert (incident.resumed_from_step, incident.lost_steps, incident.outcome) == (10, 5, "recovered")
+    assert incident.checkpoint_in_flight == 20 and incident.discarded_checkpoints == [20]
     assert incident.mttr_seconds > 0
 
 
@@ -237,9 +241,9 @@ async def test_resume_that_always_times_out_fails_the_run(time_skipping_env):
     assert "timeout" in message.lower()
 
 
-async def test_no_spare_waits_for_capacity_then_fails_with_the_reason(time_skipping_env):
+async def test_no_spare_and_no_smaller_dp_allowed_waits_then_fails_with_the_reason(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], spares=())
-    spec = make_spec(capacity_wait_seconds=60, capacity_poll_seconds=10)
+    spec = make_spec(capacity_wait_seconds=60, capacity_poll_seconds=10, min_dp=4)
     with pytest.raises(WorkflowFailureError) as failure:
         await run_workflow(time_skipping_env, stages, spec)
 
@@ -248,12 +252,24 @@ async def test_no_spare_waits_for_capacity_then_fails_with_the_reason(time_skipp
     assert "replace_or_reshard" not in stages.names() and "resume" not in stages.names()
     message = failure.value.cause.message
     assert "no capacity to recover from incident 1" in message
-    assert "0 free spare(s)" in message and "recovery.capacity_wait_seconds: 60" in message
+    assert "0 free spare(s)" in message and "below recovery.min_dp=4" in message
+    assert "recovery.capacity_wait_seconds: 60" in message
+
+
+async def test_no_spare_reshards_to_the_survivors(time_skipping_env):
+    stages = FakeStages(watch=[fault(), "done"], spares=())
+    status = await run_workflow(time_skipping_env, stages, make_spec(min_dp=2))
+
+    [incident] = status.incidents
+    assert incident.decision.action == "reshard" and incident.decision.below_target_dp
+    assert incident.new_assignment.nodes == ["node-0", "node-1", "node-3"]
+    assert incident.new_assignment.layout.dp == 3 and status.layout.dp == 3
+    assert status.state == RunState.COMPLETED
 
 
 async def test_capacity_returning_while_waiting_recovers(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], spares=(), spare_returns_at_read=4)
-    spec = make_spec(capacity_wait_seconds=600, capacity_poll_seconds=10)
+    spec = make_spec(capacity_wait_seconds=600, capacity_poll_seconds=10, min_dp=4)
     status = await run_workflow(time_skipping_env, stages, spec)
 
     assert stages.names().count("reschedule") == 4

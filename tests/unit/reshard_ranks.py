@@ -1,0 +1,54 @@
+"""Rank processes for the checkpoint reshard test (spawned by torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spec import Layout, TrainerSettings
+from spec.contract import RunDir
+from trainer import checkpoint
+from trainer.train import Trainer
+
+SETTINGS = TrainerSettings(steps=3, global_batch=12, seq_len=16, d_model=32, n_layers=2, n_heads=2,
+                           checkpoint_every=3)
+STEPS = 3
+
+
+def flat_state(trainer: Trainer) -> dict:
+    model, optim = checkpoint.get_state_dict(trainer.model, trainer.optimizer, options=checkpoint.OPTIONS)
+    return {**{f"model.{k}": v for k, v in model.items()}, **{f"optim.{k}": v for k, v in optim.items()}}
+
+
+def run_rank(rank: int, world: int, port: int, layout: dict, mode: str, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out, run = Path(folder), RunDir(folder)
+    trainer = Trainer(SETTINGS, Layout(**layout), rank)
+    if mode == "save":
+        for step in range(STEPS):
+            trainer.step(step * SETTINGS.global_batch)
+        saver = checkpoint.Checkpointer(run, incarnation=0, keep=3, asynchronous=True)
+        saver.save(trainer.model, trainer.optimizer, STEPS, STEPS * SETTINGS.global_batch)
+        saver.wait()
+        if trainer.replica == 0:
+            torch.save(flat_state(trainer), out / f"stage-{trainer.stage}.pt")
+    else:
+        dist.barrier()
+        progress = checkpoint.load(run, trainer.model, trainer.optimizer, STEPS)
+        expected = torch.load(out / f"stage-{trainer.stage}.pt")
+        actual = flat_state(trainer)
+        def same(a, b) -> bool:
+            return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+        differ = sorted(key for key in expected if key not in actual or not same(expected[key], actual[key]))
+        report = {"keys": len(expected), "missing_or_different": differ, "extra": sorted(set(actual) - set(expected)),
+                  "progress": progress}
+        (out / f"{mode}-rank-{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    os._exit(0)

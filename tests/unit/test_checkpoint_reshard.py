@@ -1,0 +1,40 @@
+"""A checkpoint written by one data-parallel degree loads exactly into a smaller one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.multiprocessing as mp
+
+from infra.local import free_port
+from tests.unit.reshard_ranks import SETTINGS, STEPS, run_rank
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def spawn(world: int, layout: dict, mode: str, folder) -> None:
+    mp.start_processes(run_rank, args=(world, free_port(), layout, mode, str(folder)), nprocs=world,
+                       join=True, start_method="spawn")
+
+
+def reports(folder, mode: str, world: int) -> list[dict]:
+    return [json.loads((folder / f"{mode}-rank-{rank}.json").read_text()) for rank in range(world)]
+
+
+def test_dp4_checkpoint_loads_exactly_into_dp3_and_dp2(tmp_path):
+    spawn(4, {"dp": 4, "pp": 1}, "save", tmp_path)
+    for world in (3, 2):
+        spawn(world, {"dp": world, "pp": 1}, f"load-dp{world}", tmp_path)
+        for report in reports(tmp_path, f"load-dp{world}", world):
+            assert report["keys"] > 20
+            assert report["missing_or_different"] == [] and report["extra"] == []
+            assert report["progress"] == {"step": STEPS, "samples": STEPS * SETTINGS.global_batch}
+
+
+def test_dp2_pp2_checkpoint_loads_exactly_into_dp1_pp2(tmp_path):
+    spawn(4, {"dp": 2, "pp": 2}, "save", tmp_path)
+    spawn(2, {"dp": 1, "pp": 2}, "load-dp1", tmp_path)
+    for report in reports(tmp_path, "load-dp1", 2):
+        assert report["keys"] > 10
+        assert report["missing_or_different"] == [] and report["extra"] == []
