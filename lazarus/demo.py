@@ -78,6 +78,15 @@ def stage_table(status: RunStatus) -> str:
         lines.append(f"  {'MTTR':<20}{'-' if mttr is None else f'{mttr:.2f}':>9}   (fault -> first new training step)")
         if incident.decision:
             lines.append(f"  decision: {incident.decision.reason}")
+        if incident.new_assignment and incident.new_assignment.layout != incident.old_assignment.layout:
+            old, new = incident.old_assignment.layout, incident.new_assignment.layout
+            below = " (below the spec's dp)" if incident.decision and incident.decision.below_target_dp else ""
+            lines.append(f"  layout: dp={old.dp} pp={old.pp} -> dp={new.dp} pp={new.pp}{below}")
+        if incident.discarded_checkpoints or incident.skipped_checkpoints:
+            skipped = ", ".join(f"step-{s} ({why})" for s, why in incident.skipped_checkpoints.items())
+            discarded = ", ".join(f"step-{s}" for s in incident.discarded_checkpoints)
+            lines.append("  checkpoints: " + "; ".join(filter(None, [
+                discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"])))
         if incident.resumed_from_step is None:
             lines.append(f"  outcome: {incident.outcome}")
         else:

@@ -1,8 +1,14 @@
 """Record workflow histories from real runs for the replay test: python tests/histories/record.py
 
-Each history comes from a real run (dev server, local backend, trainer processes). Record
-again when TrainingRun changes on purpose, and gate the change with workflow.patched so
-that the old histories still replay.
+Each history comes from a real run (dev server, local backend, trainer processes). When
+TrainingRun changes on purpose, gate the change with workflow.patched and record new
+histories beside the old ones, which keep replaying the unpatched branch:
+
+  no_spare.json      recorded before resharding existed (waits, then fails); replays the
+                     branch of workflows.training_run.RESHARD_PATCH that is not patched.
+  hot_spare.json     a node killed, a spare takes its place.
+  reshard.json       dp2 x pp2 without a spare: reshard to dp1.
+  no_capacity.json   no spare and min_dp = dp: waits, then fails.
 """
 
 from __future__ import annotations
@@ -21,10 +27,18 @@ from infra.local import free_port
 from infra.temporal_server import temporal_cli
 from lazarus.config import Settings
 from lazarus.demo import run_demo
-from spec import load_spec
+from spec import load_spec, parse_spec
 
 HERE = Path(__file__).resolve().parent
 SMALL = HERE.parent / "specs" / "small.yaml"
+SMALL_PP = HERE.parent / "specs" / "small-pp.yaml"
+
+
+def changed(path: Path, **sections) -> object:
+    data = load_spec(path).model_dump(mode="json")
+    for section, fields in sections.items():
+        data[section].update(fields)
+    return parse_spec(data)
 
 
 async def record(name: str, spec, kill_at: int | None) -> None:
@@ -44,13 +58,14 @@ async def record(name: str, spec, kill_at: int | None) -> None:
 
 
 async def main() -> None:
-    spec = load_spec(SMALL)
-    await record("hot_spare", spec, kill_at=15)
-    no_spare = spec.model_copy(update={
-        "cluster": spec.cluster.model_copy(update={"spare_nodes": 0}),
-        "recovery": spec.recovery.model_copy(update={"capacity_wait_seconds": 3, "capacity_poll_seconds": 1}),
-    })
-    await record("no_spare", no_spare, kill_at=15)
+    names = set(sys.argv[1:]) or {"hot_spare", "reshard", "no_capacity"}
+    if "hot_spare" in names:
+        await record("hot_spare", load_spec(SMALL), kill_at=15)
+    if "reshard" in names:
+        await record("reshard", changed(SMALL_PP, cluster={"spare_nodes": 0}), kill_at=15)
+    if "no_capacity" in names:
+        await record("no_capacity", changed(SMALL, cluster={"spare_nodes": 0}, recovery={
+            "min_dp": 4, "capacity_wait_seconds": 3, "capacity_poll_seconds": 1}), kill_at=15)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.j
 
 
 def test_histories_are_committed():
-    assert {path.stem for path in HISTORIES} >= {"hot_spare", "no_spare"}
+    assert {path.stem for path in HISTORIES} >= {"hot_spare", "no_spare", "reshard", "no_capacity"}
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
