@@ -118,11 +118,17 @@ class Trainer:
 
         self.torch, self.dist = torch, dist
         self.settings, self.layout = settings, layout
-        mesh = init_device_mesh("cpu", (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
-        self.replica = mesh.get_local_rank("dp")
-        self.stage = mesh.get_local_rank("pp")
-        self.dp_group = mesh.get_group("dp")
-        self.pp_group = mesh.get_group("pp")
+        if layout.pp == 1:
+            # Pure data parallelism: the default group is the dp group. A mesh would create
+            # a group per rank and dimension, each a rendezvous that delays every resume.
+            self.replica, self.stage = rank, 0
+            self.dp_group = self.pp_group = None
+        else:
+            mesh = init_device_mesh("cpu", (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
+            self.replica = mesh.get_local_rank("dp")
+            self.stage = mesh.get_local_rank("pp")
+            self.dp_group = mesh.get_group("dp")
+            self.pp_group = mesh.get_group("pp")
         self.first_stage = self.stage == 0
         self.last_stage = self.stage == layout.pp - 1
         self.offsets = share(settings.global_batch, layout.dp, self.replica)
