@@ -40,6 +40,11 @@ def test_demo_rejects_a_kill_step_past_the_end(tmp_path):
     assert_one_line_error(done, "--kill-at-step 100000 must be between 1 and 299")
 
 
+def test_demo_rejects_negative_spares(tmp_path):
+    done = lazarus("demo", "--spares", "-1", env={"LAZARUS_HOME": str(tmp_path), "LAZARUS_TEMPORAL_ADDRESS": "127.0.0.1:1"})
+    assert_one_line_error(done, "--spares -1: cluster.spare_nodes: must be greater than or equal to 0")
+
+
 def test_help_explains_the_commands():
     done = lazarus("--help")
     assert done.returncode == 0
