@@ -56,6 +56,18 @@ def _parser() -> argparse.ArgumentParser:
     back.add_argument("run_id", metavar="RUN")
     back.add_argument("node", metavar="NODE")
 
+    simulate = commands.add_parser(
+        "simulate", help="Monte Carlo planner: what elasticity costs a large cluster, per recovery policy",
+        description="Simulate a long run on a large cluster under each recovery policy: ETTR, goodput, "
+                    "lost GPU-hours by cause, the best checkpoint interval and the spares needed.")
+    simulate.add_argument("scenario", nargs="?", metavar="SCENARIO.yaml", help="scenario file (see spec/scenario.py)")
+    simulate.add_argument("--preset", help="a built-in scenario: llama3-405b, human-vs-automatic")
+    simulate.add_argument("--costs", metavar="FILE", help="stage costs measured on real runs: `lazarus run status --json` "
+                                                          "output (one status or a list)")
+    simulate.add_argument("--repetitions", type=int, help="Monte Carlo repetitions per policy (default: the scenario's)")
+    simulate.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    simulate.add_argument("--plot", metavar="FILE", help="write a PNG: ETTR against checkpoint interval, lost GPU-hours by cause")
+
     demo = commands.add_parser("demo", help="server, worker, a real run, a node killed mid-run, automatic recovery, its cost")
     demo.add_argument("--spec", help="run spec (default: examples/demo.yaml; examples/dp2-pp2.yaml for pipeline replicas)")
     demo.add_argument("--spares", type=int, metavar="N", help="hot spares, overriding the spec's cluster.spare_nodes "
@@ -191,6 +203,29 @@ def _chaos(args, settings: Settings) -> int:
     return 0
 
 
+def _simulate(args) -> int:
+    from lazarus.simulate import PlanError, load_scenario, measured_costs, plan, plot, report
+
+    try:
+        scenario = load_scenario(args.scenario, args.preset)
+        if args.costs:
+            scenario = scenario.model_copy(update={"costs": scenario.costs.model_copy(update=measured_costs(args.costs))})
+        if args.repetitions is not None and args.repetitions < 2:
+            raise PlanError(f"--repetitions {args.repetitions}: use at least 2 (for a confidence band)")
+    except PlanError as error:
+        raise UserError(str(error)) from None
+    result = plan(scenario, args.repetitions)
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(report(result))
+        if args.plot:
+            print(f"\nPlot: {args.plot}")
+    return 0
+
+
 async def _demo(args, settings: Settings) -> int:
     from lazarus.demo import DEFAULT_SPEC, DemoError, default_kill_step, run_demo
 
@@ -221,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
             code = _server(args, settings)
         elif args.command == "chaos":
             code = _chaos(args, settings)
+        elif args.command == "simulate":
+            code = _simulate(args)
         else:
             handler = {"worker": _worker, "run": _run, "demo": _demo}[args.command]
             code = asyncio.run(handler(settings) if args.command == "worker" else handler(args, settings))

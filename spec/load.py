@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from spec.run import RunSpec
 
@@ -40,18 +40,18 @@ def _one_line(error: ValidationError) -> str:
     return f"{path}: {message} (got {first.get('input')!r})"
 
 
-def parse_spec(data: Any) -> RunSpec:
-    """Validate a spec given as plain data (a dict from YAML or JSON)."""
+def parse_spec(data: Any, model: type[BaseModel] = RunSpec) -> Any:
+    """Validate a spec (a RunSpec, or another model) given as plain data (a dict from YAML or JSON)."""
     if not isinstance(data, dict):
         raise SpecError(f"spec: expected a mapping of fields at the top level, got {type(data).__name__}")
     try:
-        return RunSpec.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as error:
         raise SpecError(_one_line(error)) from None
 
 
-def load_spec(path: str | Path) -> RunSpec:
-    """Read and validate a YAML run spec."""
+def load_spec(path: str | Path, model: type[BaseModel] = RunSpec) -> Any:
+    """Read and validate a YAML run spec (or another model, such as a planner Scenario)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -63,4 +63,4 @@ def load_spec(path: str | Path) -> RunSpec:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise SpecError(f"{path}: not valid YAML{where}") from None
-    return parse_spec(data)
+    return parse_spec(data, model)

@@ -1,0 +1,318 @@
+"""The planner: a Monte Carlo simulation of a long run on a large cluster (`lazarus simulate`).
+
+Model, per repetition, in wall-clock seconds:
+- The job trains in segments of `interval` training seconds followed by a save that stalls it
+  for `save_stall` seconds; a checkpoint counts once its save is over.
+- Faults strike while the job trains, as a Poisson process whose rate is proportional to the
+  nodes in use (failures during a recovery are not modelled). A fault loses the training since
+  the last complete checkpoint, then costs its recovery: each stage's cost (a hang is noticed
+  after the staleness threshold instead of the crash detector's time), or a person's restart.
+- The decision after a fault is the workflow's own policy, `workflows.policy.plan_recovery`,
+  called on an inventory of the scenario's shape: a hot spare if one is free (the failed node
+  goes to repair and comes back as a spare after `repair_hours`), else reshard to the largest
+  dp that fits (the broken replica's healthy nodes join the pool), else wait for a repair.
+- With `regrow`, once the pool holds a whole replica the job checkpoints and restarts one
+  replica larger (drain, reschedule, replace, resume).
+
+Accounting, in GPU-seconds of the job's allocation (its GPUs plus the spares): useful work is
+committed training at full size; a run at dp < target loses the missing replicas' share; a
+recovery loses the whole job's GPUs for its duration; spares are idle whenever they exist.
+ETTR = useful / (job GPUs x wall time); goodput = useful / (all GPUs x wall time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from spec.layout import Layout
+from spec.records import Assignment, Inventory, NodeRecord
+from spec.scenario import Fixed, LogNormal, Measured, Scenario, Uniform
+from workflows.policy import plan_recovery
+
+CAUSES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume", "human", "waiting_for_capacity",
+          "recomputed_steps", "checkpoint_stalls", "below_target_dp", "idle_spares")
+"""Where lost GPU-hours go."""
+
+RECOVERY_STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
+
+
+def sampler(cost, rng: random.Random):
+    """A function that draws one cost (seconds) from a scenario's cost model."""
+    if isinstance(cost, Fixed):
+        return lambda: cost.seconds
+    if isinstance(cost, LogNormal):
+        mu = math.log(cost.median)
+        return lambda: rng.lognormvariate(mu, cost.sigma)
+    if isinstance(cost, Uniform):
+        return lambda: rng.uniform(cost.low, cost.high)
+    if isinstance(cost, Measured):
+        return lambda: rng.choice(cost.samples)
+    raise TypeError(f"unknown cost model {cost!r}")
+
+
+def mean_cost(cost) -> float:
+    """Expected value of a cost model (seconds)."""
+    if isinstance(cost, Fixed):
+        return cost.seconds
+    if isinstance(cost, LogNormal):
+        return cost.median * math.exp(cost.sigma ** 2 / 2)
+    if isinstance(cost, Uniform):
+        return (cost.low + cost.high) / 2
+    return statistics.fmean(cost.samples)
+
+
+class PolicyTable:
+    """plan_recovery's decision for one lost node, memoised by (current dp, is a spare free).
+
+    The decision depends on the inventory only through those two facts, so each distinct
+    state asks the real policy function once, on an inventory of the scenario's shape.
+    """
+
+    def __init__(self, scenario: Scenario, use_spares: bool):
+        self.scenario = scenario
+        self.use_spares = use_spares
+        self.layout = Layout(dp=scenario.dp, pp=scenario.pp, tp=scenario.tp, ranks_per_node=scenario.gpus_per_node)
+        self._cache: dict[tuple[int, bool], tuple[str, int, int]] = {}
+
+    def decide(self, dp: int, spare_free: bool) -> tuple[str, int, int]:
+        """(action, dp after, nodes released to the pool) after one node of the job fails."""
+        key = (dp, spare_free and self.use_spares)
+        if key not in self._cache:
+            per_replica = self.scenario.nodes_per_replica
+            names = [f"n{i}" for i in range(dp * per_replica)]
+            nodes = [NodeRecord(name=n, role="active") for n in names]
+            if key[1]:
+                nodes.append(NodeRecord(name="spare", role="spare"))
+            layout = self.layout.model_copy(update={"dp": dp})
+            decision = plan_recovery(Inventory(nodes=nodes), Assignment(incarnation=0, nodes=names, layout=layout,
+                                                                        master_port=1),
+                                     [names[-1]], target_dp=self.scenario.dp, min_dp=self.scenario.min_dp)
+            self._cache[key] = (decision.action, decision.layout.dp, len(decision.released_nodes))
+        return self._cache[key]
+
+
+@dataclass
+class Outcome:
+    """One repetition: GPU-seconds useful and lost by cause, and what happened."""
+
+    useful: float = 0.0
+    lost: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
+    faults: int = 0
+    reshards: int = 0
+    regrows: int = 0
+
+
+def simulate_once(scenario: Scenario, policy: str, table: PolicyTable | None, rng: random.Random,
+                  interval_minutes: float | None = None, spare_nodes: int | None = None) -> Outcome:
+    """One run of the scenario under a policy; `interval_minutes` and `spare_nodes` override the scenario's."""
+    s = scenario
+    gpus, g = s.gpus, s.gpus_per_node
+    target, per_replica = s.dp, s.nodes_per_replica
+    spares = s.spare_nodes if spare_nodes is None else spare_nodes
+    horizon = s.days * 86400.0
+    interval = (interval_minutes or s.checkpoint.interval_minutes) * 60.0
+    stall = s.checkpoint.save_stall_seconds
+    segment = interval + stall
+    rate_per_node = s.failures.interruptions_per_day / 86400.0 / s.nodes
+    stage_cost = {name: sampler(getattr(s.costs, name), rng) for name in RECOVERY_STAGES}
+    human = sampler(s.human_restart, rng)
+    load = s.checkpoint.load_seconds
+    hang_share, hang_detect = s.failures.hang_share, s.failures.hang_detect_seconds
+
+    out = Outcome()
+    lost = out.lost
+    lost["idle_spares"] = spares * g * horizon
+    t, dp, phase = 0.0, target, 0.0  # phase: position within the current train+save segment
+    # Healthy nodes free for the job: the spares (reshard-only leaves them idle), then the
+    # broken replicas' released nodes and repaired ones.
+    pool = spares if policy != "reshard-only" else 0
+    repairs: list[float] = []  # when failed nodes come back
+
+    def downtime(seconds: float, cause: str) -> None:
+        nonlocal t
+        seconds = min(max(seconds, 0.0), horizon - t)
+        lost[cause] += seconds * gpus
+        t += seconds
+
+    def collect_repairs() -> None:
+        nonlocal pool
+        while repairs and repairs[0] <= t:
+            heapq.heappop(repairs)
+            pool += 1
+
+    while t < horizon:
+        share = dp / target
+        collect_repairs()
+        if s.regrow and policy != "wait-for-human" and dp < target and pool >= per_replica:
+            grow = min(target - dp, pool // per_replica)
+            pool -= grow * per_replica
+            # A planned restart: checkpoint first (the pending training is kept), then every
+            # stage but detect.
+            out.useful += min(phase, interval) * gpus * share
+            save = min(stall, horizon - t)
+            lost["checkpoint_stalls"] += save * gpus * share
+            lost["below_target_dp"] += save * gpus * (1 - share)
+            t += save
+            for name in RECOVERY_STAGES[1:]:
+                downtime(stage_cost[name]() + (load if name == "resume" else 0.0), name)
+            dp += grow
+            phase = 0.0
+            out.regrows += 1
+            continue
+
+        # Train until the next fault, the next repair (it may allow a regrow), or the end.
+        until_fault = rng.expovariate(rate_per_node * dp * per_replica)
+        until_repair = repairs[0] - t if repairs and dp < target and policy != "wait-for-human" else math.inf
+        busy = min(until_fault, until_repair, horizon - t)
+        total = phase + busy
+        segments = int(total // segment)
+        # Training commits a segment at a time; the part of the current one is pending. The
+        # stretch may start or end inside a save, whose stall counts once.
+        stalls = segments * stall + max(0.0, total - segments * segment - interval) - max(0.0, phase - interval)
+        phase = total - segments * segment
+        out.useful += segments * interval * gpus * share
+        lost["checkpoint_stalls"] += stalls * gpus * share
+        lost["below_target_dp"] += busy * gpus * (1 - share)
+        t += busy
+        if busy < until_fault:  # a repair came back, or the run ended
+            if t >= horizon:
+                # The run is still going: its pending training counts.
+                out.useful += min(phase, interval) * gpus * share
+            continue
+
+        # A fault: the training since the last checkpoint is lost (a save in progress never commits).
+        out.faults += 1
+        lost["recomputed_steps"] += min(phase, interval) * gpus * share
+        phase = 0.0
+        collect_repairs()
+        heapq.heappush(repairs, t + s.repair_hours * 3600.0)
+        if policy == "wait-for-human":
+            while pool == 0 and t < horizon:
+                downtime(repairs[0] - t, "waiting_for_capacity")
+                collect_repairs()
+            pool -= 1
+            downtime(human() + load, "human")
+            continue
+
+        downtime(hang_detect if rng.random() < hang_share else stage_cost["detect"](), "detect")
+        downtime(stage_cost["drain"](), "drain")
+        while True:
+            action, new_dp, released = table.decide(dp, pool > 0)
+            downtime(stage_cost["reschedule"](), "reschedule")
+            if action == "wait" and policy == "reshard-only" and pool > 0:
+                # Below the minimum dp without spares: a repaired node takes the lost one's place.
+                action = "replace"
+            if action != "wait" or t >= horizon:
+                break
+            downtime((repairs[0] - t) if repairs else horizon - t, "waiting_for_capacity")
+            collect_repairs()
+        if action == "replace":
+            pool -= 1
+        elif action == "reshard":
+            out.reshards += 1
+            pool += released
+            dp = new_dp
+        downtime(stage_cost["replace_or_reshard"](), "replace_or_reshard")
+        downtime(stage_cost["resume"]() + load, "resume")
+    return out
+
+
+@dataclass
+class PolicyResult:
+    """One policy over all repetitions."""
+
+    name: str
+    ettr: float
+    ettr_ci95: tuple[float, float]
+    goodput: float
+    lost_gpu_hours: dict[str, float]
+    faults_per_run: float
+    reshards_per_run: float
+    regrows_per_run: float
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "ettr": self.ettr, "ettr_ci95": list(self.ettr_ci95), "goodput": self.goodput,
+                "lost_gpu_hours": self.lost_gpu_hours, "lost_gpu_hours_total": sum(self.lost_gpu_hours.values()),
+                "faults_per_run": self.faults_per_run, "reshards_per_run": self.reshards_per_run,
+                "regrows_per_run": self.regrows_per_run}
+
+
+def run_policy(scenario: Scenario, policy: str, repetitions: int | None = None, seed: int | None = None,
+               interval_minutes: float | None = None, spare_nodes: int | None = None) -> PolicyResult:
+    """Simulate one policy over many repetitions."""
+    repetitions = repetitions or scenario.repetitions
+    rng = random.Random(scenario.seed if seed is None else seed)
+    table = PolicyTable(scenario, use_spares=policy == "automatic")
+    outcomes = [simulate_once(scenario, policy, table, rng, interval_minutes, spare_nodes) for _ in range(repetitions)]
+    spares = scenario.spare_nodes if spare_nodes is None else spare_nodes
+    job = scenario.gpus * scenario.days * 86400.0
+    everything = job + spares * scenario.gpus_per_node * scenario.days * 86400.0
+    ettrs = [o.useful / job for o in outcomes]
+    mean = statistics.fmean(ettrs)
+    half = 1.96 * statistics.stdev(ettrs) / math.sqrt(len(ettrs)) if len(ettrs) > 1 else 0.0
+    return PolicyResult(
+        name=policy, ettr=mean, ettr_ci95=(mean - half, mean + half),
+        goodput=statistics.fmean(o.useful for o in outcomes) / everything,
+        lost_gpu_hours={c: statistics.fmean(o.lost[c] for o in outcomes) / 3600.0 for c in CAUSES},
+        faults_per_run=statistics.fmean(o.faults for o in outcomes),
+        reshards_per_run=statistics.fmean(o.reshards for o in outcomes),
+        regrows_per_run=statistics.fmean(o.regrows for o in outcomes),
+    )
+
+
+def job_mtbf_seconds(scenario: Scenario) -> float:
+    """Mean time between faults of the whole job at full size (seconds)."""
+    return 86400.0 / scenario.failures.interruptions_per_day
+
+
+def young_daly_minutes(scenario: Scenario) -> float:
+    """Young's first-order optimal checkpoint interval sqrt(2 x save cost x MTBF) (minutes)."""
+    return math.sqrt(2 * scenario.checkpoint.save_stall_seconds * job_mtbf_seconds(scenario)) / 60.0
+
+
+def interval_sweep(scenario: Scenario, policy: str, intervals: list[float], repetitions: int) -> list[tuple[float, float]]:
+    """(interval minutes, ETTR) for each interval, same random streams for every interval."""
+    return [(minutes, run_policy(scenario, policy, repetitions, interval_minutes=minutes).ettr) for minutes in intervals]
+
+
+def default_intervals(scenario: Scenario) -> list[float]:
+    """Checkpoint intervals to try: log-spaced around the Young-Daly interval and the scenario's."""
+    centre = young_daly_minutes(scenario) or scenario.checkpoint.interval_minutes
+    grid = sorted({round(centre * 2 ** (k / 2), 3) for k in range(-6, 7)} | {scenario.checkpoint.interval_minutes})
+    return [m for m in grid if m > 0]
+
+
+def smallest_spares(scenario: Scenario, repetitions: int, limit: int = 256) -> int | None:
+    """Fewest hot spares with which the automatic policy reaches the target ETTR (None: not within `limit`).
+
+    Doubles the count until the target is met, then bisects between the last miss and the hit
+    (ETTR grows with spares, up to the Monte Carlo noise).
+    """
+    def reaches(count: int) -> bool:
+        return run_policy(scenario, "automatic", repetitions, spare_nodes=count).ettr >= scenario.target_ettr
+
+    if reaches(0):
+        return 0
+    miss, hit = 0, 1
+    while not reaches(hit):
+        miss, hit = hit, hit * 2
+        if hit > limit:
+            return None
+    while hit - miss > 1:
+        middle = (miss + hit) // 2
+        miss, hit = (miss, middle) if reaches(middle) else (middle, hit)
+    return hit
+
+
+def analytic_ettr(interval_s: float, mtbf_s: float, downtime_s: float) -> float:
+    """Closed form for exponential faults during training, a fixed downtime per fault, free saves.
+
+    A segment of `interval_s` training commits only if no fault hits it; each fault costs the
+    downtime and the partial segment. Expected wall time per committed segment:
+    (e^(interval/MTBF) - 1) x (MTBF + downtime).
+    """
+    return interval_s / (math.expm1(interval_s / mtbf_s) * (mtbf_s + downtime_s))

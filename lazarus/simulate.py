@@ -1,0 +1,164 @@
+"""`lazarus simulate`: what elasticity costs a large cluster, per policy, with the planner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lazarus.planner import (
+    CAUSES,
+    RECOVERY_STAGES,
+    default_intervals,
+    interval_sweep,
+    job_mtbf_seconds,
+    run_policy,
+    smallest_spares,
+    young_daly_minutes,
+)
+from spec.load import SpecError, load_spec
+from spec.scenario import Measured, Scenario
+
+PRESETS = Path(__file__).resolve().parent / "scenarios"
+
+
+class PlanError(ValueError):
+    """A scenario or cost file the planner cannot use (a one-line message)."""
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def load_scenario(path: str | None, preset: str | None) -> Scenario:
+    """The scenario from a YAML file or a named preset."""
+    if preset:
+        if preset not in preset_names():
+            raise PlanError(f"no preset {preset!r}; presets: {', '.join(preset_names())}")
+        path = str(PRESETS / f"{preset}.yaml")
+    if not path:
+        raise PlanError("give a scenario file or --preset NAME (presets: " + ", ".join(preset_names()) + ")")
+    try:
+        return load_spec(path, Scenario)
+    except SpecError as error:
+        raise PlanError(str(error)) from None
+
+
+def measured_costs(path: str) -> dict[str, Measured]:
+    """Stage seconds of every incident in `lazarus run status --json` output (one status, or a list)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanError(f"{path}: cannot read run status JSON ({error})") from None
+    documents = data if isinstance(data, list) else [data]
+    incidents = []
+    for document in documents:
+        if isinstance(document, dict) and "incidents" in document:
+            incidents += document["incidents"]
+        elif isinstance(document, dict) and "stages" in document:
+            incidents.append(document)
+    samples: dict[str, list[float]] = {name: [] for name in RECOVERY_STAGES}
+    for incident in incidents:
+        for name, stage in incident.get("stages", {}).items():
+            if name in samples and stage.get("seconds") is not None:
+                samples[name].append(float(stage["seconds"]))
+    missing = [name for name, values in samples.items() if not values]
+    if missing:
+        raise PlanError(f"{path}: no measured seconds for {', '.join(missing)} "
+                        f"(expected `lazarus run status --json` output with recovered incidents)")
+    return {name: Measured(dist="measured", samples=values) for name, values in samples.items()}
+
+
+def plan(scenario: Scenario, repetitions: int | None = None) -> dict:
+    """Every policy's results, the best checkpoint interval and the spare count for the target ETTR."""
+    repetitions = repetitions or scenario.repetitions
+    policies = [run_policy(scenario, name, repetitions) for name in scenario.policies]
+    sweep_reps = max(20, repetitions // 5)
+    intervals = default_intervals(scenario)
+    sweeps = {name: interval_sweep(scenario, name, intervals, sweep_reps) for name in scenario.policies}
+    lead = "automatic" if "automatic" in sweeps else scenario.policies[0]
+    best_minutes, best_ettr = max(sweeps[lead], key=lambda point: point[1])
+    return {
+        "scenario": scenario.model_dump(mode="json"),
+        "mtbf_hours": job_mtbf_seconds(scenario) / 3600.0,
+        "policies": [p.as_dict() for p in policies],
+        "checkpoint_interval": {
+            "policy": lead, "best_minutes": best_minutes, "best_ettr": best_ettr,
+            "young_daly_minutes": young_daly_minutes(scenario), "repetitions": sweep_reps,
+            "sweep": {name: [list(point) for point in points] for name, points in sweeps.items()},
+        },
+        "spares": {
+            "target_ettr": scenario.target_ettr,
+            "smallest_for_target": smallest_spares(scenario, sweep_reps) if "automatic" in scenario.policies else None,
+            "repetitions": sweep_reps,
+        },
+    }
+
+
+def report(result: dict) -> str:
+    """The plan as text tables."""
+    s = result["scenario"]
+    nodes = s["gpus"] // s["gpus_per_node"]
+    lines = [
+        f"Scenario {s['name']}: {s['gpus']:,} GPUs ({nodes:,} nodes of {s['gpus_per_node']}), "
+        f"tp{s['tp']} pp{s['pp']} dp{s['dp']}, {s['days']:g} days, "
+        f"{s['failures']['interruptions_per_day']:g} interruptions/day (MTBF {result['mtbf_hours']:.1f} h), "
+        f"{s['spare_nodes']} spare nodes, checkpoint every {s['checkpoint']['interval_minutes']:g} min",
+        "",
+        f"{'policy':<16}{'ETTR':>8}{'95% CI':>18}{'goodput':>9}{'faults':>8}{'reshards':>9}{'lost GPU-h':>12}",
+    ]
+    for p in result["policies"]:
+        low, high = p["ettr_ci95"]
+        lines.append(f"{p['name']:<16}{p['ettr']:>8.2%}{f'{low:.2%} - {high:.2%}':>18}{p['goodput']:>9.2%}"
+                     f"{p['faults_per_run']:>8.0f}{p['reshards_per_run']:>9.1f}{p['lost_gpu_hours_total']:>12,.0f}")
+    lines += ["", "Lost GPU-hours by cause (mean per run):",
+              f"{'cause':<22}" + "".join(f"{p['name']:>16}" for p in result["policies"])]
+    for cause in CAUSES:
+        values = [p["lost_gpu_hours"][cause] for p in result["policies"]]
+        if any(values):
+            lines.append(f"{cause:<22}" + "".join(f"{v:>16,.0f}" for v in values))
+    interval = result["checkpoint_interval"]
+    lines += ["", f"Checkpoint interval ({interval['policy']}, {interval['repetitions']} repetitions per point): "
+                  f"best {interval['best_minutes']:.1f} min (ETTR {interval['best_ettr']:.2%}); "
+                  f"Young-Daly sqrt(2 x save stall x MTBF) = {interval['young_daly_minutes']:.1f} min"]
+    spares = result["spares"]
+    if spares["smallest_for_target"] is not None:
+        lines.append(f"Hot spares for ETTR >= {spares['target_ettr']:.1%} (automatic): {spares['smallest_for_target']} node(s)")
+    elif "automatic" in [p["name"] for p in result["policies"]]:
+        lines.append(f"Hot spares for ETTR >= {spares['target_ettr']:.1%}: not reached with up to 256 spare nodes")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """ETTR against checkpoint interval per policy, and where the lost GPU-hours went."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, points in result["checkpoint_interval"]["sweep"].items():
+        minutes, ettr = zip(*points)
+        left.plot(minutes, [100 * e for e in ettr], marker="o", label=name)
+    young = result["checkpoint_interval"]["young_daly_minutes"]
+    left.axvline(young, color="grey", linestyle="--", label=f"Young-Daly {young:.1f} min")
+    left.set_xscale("log")
+    left.set_xlabel("checkpoint interval (minutes)")
+    left.set_ylabel("ETTR (%)")
+    left.set_title(f"{result['scenario']['name']}: ETTR against checkpoint interval")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend()
+
+    names = [p["name"] for p in result["policies"]]
+    bottom = [0.0] * len(names)
+    colors = plt.get_cmap("tab20").colors
+    for index, cause in enumerate(CAUSES):
+        values = [p["lost_gpu_hours"][cause] / 1000 for p in result["policies"]]
+        if any(values):
+            right.bar(names, values, bottom=bottom, label=cause, color=colors[index % len(colors)])
+            bottom = [b + v for b, v in zip(bottom, values)]
+    right.set_ylabel("lost GPU-hours per run (thousands)")
+    right.set_title("Where the lost GPU-hours went")
+    right.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
