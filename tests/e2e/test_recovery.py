@@ -67,7 +67,8 @@ def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, refe
     [incident] = status["incidents"]
     fault = incident["fault"]
     assert fault["kind"] == "node_down" and fault["nodes"] == ["node-2"]
-    assert fault["step"] >= KILL_AT_STEP
+    # The last step every rank had reported: the killed rank may not have written step 15's.
+    assert fault["step"] >= KILL_AT_STEP - 1
     assert list(incident["stages"]) == list(STAGES)
     assert all(stage["seconds"] is not None and stage["seconds"] >= 0 for stage in incident["stages"].values())
     assert incident["decision"]["action"] == "replace"
