@@ -18,6 +18,7 @@ class Verdict:
     step: int
     fault: FaultReport | None = None
     completed: bool = False
+    stopped: bool = False
 
 
 def _at(seconds: float) -> datetime:
@@ -33,14 +34,15 @@ def _ended(rank: RankObservation) -> str:
     return f"rank {rank.rank} on {rank.node} ended without an exit record (killed or crashed)"
 
 
-def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float) -> Verdict:
+def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float, total_steps: int) -> Verdict:
     """Decide what an observation shows.
 
     `last_poll` is when the incarnation was last seen healthy: a rank found dead now
     died after it, so that is the fault's time (MTTR errs long by at most one interval).
     Blame, in order: nodes the backend saw die; ranks gone without an exit record (a
     kill); the earliest rank that exited with an error (its peers fail after it); the
-    rank with the oldest heartbeat once heartbeats are stale.
+    rank with the oldest heartbeat once heartbeats are stale. Every rank gone with code 0
+    is completion at the last step, and a stop (on request) before it.
     """
     ranks = observation.ranks
     steps = [r.heartbeat["step"] if r.heartbeat else observation.resume_step for r in ranks]
@@ -75,9 +77,10 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
         first = failed[0]
         return fault("rank_exit", [first], first.exit["time"], _ended(first))
 
-    # Complete only once every process is gone too: the exit record is written just before exiting.
+    # Ended only once every process is gone too: the exit record is written just before exiting.
     if ranks and all(r.exit is not None and r.exit["code"] == 0 and not r.alive for r in ranks):
-        return Verdict(min(r.exit["step"] for r in ranks), completed=True)
+        last = min(r.exit["step"] for r in ranks)
+        return Verdict(last, completed=last >= total_steps, stopped=last < total_steps)
 
     stale = []
     for r in ranks:

@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 from activities.failpoints import Failpoints
 from activities.health import judge
 from infra.local import ClusterError, LocalCluster, free_port
-from spec.records import Assignment, DetectResult, Inventory, RankProgress
+from spec.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
 from spec.stages import (
     DetectInput,
     DrainInput,
@@ -29,6 +29,9 @@ from spec.stages import (
     RescheduleInput,
     ResumeInput,
     ResumeResult,
+    ReturnNodeInput,
+    StopInput,
+    StopResult,
 )
 
 
@@ -58,13 +61,13 @@ class RecoveryActivities:
         self.cluster.start_ranks(request.run_id, 0, resume_step=0)
         return LaunchResult(run_dir=str(run.root), assignment=assignment)
 
-    async def _watch(self, run_id: str, incarnation: int, policy, until=None) -> tuple:
-        """Poll the incarnation until judge finds a fault or completion, or `until(verdict)` holds."""
+    async def _watch(self, run_id: str, incarnation: int, policy, total_steps: int, until=None) -> tuple:
+        """Poll the incarnation until judge finds a fault, completion or a stop, or `until(verdict)` holds."""
         last_poll = time.time()
         while True:
             now = time.time()
-            verdict = judge(self.cluster.observe(run_id, incarnation), policy, now, last_poll)
-            if verdict.fault or verdict.completed or (until and until(verdict, now)):
+            verdict = judge(self.cluster.observe(run_id, incarnation), policy, now, last_poll, total_steps)
+            if verdict.fault or verdict.completed or verdict.stopped or (until and until(verdict, now)):
                 return verdict, now
             last_poll = now
             activity.heartbeat(verdict.step)
@@ -74,10 +77,18 @@ class RecoveryActivities:
     async def detect(self, request: DetectInput) -> DetectResult:
         """Watch an incarnation; return a fault, completion, or progress after progress_every_seconds."""
         report_at = time.time() + request.policy.progress_every_seconds
-        verdict, now = await self._watch(request.run_id, request.incarnation, request.policy,
+        verdict, now = await self._watch(request.run_id, request.incarnation, request.policy, request.total_steps,
                                          until=lambda _, now: now >= report_at)
         progress = RankProgress(step=verdict.step, at=datetime.fromtimestamp(now, timezone.utc))
-        return DetectResult(fault=verdict.fault, completed=verdict.completed, progress=progress)
+        fault = verdict.fault
+        if verdict.stopped:
+            # Nobody asked (the workflow stops detect before it asks): treat it as a failure.
+            assignment = self.cluster.assignment(request.run_id, request.incarnation)
+            at = datetime.fromtimestamp(now, timezone.utc)
+            fault = FaultReport(kind="rank_exit", nodes=assignment.nodes, incarnation=request.incarnation,
+                                occurred_at=at, detected_at=at, step=verdict.step,
+                                reason=f"every rank exited at step {verdict.step}, before the last step")
+        return DetectResult(fault=fault, completed=verdict.completed, progress=progress)
 
     @activity.defn(name="drain")
     async def drain(self, request: DrainInput) -> DrainResult:
@@ -129,7 +140,8 @@ class RecoveryActivities:
         def trained_past_checkpoint(verdict, _now) -> bool:
             return verdict.step > resumed_from
 
-        verdict, _ = await self._watch(run_id, incarnation, request.policy, until=trained_past_checkpoint)
+        verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps,
+                                       until=trained_past_checkpoint)
         if verdict.fault:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
         # Every rank records when it finished its first step; the step is done when the
@@ -138,3 +150,32 @@ class RecoveryActivities:
         first = max(b["first_step_at"] for b in beats if b and "first_step_at" in b)
         return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, completed=verdict.completed,
                             first_step_at=datetime.fromtimestamp(first, timezone.utc))
+
+    @activity.defn(name="stop")
+    async def stop(self, request: StopInput) -> StopResult:
+        """Ask the incarnation to checkpoint and exit; past the timeout, or on a fault, kill it."""
+        run_id, incarnation = request.run_id, request.incarnation
+        run = self.cluster.run_dir(run_id)
+        stop_file = run.stop_file(incarnation)
+        stop_file.parent.mkdir(parents=True, exist_ok=True)
+        stop_file.touch()
+        deadline = time.time() + request.timeout_seconds
+        verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps,
+                                       until=lambda _, now: now >= deadline)
+        clean = verdict.stopped or verdict.completed
+        if not clean:
+            await asyncio.to_thread(self.cluster.stop_incarnation, run_id, incarnation)
+            self.cluster.remove_partial_checkpoints(run_id)
+        newest, _ = await asyncio.to_thread(run.newest_checkpoint)
+        reason = "" if clean else (verdict.fault.reason if verdict.fault else
+                                   f"the ranks did not stop within {request.timeout_seconds:g} s; killed")
+        return StopResult(step=verdict.step, checkpoint_step=newest, clean=clean, completed=verdict.completed,
+                          reason=reason)
+
+    @activity.defn(name="return_node")
+    async def return_node(self, request: ReturnNodeInput) -> Inventory:
+        """A repaired node rejoins the run's spare pool."""
+        try:
+            return self.cluster.return_node(request.run_id, request.node)
+        except ClusterError as error:
+            raise _permanent(error, "UnknownNode") from None

@@ -25,6 +25,7 @@ Both sides build paths only through RunDir, so the file layout is written down o
     <run_dir>/incarnations/K/exit/R.json        rank R's exit code, when it ended on its own
     <run_dir>/incarnations/K/logs/R.log         rank R's stdout and stderr
     <run_dir>/incarnations/K/samples/R.jsonl    data-loading rank R: sample ids trained per step
+    <run_dir>/incarnations/K/stop               the controller asks the ranks to checkpoint and exit
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class RunDir:
 
     def samples_file(self, k: int, rank: int) -> Path:
         return self.incarnation(k) / "samples" / f"{rank}.jsonl"
+
+    def stop_file(self, k: int) -> Path:
+        return self.incarnation(k) / "stop"
 
     def incarnations(self) -> list[int]:
         """Incarnations that have an assignment, in order."""

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from spec.layout import Layout
-from spec.run import RunSpec
+from spec.run import RecoveryPolicy, RunSpec
 
 STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
 """The recovery stages, in order; also the Temporal activity type names."""
@@ -31,6 +31,9 @@ class RunState(str, Enum):
     DRAINING = "DRAINING"
     RESCHEDULING = "RESCHEDULING"
     WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
+    WAITING_FOR_APPROVAL = "WAITING_FOR_APPROVAL"
+    STOPPING = "STOPPING"
+    PAUSED = "PAUSED"
     REPLACING = "REPLACING"
     RESHARDING = "RESHARDING"
     RESUMING = "RESUMING"
@@ -76,13 +79,13 @@ class Inventory(Record):
         raise KeyError(f"unknown node {name!r}")
 
 
-FaultKind = Literal["node_down", "rank_exit", "hang", "external"]
+FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator"]
 
 
 class FaultReport(Record):
     """A fault: which nodes, what kind, when it happened and when it was seen."""
 
-    kind: FaultKind = Field(description="node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; external: reported by signal.")
+    kind: FaultKind = Field(description="node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; external: reported by signal; operator: drained by an operator.")
     nodes: list[str] = Field(description="Nodes blamed for the fault; they are quarantined.")
     incarnation: int = Field(ge=0, description="Incarnation that was running.")
     occurred_at: datetime = Field(description="Best known time of the fault (UTC): the backend's death time, else when it was first seen.")
@@ -168,6 +171,17 @@ class Incident(Record):
         return data
 
 
+class Intervention(Record):
+    """An operator's request and what came of it (the history has the request too)."""
+
+    kind: Literal["pause", "resume", "abort", "drain_node", "return_node", "reshard", "approve", "set_policy"] = Field(
+        description="The update that was called.")
+    detail: str = Field("", description="Its arguments, in words.")
+    requested_at: datetime = Field(description="When the update was accepted (UTC).")
+    done_at: datetime | None = Field(None, description="When it took effect (UTC).")
+    outcome: str = Field("", description="What happened.")
+
+
 class RunStatus(Record):
     """The run as the workflow sees it; the `status` query and the workflow result."""
 
@@ -180,6 +194,13 @@ class RunStatus(Record):
     assignment: Assignment | None = Field(None, description="Current incarnation's nodes.")
     incidents: list[Incident] = Field(default_factory=list, description="Every fault and its recovery, oldest first.")
     reason: str = Field("", description="Why the run ended in FAILED or ABORTED.")
+    started_at: datetime | None = Field(None, description="When the run was launched (UTC).")
+    ended_at: datetime | None = Field(None, description="When the run reached COMPLETED, FAILED or ABORTED (UTC).")
+    interventions: list[Intervention] = Field(default_factory=list, description="Operators' requests, oldest first.")
+    quarantined_nodes: list[str] = Field(default_factory=list, description="Nodes this run quarantined and has not had returned.")
+    awaiting_approval: Decision | None = Field(None, description="The decision waiting for an operator's approve (state WAITING_FOR_APPROVAL).")
+    policy: RecoveryPolicy | None = Field(None, description="The recovery policy in force (the spec's, as changed by set_policy).")
+    segments: int = Field(1, ge=1, description="Workflow runs so far: 1 + continue-as-new count.")
 
     def summary(self) -> dict:
         """JSON-ready view (`run status --json`): incidents carry stage seconds and MTTR."""
@@ -194,3 +215,4 @@ class RunStart(Record):
     run_id: str = Field(description="Run id; also the Temporal workflow id.")
     spec: RunSpec = Field(description="The validated run spec.")
     carried: RunStatus | None = Field(None, description="Status of the previous workflow run when continued as new; None at launch.")
+    search_attributes: bool = Field(False, description="The namespace has Lazarus's search attributes (LazarusState, LazarusIncidents); the workflow keeps them current.")

@@ -83,6 +83,8 @@ class StagePolicies(Strict):
     reschedule: StagePolicy = Field(default_factory=lambda: _stage(30, 5), description="Read the node inventory for the recovery decision.")
     replace_or_reshard: StagePolicy = Field(default_factory=lambda: _stage(30, 5), description="Claim spares and write the next incarnation's assignment.")
     resume: StagePolicy = Field(default_factory=lambda: _stage(300, 10), description="Start the next incarnation and wait for its first new step.")
+    stop: StagePolicy = Field(default_factory=lambda: _stage(180, 10), description="Checkpoint and stop the ranks (pause, abort, operator's reshard); past the timeout they are killed.")
+    return_node: StagePolicy = Field(default_factory=lambda: _stage(30, 5), description="Return a repaired node to the spare pool.")
 
 
 class RecoveryPolicy(Strict):
@@ -95,6 +97,9 @@ class RecoveryPolicy(Strict):
     min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
     capacity_wait_seconds: float = Field(300.0, ge=0, description="How long to wait for a free spare before the run fails (seconds).")
     capacity_poll_seconds: float = Field(5.0, gt=0, description="How often the inventory is read again while waiting for capacity (seconds).")
+    approval_wait_seconds: float = Field(3600.0, ge=0, description="After the capacity wait, how long to wait for an operator's approve or abort before the run stops (seconds); the only time a human is asked.")
+    stop_grace_seconds: float = Field(120.0, gt=0, description="How long ranks get to checkpoint and exit on a pause, abort or operator's reshard before they are killed (seconds).")
+    history_limit_events: int = Field(10000, ge=100, description="The workflow continues as new once its history has this many events, or when Temporal suggests it (events).")
     max_incidents: int = Field(20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents).")
     save_grace_seconds: float = Field(1.0, ge=0, description="Drain waits this long for a checkpoint being written at the fault to commit before discarding it (seconds).")
     stages: StagePolicies = Field(default_factory=StagePolicies, description="Per-stage timeouts and retry policies.")

@@ -157,10 +157,12 @@ class Trainer:
             logits.reshape(-1, self.settings.vocab_size), targets.reshape(-1), reduction="none")
         return per_token.view(targets.shape[0], -1).mean(dim=1).sum() / self.settings.global_batch
 
-    def step(self, first_sample: int) -> float:
+    def step(self, first_sample: int, stop_requested: bool = False) -> tuple[float, bool]:
         """Train one optimizer step on samples first_sample .. first_sample+global_batch-1.
 
-        Returns the global batch's mean loss (on every rank of the last stage, and on rank 0).
+        Returns the global batch's mean loss (on every rank of the last stage, and on rank 0)
+        and whether any rank asked to stop after this step; the request rides on the step's
+        own collectives, so every rank learns it at the same step.
         """
         from trainer.data import batch
 
@@ -184,18 +186,22 @@ class Trainer:
         # One hand-written all-reduce over a buffer of fixed layout instead of DDP: DDP
         # rebuilds its buckets in each new process, which changes the summation order of
         # the first step after a restart and so breaks bit-identical resumption.
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [local_loss.detach().reshape(1)])
+        flag = torch.tensor([1.0 if stop_requested else 0.0])
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [flag, local_loss.detach().reshape(1)])
         dist.all_reduce(flat, group=self.dp_group)
         offset = 0
         for p in self.params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         self.optimizer.step()
-        loss = flat[-1:]
+        tail = flat[-2:]
         if self.layout.pp > 1:
-            # Only the last stage computed the loss; the others contribute zero.
-            dist.all_reduce(loss, group=self.pp_group)
-        return loss.item()
+            # Only the last stage computed the loss; the others contribute zero. The stop flag
+            # reached the first stage of every replica through the dp group, and the rest here.
+            tail = tail.clone()
+            dist.all_reduce(tail, group=self.pp_group)
+        stop, loss = tail.tolist()
+        return loss, stop > 0
 
 
 def train(env: RankEnv, heartbeat: Heartbeat) -> int:
@@ -231,9 +237,12 @@ def train(env: RankEnv, heartbeat: Heartbeat) -> int:
         consumed_path.parent.mkdir(parents=True, exist_ok=True)
         consumed = open(consumed_path, "a")
 
+    stop_file = env.run_dir.stop_file(env.incarnation)
+    stopped = False
     while step < settings.steps:
         env.maybe_fail("step", step + 1)
-        loss = trainer.step(samples)
+        # Rank 0 reads the controller's stop request; the step's collectives tell the others.
+        loss, stopped = trainer.step(samples, stop_requested=env.rank == 0 and stop_file.exists())
         if consumed:
             first = samples + trainer.offsets.start
             consumed.write(json.dumps({"step": step + 1, "replica": trainer.replica,
@@ -246,13 +255,15 @@ def train(env: RankEnv, heartbeat: Heartbeat) -> int:
         if metrics:
             metrics.write(json.dumps({"step": step, "loss": loss, "incarnation": env.incarnation, "dp": layout.dp}) + "\n")
             metrics.flush()
-        if step % settings.checkpoint_every == 0 or step == settings.steps:
+        if step % settings.checkpoint_every == 0 or step == settings.steps or stopped:
             checkpointer.save(trainer.model, trainer.optimizer, step, samples)
             env.maybe_fail("checkpoint", step)
+        if stopped:
+            break
 
     checkpointer.wait()
     dist.barrier()
-    heartbeat.beat(step, "done")
+    heartbeat.beat(step, "stopped" if stopped else "done")
     return step
 
 

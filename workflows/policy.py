@@ -85,3 +85,24 @@ def plan_recovery(inventory: Inventory, assignment: Assignment, lost: list[str],
                 f"{len(spares)} free spare(s); reshard dp {layout.dp} -> {new_dp} (global batch kept)"
                 + (f"; {', '.join(released)} back to the spare pool" if released else "")),
     )
+
+
+def plan_operator_reshard(inventory: Inventory, assignment: Assignment, dp: int, target_dp: int) -> Decision:
+    """An operator's reshard to `dp` replicas: the current nodes first, then free spares.
+
+    Returns action "wait" (with the reason) when the nodes do not fit `dp`.
+    """
+    layout = assignment.layout
+    needed = nodes_for(layout, dp)
+    pool = list(assignment.nodes) + inventory.free_spares()
+    if needed is None or needed > len(pool):
+        why = (f"dp={dp} would leave a node part-used" if needed is None
+               else f"dp={dp} needs {needed} nodes; the run holds {len(assignment.nodes)} and {len(pool) - len(assignment.nodes)} spare(s) are free")
+        return Decision(action="wait", layout=layout, reason=why)
+    nodes = pool[:needed]
+    released = [node for node in assignment.nodes if node not in nodes]
+    return Decision(
+        action="reshard", layout=layout.model_copy(update={"dp": dp}), nodes=nodes, released_nodes=released,
+        below_target_dp=dp < target_dp,
+        reason=f"operator: reshard dp {layout.dp} -> {dp}" + (f"; {', '.join(released)} back to the spare pool" if released else ""),
+    )

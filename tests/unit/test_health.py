@@ -23,13 +23,13 @@ def observe(*ranks, dead=None):
 
 
 def test_healthy_ranks_report_the_slowest_step():
-    verdict = judge(observe(rank(0, step=9), rank(1, step=8)), POLICY, NOW, NOW - 0.1)
+    verdict = judge(observe(rank(0, step=9), rank(1, step=8)), POLICY, NOW, NOW - 0.1, 40)
     assert verdict.fault is None and not verdict.completed and verdict.step == 8
 
 
 def test_node_the_backend_saw_die_is_blamed_with_its_death_time():
     died = datetime.fromtimestamp(NOW - 0.3, timezone.utc)
-    verdict = judge(observe(rank(0), rank(1, alive=False), dead={"node-1": died}), POLICY, NOW, NOW - 0.1)
+    verdict = judge(observe(rank(0), rank(1, alive=False), dead={"node-1": died}), POLICY, NOW, NOW - 0.1, 40)
     fault = verdict.fault
     assert fault.kind == "node_down" and fault.nodes == ["node-1"] and fault.incarnation == 2
     assert fault.occurred_at == died and fault.detected_at.timestamp() == NOW and fault.step == 7
@@ -38,7 +38,7 @@ def test_node_the_backend_saw_die_is_blamed_with_its_death_time():
 def test_killed_rank_is_blamed_not_the_peers_that_failed_after_it():
     collateral = {"code": 1, "time": NOW - 0.05, "step": 7, "error": "Connection reset by peer"}
     verdict = judge(observe(rank(0, alive=False, exit=collateral), rank(1, alive=False, returncode=-9), rank(2)),
-                    POLICY, NOW, NOW - 0.1)
+                    POLICY, NOW, NOW - 0.1, 40)
     assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-1"]
     assert "killed by SIGKILL" in verdict.fault.reason
     # Seen alive at the previous poll: the fault happened after it.
@@ -48,34 +48,41 @@ def test_killed_rank_is_blamed_not_the_peers_that_failed_after_it():
 def test_earliest_error_exit_is_blamed():
     first = {"code": 3, "time": NOW - 2, "step": 7, "error": "ValueError: bad batch"}
     later = {"code": 1, "time": NOW - 1, "step": 7, "error": "Connection reset by peer"}
-    verdict = judge(observe(rank(0, alive=False, exit=later), rank(1, alive=False, exit=first)), POLICY, NOW, NOW - 0.1)
+    verdict = judge(observe(rank(0, alive=False, exit=later), rank(1, alive=False, exit=first)), POLICY, NOW, NOW - 0.1, 40)
     assert verdict.fault.nodes == ["node-1"] and "code 3: ValueError: bad batch" in verdict.fault.reason
     assert verdict.fault.occurred_at.timestamp() == NOW - 2
 
 
 def test_clean_exits_of_every_rank_are_completion():
     done = {"code": 0, "time": NOW - 1, "step": 40, "error": ""}
-    verdict = judge(observe(rank(0, alive=False, exit=done), rank(1, alive=False, exit=done)), POLICY, NOW, NOW - 0.1)
+    verdict = judge(observe(rank(0, alive=False, exit=done), rank(1, alive=False, exit=done)), POLICY, NOW, NOW - 0.1, 40)
     assert verdict.completed and verdict.fault is None and verdict.step == 40
+
+
+def test_clean_exits_before_the_last_step_are_a_stop():
+    stopped = {"code": 0, "time": NOW - 1, "step": 17, "error": ""}
+    verdict = judge(observe(rank(0, alive=False, exit=stopped), rank(1, alive=False, exit=stopped)),
+                    POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.stopped and not verdict.completed and verdict.fault is None and verdict.step == 17
 
 
 def test_one_rank_finished_while_another_still_runs_is_not_yet_completion():
     done = {"code": 0, "time": NOW - 1, "step": 40, "error": ""}
-    verdict = judge(observe(rank(0, alive=False, exit=done), rank(1, step=40)), POLICY, NOW, NOW - 0.1)
+    verdict = judge(observe(rank(0, alive=False, exit=done), rank(1, step=40)), POLICY, NOW, NOW - 0.1, 40)
     assert not verdict.completed and verdict.fault is None
-    exiting = judge(observe(rank(0, alive=False, exit=done), rank(1, alive=True, exit=done)), POLICY, NOW, NOW - 0.1)
+    exiting = judge(observe(rank(0, alive=False, exit=done), rank(1, alive=True, exit=done)), POLICY, NOW, NOW - 0.1, 40)
     assert not exiting.completed and exiting.fault is None
 
 
 def test_stale_heartbeat_is_a_hang_blaming_the_rank_that_got_least_far():
     verdict = judge(observe(rank(0, step=12, beat_age=11), rank(1, step=11, beat_age=12), rank(2, step=12, beat_age=11)),
-                    POLICY, NOW, NOW - 0.1)
+                    POLICY, NOW, NOW - 0.1, 40)
     assert verdict.fault.kind == "hang" and verdict.fault.nodes == ["node-1"]
     assert "no heartbeat for 12.0 s" in verdict.fault.reason
 
 
 def test_starting_ranks_get_the_startup_grace():
     slow_start = rank(0, step=0, beat_age=30, phase="starting")
-    assert judge(observe(slow_start), POLICY, NOW, NOW - 0.1).fault is None
+    assert judge(observe(slow_start), POLICY, NOW, NOW - 0.1, 40).fault is None
     too_slow = rank(0, step=0, beat_age=61, phase="starting")
-    assert judge(observe(too_slow), POLICY, NOW, NOW - 0.1).fault.kind == "hang"
+    assert judge(observe(too_slow), POLICY, NOW, NOW - 0.1, 40).fault.kind == "hang"

@@ -4,167 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime, timedelta, timezone
 
 import pytest
-from temporalio import activity
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from spec import (
-    Assignment,
-    DetectResult,
-    FaultReport,
-    Inventory,
-    NodeRecord,
-    RankProgress,
-    RunStart,
-    RunState,
-    RunStatus,
-    parse_spec,
-)
-from spec.stages import (
-    DetectInput,
-    DrainInput,
-    DrainResult,
-    FaultSignal,
-    LaunchInput,
-    LaunchResult,
-    ReplaceInput,
-    RescheduleInput,
-    ResumeInput,
-    ResumeResult,
-)
+from spec import RunStart, RunState
+from spec.stages import FaultSignal, OperatorRequest
+from tests.workflow.fakes import FakeStages, fault, make_spec, run_workflow
 from workflows.training_run import TrainingRun
-
-ACTIVE = ["node-0", "node-1", "node-2", "node-3"]
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def make_spec(stages: dict | None = None, **recovery):
-    return parse_spec({
-        "name": "wf",
-        "trainer": {"steps": 40},
-        "recovery": {"progress_every_seconds": 1, "capacity_poll_seconds": 5, **recovery, "stages": stages or {}},
-    })
-
-
-def fault(nodes=("node-2",), step=15, incarnation=0) -> FaultReport:
-    at = _now()
-    return FaultReport(kind="node_down", nodes=list(nodes), incarnation=incarnation,
-                       occurred_at=at - timedelta(seconds=0.5), detected_at=at, step=step, reason="test fault")
-
-
-class FakeStages:
-    """The recovery activities, scripted: detect plays `watch` in order; records each call."""
-
-    def __init__(self, watch: list, spares=("node-4",), drain_failures=0, resume_timeouts=0, resume_sleep=0.0,
-                 spare_returns_at_read: int | None = None, spare_dies_before_claim: bool = False):
-        self.watch = list(watch)
-        self.spare_dies_before_claim = spare_dies_before_claim
-        self.spare_returns_at_read = spare_returns_at_read
-        self.spares = list(spares)
-        self.drain_failures = drain_failures
-        self.resume_timeouts = resume_timeouts
-        self.resume_sleep = resume_sleep
-        self.calls: list[tuple[str, int]] = []
-        self.detect_cancelled = asyncio.Event()
-        self.nodes = {name: "active" for name in ACTIVE}
-        self.nodes.update({name: "spare" for name in spares})
-
-    def _called(self, name: str) -> int:
-        attempt = activity.info().attempt
-        self.calls.append((name, attempt))
-        return attempt
-
-    def names(self) -> list[str]:
-        """Activity names in call order, one entry per call (retries included)."""
-        return [name for name, _ in self.calls]
-
-    @activity.defn(name="launch")
-    async def launch(self, request: LaunchInput) -> LaunchResult:
-        self._called("launch")
-        return LaunchResult(run_dir="/nowhere", assignment=Assignment(
-            incarnation=0, nodes=ACTIVE, layout=request.spec.layout, master_port=29400))
-
-    @activity.defn(name="detect")
-    async def detect(self, request: DetectInput) -> DetectResult:
-        self._called("detect")
-        step = self.watch.pop(0) if self.watch else "block"
-        if step == "block":
-            # Watch until cancelled, as the real detect does.
-            try:
-                while True:
-                    activity.heartbeat()
-                    await asyncio.sleep(0.05)
-            except asyncio.CancelledError:
-                self.detect_cancelled.set()
-                raise
-        if step == "done":
-            return DetectResult(completed=True, progress=RankProgress(step=request.total_steps, at=_now()))
-        if isinstance(step, FaultReport):
-            return DetectResult(fault=step.model_copy(update={"incarnation": request.incarnation}),
-                                progress=RankProgress(step=step.step, at=_now()))
-        return DetectResult(progress=RankProgress(step=step, at=_now()))
-
-    @activity.defn(name="drain")
-    async def drain(self, request: DrainInput) -> DrainResult:
-        attempt = self._called("drain")
-        if attempt <= self.drain_failures:
-            raise RuntimeError(f"transient drain failure on attempt {attempt}")
-        for node in request.nodes:
-            self.nodes[node] = "quarantined"
-        return DrainResult(quarantined=request.nodes, stopped_ranks=[0, 1, 2, 3], removed_partial_checkpoints=[20],
-                           in_flight_checkpoint=20)
-
-    @activity.defn(name="reschedule")
-    async def reschedule(self, request: RescheduleInput) -> Inventory:
-        self._called("reschedule")
-        if self.names().count("reschedule") == self.spare_returns_at_read:
-            self.nodes["node-9"] = "spare"  # a repaired node comes back while the run waits
-        return Inventory(nodes=[NodeRecord(name=n, role=role) for n, role in sorted(self.nodes.items())])
-
-    @activity.defn(name="replace_or_reshard")
-    async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
-        self._called("replace_or_reshard")
-        if self.spare_dies_before_claim:
-            self.spare_dies_before_claim = False
-            for spare in request.decision.replacements.values():
-                self.nodes[spare] = "quarantined"
-            raise ApplicationError("node-4 is no longer a free spare", type="SpareUnavailable", non_retryable=True)
-        decision, old = request.decision, request.old_assignment
-        for node in decision.nodes:
-            self.nodes[node] = "active"
-        for node in decision.released_nodes:
-            self.nodes[node] = "spare"
-        return old.model_copy(update={"incarnation": old.incarnation + 1, "nodes": decision.nodes,
-                                      "layout": decision.layout})
-
-    @activity.defn(name="resume")
-    async def resume(self, request: ResumeInput) -> ResumeResult:
-        attempt = self._called("resume")
-        if attempt <= self.resume_timeouts:
-            await asyncio.sleep(self.resume_sleep)  # longer than the stage's timeout
-        return ResumeResult(resumed_from_step=10, first_step_at=_now())
-
-    def all(self) -> list:
-        return [self.launch, self.detect, self.drain, self.reschedule, self.replace_or_reshard, self.resume]
-
-
-async def run_workflow(env, stages: FakeStages, spec, during=None) -> RunStatus:
-    """Run TrainingRun on a fresh task queue against the fakes; `during(handle)` runs alongside."""
-    queue = f"wf-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
-        handle = await env.client.start_workflow(
-            TrainingRun.run, RunStart(run_id=f"run-{uuid.uuid4().hex[:8]}", spec=spec),
-            id=f"run-{uuid.uuid4()}", task_queue=queue)
-        if during is not None:
-            await during(handle)
-        return await handle.result()
 
 
 async def test_stages_run_in_order_and_the_incident_is_recorded(time_skipping_env):
@@ -323,3 +172,88 @@ async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
     assert status.state == RunState.COMPLETED
     [incident] = status.incidents
     assert incident.outcome == "recovered" and incident.new_assignment.incarnation == 1
+
+
+async def start_on(env, stages: FakeStages, spec):
+    queue = f"wf-{uuid.uuid4()}"
+    worker = Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all())
+    handle = await env.client.start_workflow(TrainingRun.run, RunStart(run_id="esc", spec=spec),
+                                             id=f"esc-{uuid.uuid4()}", task_queue=queue)
+    return worker, handle
+
+
+ESCALATING = dict(min_dp=4, capacity_wait_seconds=60, capacity_poll_seconds=10, approval_wait_seconds=3600)
+
+
+async def test_escalation_waits_for_approval_then_reshards_below_the_minimum(time_skipping_env):
+    stages = FakeStages(watch=[fault(), "done"], spares=())
+    worker, handle = await start_on(time_skipping_env, stages, make_spec(**ESCALATING))
+    async with worker:
+        await time_skipping_env.sleep(120)  # past the capacity wait, well inside the approval wait
+        status = await handle.query(TrainingRun.status)
+        assert status.state == RunState.WAITING_FOR_APPROVAL
+        assert status.awaiting_approval.action == "wait" and "below recovery.min_dp=4" in status.awaiting_approval.reason
+        answer = await handle.execute_update(TrainingRun.approve, OperatorRequest(action="reshard_below_minimum"))
+        assert answer.message.startswith("reshard_below_minimum")
+        final = await handle.result()
+    assert final.state == RunState.COMPLETED
+    decision = final.incidents[0].decision
+    assert decision.action == "reshard" and decision.layout.dp == 3 and decision.below_target_dp
+    assert final.interventions[0].kind == "approve"
+
+
+async def test_escalation_wait_longer_then_capacity_returns(time_skipping_env):
+    stages = FakeStages(watch=[fault(), "done"], spares=(), spare_returns_at_read=9)
+    worker, handle = await start_on(time_skipping_env, stages, make_spec(**ESCALATING))
+    async with worker:
+        await time_skipping_env.sleep(120)
+        assert (await handle.query(TrainingRun.status)).state == RunState.WAITING_FOR_APPROVAL
+        await handle.execute_update(TrainingRun.approve, OperatorRequest(action="wait_longer", wait_seconds=600))
+        final = await handle.result()
+    assert final.state == RunState.COMPLETED
+    assert final.incidents[0].decision.replacements == {"node-2": "node-9"}
+    assert stages.names().count("reschedule") == 9
+
+
+async def test_escalation_without_an_answer_stops_the_run(time_skipping_env):
+    stages = FakeStages(watch=[fault(), "done"], spares=())
+    worker, handle = await start_on(time_skipping_env, stages, make_spec(**ESCALATING))
+    async with worker:
+        with pytest.raises(WorkflowFailureError) as failure:
+            await handle.result()
+    message = failure.value.cause.message
+    assert "no operator approved within 3600 s (recovery.approval_wait_seconds)" in message
+    assert "the newest checkpoint is kept" in message
+
+
+async def test_abort_while_waiting_for_approval(time_skipping_env):
+    stages = FakeStages(watch=[fault(), "done"], spares=())
+    worker, handle = await start_on(time_skipping_env, stages, make_spec(**ESCALATING))
+    async with worker:
+        await time_skipping_env.sleep(120)
+        answer = await handle.execute_update(TrainingRun.abort, OperatorRequest(reason="give up"))
+        final = await handle.result()
+    assert "aborted by an operator during recovery" in answer.message
+    assert final.state == RunState.ABORTED and final.incidents[0].outcome == "failed"
+    assert "stop" not in stages.names()  # nothing was running: drain had stopped the ranks
+
+
+async def test_two_hundred_faults_keep_every_history_segment_bounded(time_skipping_env):
+    faults = [fault(step=i) for i in range(200)]
+    stages = FakeStages(watch=[*faults, "done"], spares=[f"spare-{i}" for i in range(200)])
+    spec = make_spec(max_incidents=500, history_limit_events=400)
+    worker, handle = await start_on(time_skipping_env, stages, spec)
+    async with worker:
+        final = await handle.result()
+        lengths, run_id = [], handle.first_execution_run_id
+        while run_id:
+            history = await time_skipping_env.client.get_workflow_handle(handle.id, run_id=run_id).fetch_history()
+            lengths.append(len(history.events))
+            last = history.events[-1]
+            run_id = (last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+                      if last.HasField("workflow_execution_continued_as_new_event_attributes") else None)
+    assert len(final.incidents) == 200 and [i.number for i in final.incidents] == list(range(1, 201))
+    assert all(i.outcome == "recovered" for i in final.incidents)
+    assert final.segments == len(lengths) > 5
+    # A segment ends at the first check past the limit: at most one incident's events beyond it.
+    assert max(lengths) < 400 + 40, lengths

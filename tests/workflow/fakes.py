@@ -1,0 +1,183 @@
+"""Fake recovery activities under the real names, scripted per test, and helpers to run TrainingRun."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import datetime, timedelta, timezone
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Worker
+
+from spec import (
+    Assignment,
+    DetectResult,
+    FaultReport,
+    Inventory,
+    NodeRecord,
+    RankProgress,
+    RunStart,
+    RunStatus,
+    parse_spec,
+)
+from spec.stages import (
+    DetectInput,
+    DrainInput,
+    DrainResult,
+    LaunchInput,
+    LaunchResult,
+    ReplaceInput,
+    RescheduleInput,
+    ResumeInput,
+    ResumeResult,
+    ReturnNodeInput,
+    StopInput,
+    StopResult,
+)
+from workflows.training_run import TrainingRun
+
+ACTIVE = ["node-0", "node-1", "node-2", "node-3"]
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def make_spec(stages: dict | None = None, **recovery):
+    return parse_spec({
+        "name": "wf",
+        "trainer": {"steps": 40},
+        "recovery": {"progress_every_seconds": 1, "capacity_poll_seconds": 5, **recovery, "stages": stages or {}},
+    })
+
+
+def fault(nodes=("node-2",), step=15, incarnation=0) -> FaultReport:
+    at = _now()
+    return FaultReport(kind="node_down", nodes=list(nodes), incarnation=incarnation,
+                       occurred_at=at - timedelta(seconds=0.5), detected_at=at, step=step, reason="test fault")
+
+
+class FakeStages:
+    """The recovery activities, scripted: detect plays `watch` in order; records each call."""
+
+    def __init__(self, watch: list, spares=("node-4",), drain_failures=0, resume_timeouts=0, resume_sleep=0.0,
+                 spare_returns_at_read: int | None = None, spare_dies_before_claim: bool = False,
+                 drain_gate: asyncio.Event | None = None):
+        self.watch = list(watch)
+        self.drain_gate = drain_gate
+        self.spare_dies_before_claim = spare_dies_before_claim
+        self.spare_returns_at_read = spare_returns_at_read
+        self.spares = list(spares)
+        self.drain_failures = drain_failures
+        self.resume_timeouts = resume_timeouts
+        self.resume_sleep = resume_sleep
+        self.calls: list[tuple[str, int]] = []
+        self.detect_cancelled = asyncio.Event()
+        self.nodes = {name: "active" for name in ACTIVE}
+        self.nodes.update({name: "spare" for name in spares})
+
+    def _called(self, name: str) -> int:
+        attempt = activity.info().attempt
+        self.calls.append((name, attempt))
+        return attempt
+
+    def names(self) -> list[str]:
+        """Activity names in call order, one entry per call (retries included)."""
+        return [name for name, _ in self.calls]
+
+    @activity.defn(name="launch")
+    async def launch(self, request: LaunchInput) -> LaunchResult:
+        self._called("launch")
+        return LaunchResult(run_dir="/nowhere", assignment=Assignment(
+            incarnation=0, nodes=ACTIVE, layout=request.spec.layout, master_port=29400))
+
+    @activity.defn(name="detect")
+    async def detect(self, request: DetectInput) -> DetectResult:
+        self._called("detect")
+        step = self.watch.pop(0) if self.watch else "block"
+        if step == "block":
+            # Watch until cancelled, as the real detect does.
+            try:
+                while True:
+                    activity.heartbeat()
+                    await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                self.detect_cancelled.set()
+                raise
+        if step == "done":
+            return DetectResult(completed=True, progress=RankProgress(step=request.total_steps, at=_now()))
+        if isinstance(step, FaultReport):
+            return DetectResult(fault=step.model_copy(update={"incarnation": request.incarnation}),
+                                progress=RankProgress(step=step.step, at=_now()))
+        return DetectResult(progress=RankProgress(step=step, at=_now()))
+
+    @activity.defn(name="drain")
+    async def drain(self, request: DrainInput) -> DrainResult:
+        attempt = self._called("drain")
+        if self.drain_gate is not None:
+            gate, self.drain_gate = self.drain_gate, None
+            await gate.wait()  # the test holds this drain open
+        if attempt <= self.drain_failures:
+            raise RuntimeError(f"transient drain failure on attempt {attempt}")
+        for node in request.nodes:
+            self.nodes[node] = "quarantined"
+        return DrainResult(quarantined=request.nodes, stopped_ranks=[0, 1, 2, 3], removed_partial_checkpoints=[20],
+                           in_flight_checkpoint=20)
+
+    @activity.defn(name="reschedule")
+    async def reschedule(self, request: RescheduleInput) -> Inventory:
+        self._called("reschedule")
+        if self.names().count("reschedule") == self.spare_returns_at_read:
+            self.nodes["node-9"] = "spare"  # a repaired node comes back while the run waits
+        return Inventory(nodes=[NodeRecord(name=n, role=role) for n, role in sorted(self.nodes.items())])
+
+    @activity.defn(name="replace_or_reshard")
+    async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
+        self._called("replace_or_reshard")
+        if self.spare_dies_before_claim:
+            self.spare_dies_before_claim = False
+            for spare in request.decision.replacements.values():
+                self.nodes[spare] = "quarantined"
+            raise ApplicationError("node-4 is no longer a free spare", type="SpareUnavailable", non_retryable=True)
+        decision, old = request.decision, request.old_assignment
+        for node in decision.nodes:
+            self.nodes[node] = "active"
+        for node in decision.released_nodes:
+            self.nodes[node] = "spare"
+        return old.model_copy(update={"incarnation": old.incarnation + 1, "nodes": decision.nodes,
+                                      "layout": decision.layout})
+
+    @activity.defn(name="resume")
+    async def resume(self, request: ResumeInput) -> ResumeResult:
+        attempt = self._called("resume")
+        if attempt <= self.resume_timeouts:
+            await asyncio.sleep(self.resume_sleep)  # longer than the stage's timeout
+        return ResumeResult(resumed_from_step=10, first_step_at=_now())
+
+    @activity.defn(name="stop")
+    async def stop(self, request: StopInput) -> StopResult:
+        self._called("stop")
+        return StopResult(step=17, checkpoint_step=17, clean=True)
+
+    @activity.defn(name="return_node")
+    async def return_node(self, request: ReturnNodeInput) -> Inventory:
+        self._called("return_node")
+        self.nodes[request.node] = "spare"
+        return Inventory(nodes=[NodeRecord(name=n, role=role) for n, role in sorted(self.nodes.items())])
+
+    def all(self) -> list:
+        return [self.launch, self.detect, self.drain, self.reschedule, self.replace_or_reshard, self.resume,
+                self.stop, self.return_node]
+
+
+async def run_workflow(env, stages: FakeStages, spec, during=None) -> RunStatus:
+    """Run TrainingRun on a fresh task queue against the fakes; `during(handle)` runs alongside."""
+    queue = f"wf-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
+        handle = await env.client.start_workflow(
+            TrainingRun.run, RunStart(run_id=f"run-{uuid.uuid4().hex[:8]}", spec=spec),
+            id=f"run-{uuid.uuid4()}", task_queue=queue)
+        if during is not None:
+            await during(handle)
+        return await handle.result()

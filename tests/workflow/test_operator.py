@@ -1,0 +1,163 @@
+"""The operator's updates on a real local Temporal server (fake activities): answers and refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from contextlib import asynccontextmanager
+
+import pytest
+from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.service import RPCError
+from temporalio.worker import Worker
+
+from spec import RunStart, RunState, RunStatus
+from spec.stages import OperatorRequest
+from tests.workflow.fakes import FakeStages, fault, make_spec
+from workflows.training_run import TrainingRun
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@asynccontextmanager
+async def running(env, stages: FakeStages, spec=None):
+    """A TrainingRun on the dev server with a worker over the fakes; yields its handle."""
+    queue = f"op-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
+        handle = await env.client.start_workflow(
+            TrainingRun.run, RunStart(run_id="op", spec=spec or make_spec()), id=f"op-{uuid.uuid4()}", task_queue=queue)
+        yield handle
+
+
+async def state_of(handle: WorkflowHandle) -> RunStatus:
+    return await handle.query(TrainingRun.status)
+
+
+async def until_state(handle: WorkflowHandle, *states: RunState) -> RunStatus:
+    """Query until the run reaches one of `states` (the workflow moves on its own)."""
+    for _ in range(2000):
+        status = await state_of(handle)
+        if status.state in states:
+            return status
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"run never reached {states}; it is {status.state}")
+
+
+async def refused(handle: WorkflowHandle, update, request: OperatorRequest) -> str:
+    with pytest.raises(WorkflowUpdateFailedError) as failure:
+        await handle.execute_update(update, request)
+    return str(failure.value.cause)
+
+
+async def test_pause_checkpoints_and_holds_then_resume_continues(dev_env):
+    stages = FakeStages(watch=["block", "block", "done"])
+    async with running(dev_env, stages) as handle:
+        await until_state(handle, RunState.TRAINING)
+        assert "only a paused run can be resumed" in await refused(handle, TrainingRun.resume, OperatorRequest())
+
+        answer = await handle.execute_update(TrainingRun.pause, OperatorRequest(reason="maintenance"))
+        assert answer.state == "PAUSED" and "checkpoint step-17" in answer.message
+        assert stages.names().count("stop") == 1
+        assert "already paused" in await refused(handle, TrainingRun.pause, OperatorRequest())
+        assert "resume it first" in await refused(handle, TrainingRun.drain_node, OperatorRequest(node="node-1"))
+
+        answer = await handle.execute_update(TrainingRun.resume, OperatorRequest())
+        assert answer.state == "TRAINING"
+        status = await state_of(handle)
+        assert status.assignment.incarnation == 1 and status.assignment.nodes == ["node-0", "node-1", "node-2", "node-3"]
+        assert [i.kind for i in status.interventions] == ["pause", "resume"]
+        assert stages.names().count("resume") == 1 and stages.names().count("replace_or_reshard") == 1
+
+
+async def test_abort_stops_cleanly_and_later_updates_are_refused(dev_env):
+    stages = FakeStages(watch=["block"])
+    async with running(dev_env, stages) as handle:
+        await until_state(handle, RunState.TRAINING)
+        answer = await handle.execute_update(TrainingRun.abort, OperatorRequest(reason="budget cut"))
+        assert "aborted by an operator: budget cut; checkpoint step-17 kept" in answer.message
+        final = await handle.result()
+        assert final.state == RunState.ABORTED and final.ended_at is not None
+        assert stages.names().count("stop") == 1
+        with pytest.raises(RPCError, match="workflow execution already completed"):
+            await handle.execute_update(TrainingRun.abort, OperatorRequest())
+
+
+async def test_drain_node_starts_the_same_recovery_and_refuses_unknown_nodes(dev_env):
+    stages = FakeStages(watch=["block", "block", "done"])
+    async with running(dev_env, stages) as handle:
+        await until_state(handle, RunState.TRAINING)
+        assert "node-9 is not a node of the run's current assignment" in await refused(
+            handle, TrainingRun.drain_node, OperatorRequest(node="node-9"))
+        answer = await handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1", reason="ECC"))
+        assert answer.message == "incident 1: recovered"
+        status = await state_of(handle)
+        [incident] = status.incidents
+        assert incident.fault.kind == "operator" and incident.fault.nodes == ["node-1"] and incident.fault.reason == "ECC"
+        assert status.assignment.nodes == ["node-0", "node-4", "node-2", "node-3"]
+        assert status.quarantined_nodes == ["node-1"]
+
+
+async def test_drain_node_during_another_recovery_runs_after_it(dev_env):
+    gate = asyncio.Event()
+    stages = FakeStages(watch=[fault(nodes=["node-2"]), "block", "done"], spares=("node-4", "node-5"), drain_gate=gate)
+    async with running(dev_env, stages) as handle:
+        await until_state(handle, RunState.DRAINING)
+        drain = asyncio.ensure_future(handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1")))
+        while not (await state_of(handle)).interventions:
+            await asyncio.sleep(0.01)
+        gate.set()  # the first recovery goes on; the operator's drain waits for it
+        answer = await drain
+        assert answer.message == "incident 2: recovered"
+        status = await state_of(handle)
+        first, second = status.incidents
+        assert (first.fault.kind, first.fault.nodes, first.outcome) == ("node_down", ["node-2"], "recovered")
+        assert (second.fault.kind, second.fault.nodes, second.outcome) == ("operator", ["node-1"], "recovered")
+        assert second.stages["drain"].started_at >= first.stages["resume"].ended_at
+        assert status.assignment.nodes == ["node-0", "node-5", "node-4", "node-3"]
+        assert stages.names().count("drain") == 2
+
+
+async def test_return_node_refills_the_pool_and_wakes_a_waiting_run(dev_env):
+    stages = FakeStages(watch=[fault(nodes=["node-2"]), "block", "done"], spares=())
+    spec = make_spec(min_dp=4, capacity_wait_seconds=600, capacity_poll_seconds=300)
+    async with running(dev_env, stages, spec) as handle:
+        assert "node-0 is not quarantined by this run (quarantined: none)" in await refused(
+            handle, TrainingRun.return_node, OperatorRequest(node="node-0"))
+        await until_state(handle, RunState.WAITING_FOR_CAPACITY)
+        answer = await handle.execute_update(TrainingRun.return_node, OperatorRequest(node="node-2"))
+        assert answer.message == "node-2 is a spare again"
+        status = await until_state(handle, RunState.TRAINING)
+        # Woken at once, not at the next 300 s poll: the returned node took its own place back.
+        assert status.incidents[0].decision.replacements == {"node-2": "node-2"}
+        assert status.quarantined_nodes == []
+
+
+async def test_reshard_by_update_and_its_refusals(dev_env):
+    stages = FakeStages(watch=["block", "block", "done"])
+    async with running(dev_env, stages) as handle:
+        await until_state(handle, RunState.TRAINING)
+        assert "reshard needs dp between 1 and the spec's layout.dp 4" in await refused(
+            handle, TrainingRun.reshard, OperatorRequest(dp=9))
+        assert "already trains with dp=4" in await refused(handle, TrainingRun.reshard, OperatorRequest(dp=4))
+        answer = await handle.execute_update(TrainingRun.reshard, OperatorRequest(dp=2))
+        assert answer.message == "operator: reshard dp 4 -> 2; node-2, node-3 back to the spare pool"
+        status = await state_of(handle)
+        assert status.layout.dp == 2 and status.assignment.nodes == ["node-0", "node-1"]
+        assert stages.nodes["node-2"] == "spare"
+
+
+async def test_approve_refused_when_nothing_waits_and_set_policy(dev_env):
+    stages = FakeStages(watch=["block", "done"])
+    async with running(dev_env, stages) as handle:
+        await until_state(handle, RunState.TRAINING)
+        assert "nothing is waiting for approval; the run is TRAINING" in await refused(
+            handle, TrainingRun.approve, OperatorRequest(action="wait_longer"))
+        message = await refused(handle, TrainingRun.set_policy, OperatorRequest(changes={"hang_after_seconds": -5}))
+        assert "recovery.hang_after_seconds: Input should be greater than 0" in message
+        assert "needs changes" in await refused(handle, TrainingRun.set_policy, OperatorRequest())
+        await handle.execute_update(TrainingRun.set_policy, OperatorRequest(
+            changes={"hang_after_seconds": 90, "stages": {"drain": {"max_attempts": 9}}}))
+        status = await state_of(handle)
+        assert status.policy.hang_after_seconds == 90 and status.policy.stages.drain.max_attempts == 9
+        assert status.policy.stages.drain.timeout_seconds == 60  # untouched fields keep their values
+        assert status.interventions[-1].kind == "set_policy"
