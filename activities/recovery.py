@@ -9,6 +9,7 @@ spare twice.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from datetime import datetime, timezone
 
@@ -17,6 +18,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.failpoints import Failpoints
 from activities.health import judge
+from activities.metrics import Metrics
 from infra.local import ClusterError, LocalCluster, free_port
 from spec.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
 from spec.stages import (
@@ -35,6 +37,19 @@ from spec.stages import (
 )
 
 
+def timed(stage: str):
+    """Record the duration of each successful attempt in the stage histogram."""
+    def wrap(method):
+        @functools.wraps(method)
+        async def run(self, request):
+            started = time.monotonic()
+            result = await method(self, request)
+            self.metrics.stage_seconds.labels(stage).observe(time.monotonic() - started)
+            return result
+        return run
+    return wrap
+
+
 def _permanent(error: Exception, kind: str) -> ApplicationError:
     return ApplicationError(str(error), type=kind, non_retryable=True)
 
@@ -42,11 +57,14 @@ def _permanent(error: Exception, kind: str) -> ApplicationError:
 class RecoveryActivities:
     """launch, detect, drain, reschedule, replace_or_reshard and resume, over one backend."""
 
-    def __init__(self, cluster: LocalCluster, failpoints: Failpoints | None = None):
+    def __init__(self, cluster: LocalCluster, failpoints: Failpoints | None = None, metrics: Metrics | None = None):
         self.cluster = cluster
         self.failpoints = failpoints or Failpoints()
+        self.metrics = metrics or Metrics()
+
 
     @activity.defn(name="launch")
+    @timed("launch")
     async def launch(self, request: LaunchInput) -> LaunchResult:
         """Create the run's directory and inventory, assign the active nodes, start incarnation 0."""
         try:
@@ -91,8 +109,12 @@ class RecoveryActivities:
         return DetectResult(fault=fault, completed=verdict.completed, progress=progress)
 
     @activity.defn(name="drain")
+    @timed("drain")
     async def drain(self, request: DrainInput) -> DrainResult:
         """Quarantine the blamed nodes, stop every rank of the incarnation, drop half-written checkpoints."""
+        # Drain runs once per incident: the place to count the incident's detection time.
+        if activity.info().attempt == 1:
+            self.metrics.stage_seconds.labels("detect").observe(request.detect_seconds)
         try:
             self.cluster.update_nodes(request.run_id, {
                 node: {"role": "quarantined", "note": request.reason} for node in request.nodes
@@ -108,11 +130,13 @@ class RecoveryActivities:
                            in_flight_checkpoint=in_flight, in_flight_committed=committed)
 
     @activity.defn(name="reschedule")
+    @timed("reschedule")
     async def reschedule(self, request: RescheduleInput) -> Inventory:
         """The run's inventory: which spares are free, which nodes are quarantined."""
         return self.cluster.inventory(request.run_id)
 
     @activity.defn(name="replace_or_reshard")
+    @timed("replace_or_reshard")
     async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
         """Claim the decided spares and release leftover nodes (exactly once); record the next assignment."""
         old, decision = request.old_assignment, request.decision
@@ -120,12 +144,16 @@ class RecoveryActivities:
                               master_addr=old.master_addr, master_port=free_port())
         claims = [node for node in decision.nodes if node not in old.nodes]
         try:
-            return self.cluster.commit_assignment(request.run_id, proposed, claims=claims,
-                                                  releases=decision.released_nodes)
+            recorded = self.cluster.commit_assignment(request.run_id, proposed, claims=claims,
+                                                      releases=decision.released_nodes)
         except ClusterError as error:
             raise _permanent(error, "SpareUnavailable") from None
+        if recorded == proposed:  # this attempt committed it (a retry finds the first one's)
+            self.metrics.incidents.labels(request.fault_kind, decision.action).inc()
+        return recorded
 
     @activity.defn(name="resume")
+    @timed("resume")
     async def resume(self, request: ResumeInput) -> ResumeResult:
         """Start the incarnation from the newest complete checkpoint; return after its first new step."""
         run_id, incarnation = request.run_id, request.assignment.incarnation
@@ -152,6 +180,7 @@ class RecoveryActivities:
                             first_step_at=datetime.fromtimestamp(first, timezone.utc))
 
     @activity.defn(name="stop")
+    @timed("stop")
     async def stop(self, request: StopInput) -> StopResult:
         """Ask the incarnation to checkpoint and exit; past the timeout, or on a fault, kill it."""
         run_id, incarnation = request.run_id, request.incarnation
@@ -173,6 +202,7 @@ class RecoveryActivities:
                           reason=reason)
 
     @activity.defn(name="return_node")
+    @timed("return_node")
     async def return_node(self, request: ReturnNodeInput) -> Inventory:
         """A repaired node rejoins the run's spare pool."""
         try:

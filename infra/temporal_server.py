@@ -55,8 +55,13 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+SEARCH_ATTRIBUTES = {"LazarusState": "Keyword", "LazarusIncidents": "Int"}
+"""Custom search attributes the workflow keeps current (name -> type), registered at server start."""
+
+
 def dev_server_command(db_file: Path, port: int, ui_port: int) -> list[str]:
-    """The command line of the dev server: loopback only, SQLite persistence, web UI."""
+    """The command line of the dev server: loopback only, SQLite persistence, web UI, search attributes."""
+    attributes = [arg for name, kind in SEARCH_ATTRIBUTES.items() for arg in ("--search-attribute", f"{name}={kind}")]
     return [
         temporal_cli(), "server", "start-dev",
         "--ip", "127.0.0.1",
@@ -65,6 +70,7 @@ def dev_server_command(db_file: Path, port: int, ui_port: int) -> list[str]:
         "--db-filename", str(db_file),
         "--ui-disable-news-fetch",
         "--log-level", "warn",
+        *attributes,
     ]
 
 

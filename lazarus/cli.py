@@ -36,9 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--detach", action="store_true", help="start it in the background and return")
     mode.add_argument("--stop", action="store_true", help="stop a server started with --detach (or by the demo)")
 
-    commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
+    worker = commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
+    worker.add_argument("--metrics-port", type=int, default=int(os.environ.get("LAZARUS_METRICS_PORT", "0")) or None,
+                        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: LAZARUS_METRICS_PORT, else off)")
 
-    run = commands.add_parser("run", help="start a run or read its status")
+    run = commands.add_parser("run", help="start, list, watch, steer and report runs")
     run_commands = run.add_subparsers(dest="run_command", required=True, metavar="ACTION")
     start = run_commands.add_parser("start", help="start a run from a YAML spec")
     start.add_argument("spec", help="path of the run spec (YAML), e.g. examples/demo.yaml")
@@ -46,6 +48,39 @@ def _parser() -> argparse.ArgumentParser:
     status = run_commands.add_parser("status", help="state, step, assignment and incidents of a run")
     status.add_argument("run_id", metavar="RUN")
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
+    listing = run_commands.add_parser("list", help="runs known to Temporal, newest first, with state and incidents")
+    listing.add_argument("--state", help="only runs in this state, e.g. TRAINING (needs the search attributes)")
+    listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    watch = run_commands.add_parser("watch", help="follow a run live: progress bar, state, incidents (Ctrl-C stops watching)")
+    watch.add_argument("run_id", metavar="RUN")
+    report = run_commands.add_parser("report", help="what elasticity cost this run: stage table, ETTR, lost steps, timeline")
+    report.add_argument("run_id", metavar="RUN")
+    report.add_argument("--plot", metavar="FILE", help="write the timeline as a PNG")
+    report.add_argument("--json", action="store_true", help="print the summary as JSON")
+    for name, helptext in (("pause", "checkpoint, stop the ranks, hold the nodes"),
+                           ("resume", "continue a paused run on the nodes it held"),
+                           ("abort", "stop the run cleanly; the newest checkpoint is kept")):
+        command = run_commands.add_parser(name, help=helptext)
+        command.add_argument("run_id", metavar="RUN")
+        command.add_argument("--reason", default="", help="why (recorded in the run's history)")
+    drain = run_commands.add_parser("drain-node", help="treat a node as faulty: the same recovery as a detected fault")
+    drain.add_argument("run_id", metavar="RUN")
+    drain.add_argument("node", metavar="NODE")
+    drain.add_argument("--reason", default="", help="why (recorded on the incident)")
+    back_node = run_commands.add_parser("return-node", help="a repaired node rejoins the run's spare pool")
+    back_node.add_argument("run_id", metavar="RUN")
+    back_node.add_argument("node", metavar="NODE")
+    reshard = run_commands.add_parser("reshard", help="run at DP replicas: checkpoint, stop, re-plan, resume")
+    reshard.add_argument("run_id", metavar="RUN")
+    reshard.add_argument("dp", type=int, metavar="DP")
+    approve = run_commands.add_parser("approve", help="answer an escalation (state WAITING_FOR_APPROVAL)")
+    approve.add_argument("run_id", metavar="RUN")
+    approve.add_argument("action", choices=["reshard-below-minimum", "wait-longer"])
+    approve.add_argument("--wait-seconds", type=float, default=600.0, help="with wait-longer: how much longer (default 600)")
+    policy = run_commands.add_parser("set-policy", help="change recovery policy fields, e.g. hang_after_seconds=60 "
+                                                        "stages.drain.max_attempts=9")
+    policy.add_argument("run_id", metavar="RUN")
+    policy.add_argument("changes", nargs="+", metavar="FIELD=VALUE")
 
     chaos = commands.add_parser("chaos", help="break things on purpose (local backend)")
     chaos_commands = chaos.add_subparsers(dest="chaos_command", required=True, metavar="ACTION")
@@ -134,16 +169,26 @@ def _server(args, settings: Settings) -> int:
         return 0
 
 
-async def _worker(settings: Settings) -> int:
+async def _worker(args, settings: Settings) -> int:
     from activities.failpoints import Failpoints
+    from activities.metrics import Metrics
     from infra.local import LocalCluster
-    from lazarus.worker import build_worker, serve
+    from lazarus.worker import build_worker, count_runs_by_state, serve, serve_metrics
 
     client = await _client(settings)
-    worker = build_worker(client, settings.task_queue, LocalCluster(settings.home), Failpoints.from_environ())
+    metrics = Metrics()
+    worker = build_worker(client, settings.task_queue, LocalCluster(settings.home), Failpoints.from_environ(), metrics)
+    counter = None
+    if args.metrics_port:
+        try:
+            serve_metrics(args.metrics_port, metrics)
+        except OSError as error:
+            raise UserError(f"--metrics-port {args.metrics_port}: {error.strerror}") from None
+        counter = asyncio.ensure_future(count_runs_by_state(client, metrics))
     print(f"worker pid {os.getpid()} on task queue {settings.task_queue!r} at {settings.address}, "
-          f"runs under {settings.home.resolve() / 'runs'}", flush=True)
-    await serve(worker)
+          f"runs under {settings.home.resolve() / 'runs'}"
+          + (f", metrics on http://127.0.0.1:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
+    await serve(worker, counter)
     return 0
 
 
@@ -165,16 +210,39 @@ async def _run(args, settings: Settings) -> int:
         return 0
 
     client = await _client(settings)
-    try:
-        status = await run_status(client, args.run_id)
-    except RPCError as error:
-        raise UserError(f"no status for run {args.run_id}: {error.message}") from None
-    except WorkflowQueryFailedError as error:
-        raise UserError(f"run {args.run_id} did not answer: {error}; is a worker running (`lazarus worker`)?") from None
+    if args.run_command == "list":
+        return await _list(client, args)
+    if args.run_command in UPDATES:
+        return await _update(client, args)
+
+    async def current():
+        try:
+            return await run_status(client, args.run_id)
+        except RPCError as error:
+            raise UserError(f"no status for run {args.run_id}: {error.message}") from None
+        except WorkflowQueryFailedError as error:
+            raise UserError(f"run {args.run_id} did not answer: {error}; is a worker running (`lazarus worker`)?") from None
+
+    if args.run_command == "watch":
+        return await _watch(current)
+    status = await current()
+    if args.run_command == "report":
+        from lazarus.report import plot_timeline, report_text, summarize
+
+        try:
+            summary = summarize(status)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        if args.plot:
+            plot_timeline(status, summary, args.plot)
+        print(json.dumps(summary, indent=2) if args.json else report_text(status, summary))
+        if args.plot and not args.json:
+            print(f"\nTimeline: {args.plot}")
+        return 0
     if args.json:
         print(json.dumps(status.summary(), indent=2))
         return 0
-    from lazarus.demo import stage_table
+    from lazarus.report import stage_table
 
     assignment = status.assignment
     print(f"run {status.run_id}: {status.state.value}, step {status.step}/{status.total_steps}, "
@@ -185,6 +253,94 @@ async def _run(args, settings: Settings) -> int:
         print(f"reason: {status.reason}")
     print(stage_table(status))
     return 0
+
+
+UPDATES = {"pause": "pause", "resume": "resume", "abort": "abort", "drain-node": "drain_node",
+           "return-node": "return_node", "reshard": "reshard", "approve": "approve", "set-policy": "set_policy"}
+
+
+def _policy_changes(pairs: list[str]) -> dict:
+    """FIELD=VALUE pairs (dotted fields nest, values are YAML scalars) as a nested dict."""
+    import yaml
+
+    changes: dict = {}
+    for pair in pairs:
+        field, sep, value = pair.partition("=")
+        if not sep or not field:
+            raise UserError(f"set-policy: {pair!r} is not FIELD=VALUE (e.g. hang_after_seconds=60)")
+        *path, last = field.split(".")
+        target = changes
+        for part in path:
+            target = target.setdefault(part, {})
+        target[last] = yaml.safe_load(value)
+    return changes
+
+
+async def _update(client, args) -> int:
+    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.service import RPCError
+
+    from spec.stages import OperatorRequest
+    from workflows.training_run import TrainingRun
+
+    request = OperatorRequest(
+        reason=getattr(args, "reason", ""), node=getattr(args, "node", None), dp=getattr(args, "dp", None),
+        action=args.action.replace("-", "_") if args.run_command == "approve" else None,
+        wait_seconds=getattr(args, "wait_seconds", 600.0),
+        changes=_policy_changes(args.changes) if args.run_command == "set-policy" else {})
+    update = getattr(TrainingRun, UPDATES[args.run_command])
+    try:
+        answer = await client.get_workflow_handle(args.run_id).execute_update(update, request)
+    except WorkflowUpdateFailedError as error:
+        cause = error.cause
+        raise UserError(f"{args.run_command} refused: {getattr(cause, 'message', None) or cause}") from None
+    except RPCError as error:
+        raise UserError(f"{args.run_command}: run {args.run_id}: {error.message}") from None
+    print(f"{answer.message} (state {answer.state})")
+    return 0
+
+
+async def _list(client, args) -> int:
+    query = "WorkflowType='TrainingRun'" + (f" AND LazarusState='{args.state.upper()}'" if args.state else "")
+    print(f"{'run':<36}{'workflow':<12}{'state':<22}{'incidents':>10}  started")
+    count = 0
+    try:
+        async for execution in client.list_workflows(query, limit=args.limit):
+            attributes = execution.search_attributes
+            state = (attributes.get("LazarusState") or ["-"])[0]
+            incidents = (attributes.get("LazarusIncidents") or ["-"])[0]
+            print(f"{execution.id:<36}{execution.status.name.lower():<12}{state:<22}{incidents!s:>10}  "
+                  f"{execution.start_time:%Y-%m-%d %H:%M:%S}")
+            count += 1
+    except Exception as error:  # noqa: BLE001 - a bad query is the user's: say it in one line
+        raise UserError(f"cannot list runs: {str(error).splitlines()[0]}") from None
+    if not count:
+        print("(no runs)")
+    return 0
+
+
+async def _watch(current) -> int:
+    terminal = {"COMPLETED", "FAILED", "ABORTED"}
+    last_state, incidents = None, 0
+    while True:
+        status = await current()
+        state = status.state.value
+        if state != last_state and last_state is not None:
+            print()
+        if len(status.incidents) > incidents:
+            incident = status.incidents[-1]
+            print(f"\nincident {incident.number}: {incident.fault.kind} on {', '.join(incident.fault.nodes)} "
+                  f"at step {incident.fault.step}")
+            incidents = len(status.incidents)
+        width = 30
+        done = int(width * status.step / status.total_steps)
+        print(f"\r[{'#' * done}{'.' * (width - done)}] {status.step}/{status.total_steps} {state:<22}"
+              f"incarnation {status.assignment.incarnation if status.assignment else '-'}", end="", flush=True)
+        last_state = state
+        if state in terminal:
+            print(f"\n{state}" + (f": {status.reason}" if status.reason else ""))
+            return 0 if state == "COMPLETED" else 1
+        await asyncio.sleep(0.5)
 
 
 def _chaos(args, settings: Settings) -> int:
@@ -260,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
             code = _simulate(args)
         else:
             handler = {"worker": _worker, "run": _run, "demo": _demo}[args.command]
-            code = asyncio.run(handler(settings) if args.command == "worker" else handler(args, settings))
+            code = asyncio.run(handler(args, settings))
     except UserError as error:
         print(f"lazarus: error: {error}", file=sys.stderr)
         code = 2

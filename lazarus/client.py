@@ -5,13 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from temporalio.client import Client, TLSConfig, WorkflowHandle
-from temporalio.common import WorkflowIDReusePolicy
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
 
+from infra.temporal_server import SEARCH_ATTRIBUTES
 from lazarus.config import Settings
-from spec.records import RunStart, RunStatus
+from spec.records import RunStart, RunState, RunStatus
 from spec.run import RunSpec
-from workflows.training_run import TrainingRun
+from workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 
 
 async def connect(settings: Settings) -> Client:
@@ -25,10 +28,25 @@ async def connect(settings: Settings) -> Client:
                                 data_converter=pydantic_data_converter)
 
 
+async def has_search_attributes(client: Client, namespace: str) -> bool:
+    """True when the namespace has LazarusState and LazarusIncidents (`lazarus server` registers them)."""
+    try:
+        response = await client.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace=namespace))
+    except RPCError:
+        return False  # e.g. no permission to ask: run without them
+    return all(name in response.custom_attributes for name in SEARCH_ATTRIBUTES)
+
+
 async def start_run(client: Client, settings: Settings, spec: RunSpec, run_id: str) -> WorkflowHandle:
     """Start the TrainingRun workflow; the run id is the workflow id."""
+    searchable = await has_search_attributes(client, settings.namespace)
+    attributes = TypedSearchAttributes([
+        SearchAttributePair(STATE_ATTRIBUTE, RunState.PENDING.value), SearchAttributePair(INCIDENTS_ATTRIBUTE, 0),
+    ]) if searchable else None
     return await client.start_workflow(
-        TrainingRun.run, RunStart(run_id=run_id, spec=spec), id=run_id, task_queue=settings.task_queue,
+        TrainingRun.run, RunStart(run_id=run_id, spec=spec, search_attributes=searchable), id=run_id,
+        task_queue=settings.task_queue, search_attributes=attributes,
         # A run id names one run directory; reusing it would resume a finished run's state.
         id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
     )

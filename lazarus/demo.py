@@ -17,9 +17,10 @@ from infra.local import LocalCluster
 from infra.temporal_server import port_answers, split_address, start_detached
 from lazarus.client import connect, run_status, start_run
 from lazarus.config import Settings
+from lazarus.report import stage_table
 from lazarus.worker import build_worker
 from spec.contract import RunDir
-from spec.records import STAGES, RunState, RunStatus
+from spec.records import RunState, RunStatus
 from spec.run import RunSpec
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
@@ -60,41 +61,6 @@ async def ensure_server(settings: Settings, say) -> None:
     say(f"starting the Temporal dev server on 127.0.0.1:{port} (web UI on :{port + 1000}, state in {settings.home})")
     pid = await asyncio.to_thread(start_detached, settings.home, port, port + 1000)
     say(f"  server pid {pid}; it stays up for the web UI; stop it with `lazarus server --stop`")
-
-
-def stage_table(status: RunStatus) -> str:
-    """The incidents of a run as a table: each stage's seconds, MTTR, steps lost, decision."""
-    lines = []
-    for incident in status.incidents:
-        fault = incident.fault
-        lines.append(f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step} "
-                     f"({fault.reason})")
-        lines.append(f"  {'stage':<20}{'seconds':>9}")
-        for name in STAGES:
-            stage = incident.stages.get(name)
-            seconds = "-" if stage is None or stage.seconds is None else f"{stage.seconds:.2f}"
-            lines.append(f"  {name:<20}{seconds:>9}")
-        mttr = incident.mttr_seconds
-        lines.append(f"  {'MTTR':<20}{'-' if mttr is None else f'{mttr:.2f}':>9}   (fault -> first new training step)")
-        if incident.decision:
-            lines.append(f"  decision: {incident.decision.reason}")
-        if incident.new_assignment and incident.new_assignment.layout != incident.old_assignment.layout:
-            old, new = incident.old_assignment.layout, incident.new_assignment.layout
-            below = " (below the spec's dp)" if incident.decision and incident.decision.below_target_dp else ""
-            lines.append(f"  layout: dp={old.dp} pp={old.pp} -> dp={new.dp} pp={new.pp}{below}")
-        if incident.discarded_checkpoints or incident.skipped_checkpoints:
-            skipped = ", ".join(f"step-{s} ({why})" for s, why in incident.skipped_checkpoints.items())
-            discarded = ", ".join(f"step-{s}" for s in incident.discarded_checkpoints)
-            lines.append("  checkpoints: " + "; ".join(filter(None, [
-                discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"])))
-        if incident.resumed_from_step is None:
-            lines.append(f"  outcome: {incident.outcome}")
-        else:
-            lines.append(f"  resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
-                         f"outcome: {incident.outcome}")
-    if not lines:
-        lines.append("No incidents: the run trained without a fault.")
-    return "\n".join(lines)
 
 
 async def drive_run(client, settings: Settings, cluster: LocalCluster, spec: RunSpec, run_id: str,

@@ -3,27 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from datetime import timedelta
 
+from prometheus_client import start_http_server
 from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.failpoints import Failpoints
+from activities.metrics import Metrics
 from activities.recovery import RecoveryActivities
 from infra.local import LocalCluster
+from spec.records import RunState
 from workflows.training_run import TrainingRun
 
 
-def build_worker(client: Client, task_queue: str, cluster: LocalCluster, failpoints: Failpoints | None = None) -> Worker:
+def build_worker(client: Client, task_queue: str, cluster: LocalCluster, failpoints: Failpoints | None = None,
+                 metrics: Metrics | None = None) -> Worker:
     """A worker that runs TrainingRun and the activities over `cluster`."""
-    stages = RecoveryActivities(cluster, failpoints)
+    stages = RecoveryActivities(cluster, failpoints, metrics)
     return Worker(
         client,
         task_queue=task_queue,
         workflows=[TrainingRun],
         activities=[stages.launch, stages.detect, stages.drain, stages.reschedule,
-                    stages.replace_or_reshard, stages.resume],
+                    stages.replace_or_reshard, stages.resume, stages.stop, stages.return_node],
         # Shutdown waits this long for running activities; detect is cancelled and retried elsewhere.
         graceful_shutdown_timeout=timedelta(seconds=2),
         # After a worker dies, the run's next workflow task waits this long on the dead
@@ -33,7 +38,25 @@ def build_worker(client: Client, task_queue: str, cluster: LocalCluster, failpoi
     )
 
 
-async def serve(worker: Worker) -> None:
+async def count_runs_by_state(client: Client, metrics: Metrics, every: float = 15.0) -> None:
+    """Keep the runs-by-state gauge current from the LazarusState search attribute (visibility)."""
+    while True:
+        for state in RunState:
+            try:
+                count = await client.count_workflows(f"WorkflowType='TrainingRun' AND LazarusState='{state.value}'")
+            except Exception:  # noqa: BLE001 - a namespace without the attribute: no gauge, no crash
+                return
+            metrics.runs.labels(state.value).set(count.count)
+        await asyncio.sleep(every)
+
+
+def serve_metrics(port: int, metrics: Metrics):
+    """Serve /metrics on 127.0.0.1:port (Prometheus text format); returns the server (shutdown() stops it)."""
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    return server
+
+
+async def serve(worker: Worker, counter: asyncio.Task | None = None) -> None:
     """Run the worker until SIGINT or SIGTERM, then shut it down cleanly."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -41,3 +64,7 @@ async def serve(worker: Worker) -> None:
         loop.add_signal_handler(signum, stop.set)
     async with worker:
         await stop.wait()
+    if counter is not None:
+        counter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await counter

@@ -42,6 +42,7 @@ class DrainInput(Record):
     nodes: list[str] = Field(description="Nodes to quarantine.")
     reason: str = Field(description="Why; recorded on the quarantined nodes.")
     save_grace_seconds: float = Field(1.0, ge=0, description="How long to let a checkpoint being written commit before the ranks are stopped (seconds).")
+    detect_seconds: float = Field(0.0, ge=0, description="The incident's fault-to-report time, for the detect metric (seconds).")
 
 
 class DrainResult(Record):
@@ -66,6 +67,7 @@ class ReplaceInput(Record):
     run_id: str = Field(description="Run id.")
     decision: Decision = Field(description="Reschedule's decision.")
     old_assignment: Assignment = Field(description="Assignment of the failed incarnation.")
+    fault_kind: str = Field("operator", description="Kind of the fault being recovered from; operator for an operator's restart.")
 
 
 class ResumeInput(Record):

@@ -57,9 +57,9 @@ ESCALATE_PATCH = "escalate-to-operator"
 """workflow.patched id: after the capacity wait, wait for an operator's approval (before: fail)."""
 
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("LazarusState")
+"""The run's RunState, for the web UI's list and `temporal workflow list --query`."""
 INCIDENTS_ATTRIBUTE = SearchAttributeKey.for_int("LazarusIncidents")
-SEARCH_ATTRIBUTES = {"LazarusState": "Keyword", "LazarusIncidents": "Int"}
-"""Custom search attributes (name -> type) that `lazarus server` registers."""
+"""How many incidents the run has had."""
 
 TERMINAL = {RunState.COMPLETED, RunState.FAILED, RunState.ABORTED}
 RECOVERING = {RunState.DETECTED, RunState.DRAINING, RunState.RESCHEDULING, RunState.WAITING_FOR_CAPACITY,
@@ -291,8 +291,12 @@ class TrainingRun:
     def set_policy(self, request: OperatorRequest) -> OperatorAnswer:
         """Change recovery policy fields; they apply from the next activity on."""
         self._status.policy = self._merged_policy(request)
+        def dotted(changes: dict, prefix: str = "") -> list[str]:
+            return [item for key, value in changes.items() for item in
+                    (dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"])]
+
         self._status.interventions.append(Intervention(
-            kind="set_policy", detail=", ".join(f"{k}={v}" for k, v in request.changes.items()),
+            kind="set_policy", detail=", ".join(dotted(request.changes)),
             requested_at=workflow.now(), done_at=workflow.now(), outcome="applied"))
         return OperatorAnswer(message="policy updated", state=self._status.state.value)
 
@@ -658,6 +662,7 @@ class TrainingRun:
                 run_id=status.run_id, incarnation=fault.incarnation, nodes=fault.nodes,
                 reason=f"incident {incident.number}: {fault.kind}: {fault.reason}",
                 save_grace_seconds=self._policy.save_grace_seconds,
+                detect_seconds=max(0.0, (fault.detected_at - fault.occurred_at).total_seconds()),
             ), incident)
             status.quarantined_nodes = sorted(set(status.quarantined_nodes) | set(drained.quarantined))
             incident.checkpoint_in_flight = drained.in_flight_checkpoint
@@ -670,7 +675,8 @@ class TrainingRun:
                 try:
                     assignment = await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard,
                                                    ReplaceInput(run_id=status.run_id, decision=decision,
-                                                                old_assignment=status.assignment), incident)
+                                                                old_assignment=status.assignment,
+                                                                fault_kind=fault.kind), incident)
                     break
                 except StageRefused as refused:
                     # A spare that died or was taken since the inventory was read: decide again.

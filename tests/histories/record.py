@@ -1,14 +1,19 @@
-"""Record workflow histories from real runs for the replay test: python tests/histories/record.py
+"""Record workflow histories from real runs for the replay test: .venv/bin/python -m tests.histories.record [NAME...]
 
 Each history comes from a real run (dev server, local backend, trainer processes). When
 TrainingRun changes on purpose, gate the change with workflow.patched and record new
 histories beside the old ones, which keep replaying the unpatched branch:
 
+  *_v1.json          recorded before the operator's updates existed; kept to replay old runs.
   no_spare.json      recorded before resharding existed (waits, then fails); replays the
                      branch of workflows.training_run.RESHARD_PATCH that is not patched.
   hot_spare.json     a node killed, a spare takes its place.
   reshard.json       dp2 x pp2 without a spare: reshard to dp1.
-  no_capacity.json   no spare and min_dp = dp: waits, then fails.
+  no_capacity.json   no spare and min_dp = dp: waits, then fails (recorded before escalation
+                     to an operator existed; replays the unpatched branch of ESCALATE_PATCH).
+  clean.json         a run without a fault.
+  override.json      an operator pauses, resumes, drains a node and reshards (updates).
+  escalation.json    no capacity, the operator approves a reshard below the minimum.
 """
 
 from __future__ import annotations
@@ -23,11 +28,16 @@ from pathlib import Path
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from infra.local import free_port
+from infra.local import LocalCluster, free_port
 from infra.temporal_server import temporal_cli
+from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.demo import run_demo
-from spec import load_spec, parse_spec
+from lazarus.worker import build_worker
+from spec import RunState, load_spec, parse_spec
+from spec.stages import OperatorRequest
+from tests.e2e.conftest import trained_step, wait_for
+from workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 
 HERE = Path(__file__).resolve().parent
 SMALL = HERE.parent / "specs" / "small.yaml"
@@ -41,28 +51,68 @@ def changed(path: Path, **sections) -> object:
     return parse_spec(data)
 
 
-async def record(name: str, spec, kill_at: int | None) -> None:
+async def record(name: str, spec, kill_at: int | None = None, drive=None) -> None:
+    """Run `spec` on a fresh dev server (the demo's way, or `drive(client, settings, cluster, spec)`), save its history."""
     with tempfile.TemporaryDirectory() as home:
         env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_cli(), data_converter=pydantic_data_converter, port=free_port())
+            dev_server_existing_path=temporal_cli(), data_converter=pydantic_data_converter, port=free_port(),
+            search_attributes=[STATE_ATTRIBUTE, INCIDENTS_ATTRIBUTE])
         try:
             settings = Settings(address=env.client.service_client.config.target_host, home=Path(home))
-            with contextlib.redirect_stdout(io.StringIO()):
-                code = await run_demo(settings, spec, kill_at, as_json=True)
+            if drive is None:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    await run_demo(settings, spec, kill_at, as_json=True)
+            else:
+                settings = Settings(address=settings.address, home=Path(home), task_queue="record")
+                cluster = LocalCluster(home)
+                async with build_worker(env.client, settings.task_queue, cluster):
+                    await drive(env.client, settings, cluster, spec)
             [execution] = [w async for w in env.client.list_workflows()]
             history = await env.client.get_workflow_handle(execution.id).fetch_history()
             (HERE / f"{name}.json").write_text(history.to_json())
-            print(f"{name}: exit code {code}, {len(history.events)} events -> {HERE / (name + '.json')}", file=sys.stderr)
+            print(f"{name}: {len(history.events)} events -> {HERE / (name + '.json')}", file=sys.stderr)
         finally:
             await env.shutdown()
 
 
+async def override(client, settings, cluster, spec) -> None:
+    """Pause, resume, drain a node, reshard, let it finish."""
+    run = cluster.run_dir("override")
+    handle = await start_run(client, settings, spec, "override")
+    await asyncio.to_thread(wait_for, lambda: trained_step(run) >= 12, 120, "step 12")
+    await handle.execute_update(TrainingRun.pause, OperatorRequest(reason="record"))
+    await handle.execute_update(TrainingRun.resume, OperatorRequest())
+    await handle.execute_update(TrainingRun.set_policy, OperatorRequest(changes={"hang_after_seconds": 60}))
+    await handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1", reason="record"))
+    await handle.execute_update(TrainingRun.reshard, OperatorRequest(dp=2))
+    await handle.result()
+
+
+async def escalation(client, settings, cluster, spec) -> None:
+    """No spare and min_dp = dp: the run escalates; approve a reshard below the minimum."""
+    run = cluster.run_dir("escalation")
+    handle = await start_run(client, settings, spec, "escalation")
+    await asyncio.to_thread(wait_for, lambda: trained_step(run) >= 12, 120, "step 12")
+    cluster.kill_node("escalation", "node-2")
+    while (await handle.query(TrainingRun.status)).state != RunState.WAITING_FOR_APPROVAL:
+        await asyncio.sleep(0.1)
+    await handle.execute_update(TrainingRun.approve, OperatorRequest(action="reshard_below_minimum"))
+    await handle.result()
+
+
 async def main() -> None:
-    names = set(sys.argv[1:]) or {"hot_spare", "reshard", "no_capacity"}
+    names = set(sys.argv[1:]) or {"hot_spare", "reshard", "clean", "override", "escalation"}
     if "hot_spare" in names:
         await record("hot_spare", load_spec(SMALL), kill_at=15)
     if "reshard" in names:
         await record("reshard", changed(SMALL_PP, cluster={"spare_nodes": 0}), kill_at=15)
+    if "clean" in names:
+        await record("clean", load_spec(SMALL), kill_at=None)
+    if "override" in names:
+        await record("override", load_spec(SMALL), drive=override)
+    if "escalation" in names:
+        await record("escalation", changed(SMALL, cluster={"spare_nodes": 0}, recovery={
+            "min_dp": 4, "capacity_wait_seconds": 2, "capacity_poll_seconds": 1}), drive=escalation)
     if "no_capacity" in names:
         await record("no_capacity", changed(SMALL, cluster={"spare_nodes": 0}, recovery={
             "min_dp": 4, "capacity_wait_seconds": 3, "capacity_poll_seconds": 1}), kill_at=15)

@@ -161,3 +161,24 @@ async def test_approve_refused_when_nothing_waits_and_set_policy(dev_env):
         assert status.policy.hang_after_seconds == 90 and status.policy.stages.drain.max_attempts == 9
         assert status.policy.stages.drain.timeout_seconds == 60  # untouched fields keep their values
         assert status.interventions[-1].kind == "set_policy"
+
+
+async def test_search_attributes_follow_the_runs_state(dev_env):
+    from lazarus.client import start_run
+    from lazarus.config import Settings
+
+    stages = FakeStages(watch=[fault(), "done"])
+    queue, run_id = f"sa-{uuid.uuid4()}", f"sa-{uuid.uuid4().hex[:8]}"
+    async with Worker(dev_env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
+        handle = await start_run(dev_env.client, Settings(task_queue=queue), make_spec(), run_id)
+        await handle.result()
+
+    async def listed() -> list[str]:
+        query = "WorkflowType='TrainingRun' AND LazarusState='COMPLETED' AND LazarusIncidents=1"
+        return [w.id async for w in dev_env.client.list_workflows(query)]
+
+    for _ in range(500):  # visibility catches up with the history shortly after
+        if run_id in await listed():
+            break
+        await asyncio.sleep(0.02)
+    assert await listed() == [run_id]

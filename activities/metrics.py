@@ -1,0 +1,24 @@
+"""Prometheus metrics of the recovery activities (served by the worker, `lazarus worker --metrics-port`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Stages last from milliseconds (reschedule) to minutes (resume at scale).
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    """The worker's metrics, in a registry of their own so tests and workers do not share state."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.stage_seconds = Histogram(
+            "lazarus_stage_seconds", "Duration of a recovery stage's successful activity attempt (detect: fault to report).",
+            ["stage"], buckets=BUCKETS, registry=self.registry)
+        self.incidents = Counter(
+            "lazarus_incidents", "Recoveries by the fault that started them and the decision taken.",
+            ["kind", "decision"], registry=self.registry)
+        self.runs = Gauge(
+            "lazarus_runs", "TrainingRun workflows by state (from the LazarusState search attribute).",
+            ["state"], registry=self.registry)
