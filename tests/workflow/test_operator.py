@@ -102,6 +102,10 @@ async def test_drain_node_during_another_recovery_runs_after_it(dev_env):
     stages = FakeStages(watch=[fault(nodes=["node-2"]), "block", "done"], spares=("node-4", "node-5"), drain_gate=gate)
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.DRAINING)
+        assert "the run is DRAINING; pause once it trains again" in await refused(
+            handle, TrainingRun.pause, OperatorRequest())
+        assert "the run is DRAINING; reshard once it trains" in await refused(
+            handle, TrainingRun.reshard, OperatorRequest(dp=2))
         drain = asyncio.ensure_future(handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1")))
         while not (await state_of(handle)).interventions:
             await asyncio.sleep(0.01)
