@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from infra.local import Observation, RankObservation
 from spec.records import FaultReport
 from spec.run import RecoveryPolicy
+
+
+PROGRAM_ERROR_SETTLE_SECONDS = 2.0
+"""How long after the first rank of a fresh run fails before its first step the others get to
+fail the same way (then it is the program's fault); past it, the first one's node is blamed."""
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,12 @@ def _at(seconds: float) -> datetime:
 
 
 def _ended(rank: RankObservation) -> str:
-    if rank.exit is not None:
-        error = f": {rank.exit['error']}" if rank.exit.get("error") else ""
-        return f"rank {rank.rank} on {rank.node} exited with code {rank.exit['code']}{error}"
-    if rank.returncode is not None and rank.returncode < 0:
-        return f"rank {rank.rank} on {rank.node} was killed by {signal.Signals(-rank.returncode).name}"
-    return f"rank {rank.rank} on {rank.node} ended without an exit record (killed or crashed)"
+    if rank.exit is None:
+        return f"rank {rank.rank} on {rank.node} ended without an exit record (killed with its node)"
+    if rank.exit.get("signal"):
+        return f"rank {rank.rank} on {rank.node} was killed by {rank.exit['signal']}"
+    error = f": {rank.exit['error']}" if rank.exit.get("error") else ""
+    return f"rank {rank.rank} on {rank.node} exited with code {rank.exit['code']}{error}"
 
 
 def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float, total_steps: int) -> Verdict:
@@ -51,6 +55,8 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
 
     def fault(kind: str, blamed: list[RankObservation], occurred: float, reason: str, nodes=None) -> Verdict:
         beats = [r.heartbeat["time"] for r in blamed if r.heartbeat]
+        first = blamed[0] if blamed else None
+        ended = first.exit if first and first.exit else {}
         return Verdict(step, FaultReport(
             kind=kind,
             nodes=sorted(set(nodes or (r.node for r in blamed))),
@@ -60,6 +66,10 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
             step=step,
             last_heartbeat_at=_at(max(beats)) if beats else None,
             reason=reason,
+            rank=first.rank if first else None,
+            exit_code=ended.get("code") if ended and not ended.get("signal") else None,
+            signal=ended.get("signal"),
+            error=ended.get("error", ""),
         ))
 
     if observation.dead_nodes:
@@ -68,18 +78,38 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
         died = min(observation.dead_nodes.values()).timestamp()
         return fault("node_down", blamed, died, f"backend reports node {', '.join(nodes)} dead", nodes)
 
-    gone = [r for r in ranks if r.launched and not r.alive]
-    killed = [r for r in gone if r.exit is None]
-    failed = sorted((r for r in gone if r.exit is not None and r.exit["code"] != 0), key=lambda r: r.exit["time"])
+    # A rank gone without an exit record while its launcher lives: the launcher is about to
+    # write one. Judge it on the next look, when the record says how it ended.
+    gone = [r for r in ranks if r.launched and not r.alive and (r.exit is not None or not r.launcher_alive)]
+    killed = [r for r in gone if r.exit is None or r.exit.get("signal")]
+    failed = sorted((r for r in gone if r.exit is not None and not r.exit.get("signal") and r.exit["code"] != 0),
+                    key=lambda r: r.exit["time"])
     if killed:
         return fault("rank_exit", killed, last_poll, "; ".join(_ended(r) for r in killed))
+    trained = any(r.heartbeat and r.heartbeat.get("first_step_at") for r in ranks)
+    fresh = observation.incarnation == 0
+    if fresh and failed and not trained:
+        # The run's first launch failing before a step: if every rank ends on its own within
+        # a moment of the first, it is the program (a bad flag, a missing file), not a node.
+        first = failed[0]
+        if all(r.exit is not None and not r.alive for r in ranks):
+            return fault("program_error", [first], first.exit["time"],
+                         f"every rank ended before training a step; first: {_ended(first)}")
+        if now - first.exit["time"] < PROGRAM_ERROR_SETTLE_SECONDS:
+            return Verdict(step)
     if failed:
         first = failed[0]
         return fault("rank_exit", [first], first.exit["time"], _ended(first))
 
-    # Ended only once every process is gone too: the exit record is written just before exiting.
-    if ranks and all(r.exit is not None and r.exit["code"] == 0 and not r.alive for r in ranks):
+    # Ended only once every process is gone too (the exit record is written just before a rank
+    # exits, and each node's launcher outlives its ranks by a moment).
+    if ranks and not observation.launchers_alive and all(
+            r.exit is not None and r.exit["code"] == 0 and not r.alive for r in ranks):
         last = min(r.exit["step"] for r in ranks)
+        if fresh and last < total_steps and not trained:
+            return fault("program_error", ranks, max(r.exit["time"] for r in ranks),
+                         f"every rank exited with code 0 at step {last} without training a step "
+                         f"(trainer.steps is {total_steps})")
         return Verdict(last, completed=last >= total_steps, stopped=last < total_steps)
 
     stale = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import shutil
 import time
 from datetime import datetime, timezone
 
@@ -50,6 +51,13 @@ def timed(stage: str):
     return wrap
 
 
+def missing_command(command: list[str]) -> str | None:
+    """Why trainer.command cannot run on this node, or None (`python` is the worker's interpreter)."""
+    if command[0] == "python" or shutil.which(command[0]):
+        return None
+    return f"trainer.command: {command[0]!r} is not an executable on this node (not on PATH, not a file that can run)"
+
+
 def _permanent(error: Exception, kind: str) -> ApplicationError:
     return ApplicationError(str(error), type=kind, non_retryable=True)
 
@@ -67,6 +75,9 @@ class RecoveryActivities:
     @timed("launch")
     async def launch(self, request: LaunchInput) -> LaunchResult:
         """Create the run's directory and inventory, assign the active nodes, start incarnation 0."""
+        missing = missing_command(request.spec.trainer.command)
+        if missing:
+            raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
         try:
             run = self.cluster.create(request.run_id, request.spec)
         except ClusterError as error:
@@ -85,6 +96,8 @@ class RecoveryActivities:
         while True:
             now = time.time()
             verdict = judge(self.cluster.observe(run_id, incarnation), policy, now, last_poll, total_steps)
+            if verdict.fault is not None and verdict.fault.rank is not None:
+                verdict.fault.log_tail = self.cluster.log_tail(run_id, incarnation, verdict.fault.rank)
             if verdict.fault or verdict.completed or verdict.stopped or (until and until(verdict, now)):
                 return verdict, now
             last_poll = now

@@ -25,12 +25,13 @@ from pathlib import Path
 
 from spec.contract import (
     COMMIT_MARKER,
-    ENV_FAIL_AT,
     ENV_INCARNATION,
     ENV_NODE,
+    ENV_NODE_INDEX,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     RunDir,
+    process_start_time,
     read_json,
     write_json_atomic,
 )
@@ -52,7 +53,7 @@ class RankObservation:
     alive: bool
     heartbeat: dict | None = None
     exit: dict | None = None
-    returncode: int | None = None
+    launcher_alive: bool = False
 
 
 @dataclass
@@ -64,20 +65,23 @@ class Observation:
     resume_step: int
     ranks: list[RankObservation] = field(default_factory=list)
     dead_nodes: dict[str, datetime] = field(default_factory=dict)
+    launchers_alive: int = 0
+
+
+@dataclass
+class NodeGroup:
+    """One node of an incarnation: its launcher (a process group with the node's ranks) and their locks."""
+
+    incarnation: int
+    index: int
+    node: str
+    lock: Path
+    pid_file: Path
+    rank_locks: list[tuple[int, Path]]
 
 
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def _start_time(pid: int) -> int | None:
-    """Kernel start time of a process (clock ticks since boot), None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name (field 2) may contain spaces; fields after it are fixed.
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def _lock_is_held(path: Path) -> bool:
@@ -105,12 +109,11 @@ def free_port() -> int:
 class LocalCluster:
     """Runs' nodes as rank processes on this machine, with state under `home/runs/<run_id>`."""
 
-    def __init__(self, home: str | Path, rank_command: list[str] | None = None):
+    def __init__(self, home: str | Path, python: str = sys.executable):
         self.home = Path(home).resolve()
-        # What each rank runs; the built-in trainer unless told otherwise (tests use a stand-in).
-        self.rank_command = rank_command or [sys.executable, "-m", "trainer"]
-        # Rank processes this object started, so their exit codes can be collected and
-        # they do not linger as zombies; after a restart the lock files tell liveness.
+        self.python = python  # the interpreter that runs the node launchers
+        # Launchers this object started, reaped as they end so they do not linger as zombies;
+        # after a restart the lock files tell liveness.
         self._children: dict[tuple[str, int, int], subprocess.Popen] = {}
 
     # --- run state -----------------------------------------------------------------
@@ -237,61 +240,36 @@ class LocalCluster:
             write_json_atomic(launch_file, record)
         resume_step = record["resume_step"]
 
-        layout = assignment.layout
-        spec = RunSpec.model_validate_json(run.spec_file.read_text())
-        planned = {f.node: f"{f.point}:{f.step}" for f in spec.faults if f.incarnation == incarnation}
-        for rank in range(layout.world_size):
-            node = assignment.nodes[layout.node_of_rank(rank)]
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(layout.world_size),
-                "LOCAL_RANK": str(rank % layout.ranks_per_node),
-                "LOCAL_WORLD_SIZE": str(layout.ranks_per_node),
-                "GROUP_RANK": str(layout.node_of_rank(rank)),
-                "MASTER_ADDR": assignment.master_addr,
-                "MASTER_PORT": str(assignment.master_port),
-                "OMP_NUM_THREADS": "1",
-                ENV_RUN_DIR: str(run.root),
-                ENV_INCARNATION: str(incarnation),
-                ENV_NODE: node,
-                ENV_RESUME_STEP: str(resume_step),
-            }
-            env.pop(ENV_FAIL_AT, None)
-            if node in planned:
-                env[ENV_FAIL_AT] = planned[node]
-            self._spawn(run, run_id, incarnation, rank, node, env)
+        for index, node in enumerate(assignment.nodes):
+            env = {**os.environ, ENV_RUN_DIR: str(run.root), ENV_INCARNATION: str(incarnation), ENV_NODE: node,
+                   ENV_NODE_INDEX: str(index), ENV_RESUME_STEP: str(record["resume_step"])}
+            self._spawn_launcher(run, run_id, incarnation, index, node, env)
         return record
 
-    def _spawn(self, run: RunDir, run_id: str, incarnation: int, rank: int, node: str, env: dict) -> None:
-        lock_path = run.lock_file(incarnation, rank)
+    def _spawn_launcher(self, run: RunDir, run_id: str, incarnation: int, index: int, node: str, env: dict) -> None:
+        """Start the launcher of one node unless one runs; it starts the node's ranks (trainer/launcher.py)."""
+        lock_path = run.node_lock_file(incarnation, index)
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return  # this rank is already running (an earlier attempt started it)
-            if read_json(run.exit_file(incarnation, rank)) is not None:
-                return  # it already ran and ended; restarting it would not rejoin its peers
-            log_path = run.log_file(incarnation, rank)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
+                return  # this node's launcher is running (an earlier attempt started it)
+            log_path = run.incarnation(incarnation) / "nodes" / f"{index}.log"
             with open(log_path, "ab") as log:
                 child = subprocess.Popen(
-                    self.rank_command,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=(fd,),
-                    # Own session: ranks outlive a crashed worker, as they would on a real node.
+                    [self.python, "-m", "trainer.launcher"], env=env, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,),
+                    # Own session: a node outlives a crashed worker, as a real one would.
                     start_new_session=True,
                 )
-            self._children[(run_id, incarnation, rank)] = child
-            write_json_atomic(run.pid_file(incarnation, rank),
-                              {"pid": child.pid, "start_time": _start_time(child.pid), "node": node})
+            self._children[(run_id, incarnation, index)] = child
+            # The launcher records this too, first thing; whichever lands first is the same.
+            write_json_atomic(run.node_pid_file(incarnation, index),
+                              {"pid": child.pid, "pgid": child.pid, "start_time": process_start_time(child.pid), "node": node})
         finally:
-            # The child holds the lock through its inherited copy of the descriptor.
+            # The launcher holds the lock through its inherited copy of the descriptor.
             os.close(fd)
 
     def observe(self, run_id: str, incarnation: int) -> Observation:
@@ -300,96 +278,133 @@ class LocalCluster:
         assignment = self.assignment(run_id, incarnation)
         if assignment is None:
             raise ClusterError(f"incarnation {incarnation} of run {run_id!r} has no assignment")
+        self._reap()
         launch = read_json(run.incarnation(incarnation) / "launch.json") or {}
         inventory = self.inventory(run_id)
         dead = {n.name: n.died_at or _utcnow() for n in inventory.nodes
                 if not n.healthy and n.name in assignment.nodes}
         observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead)
+        launcher_alive = [_lock_is_held(run.node_lock_file(incarnation, index)) for index in range(len(assignment.nodes))]
+        observation.launchers_alive = sum(launcher_alive)
         layout = assignment.layout
         for rank in range(layout.world_size):
-            child = self._children.get((run_id, incarnation, rank))
+            exit_record = read_json(run.exit_file(incarnation, rank))
             observation.ranks.append(RankObservation(
                 rank=rank,
                 node=assignment.nodes[layout.node_of_rank(rank)],
-                launched=run.pid_file(incarnation, rank).exists(),
+                # A rank the launcher could not even start has an exit record and no pid.
+                launched=exit_record is not None or run.pid_file(incarnation, rank).exists(),
                 alive=_lock_is_held(run.lock_file(incarnation, rank)),
                 heartbeat=read_json(run.heartbeat_file(incarnation, rank)),
-                exit=read_json(run.exit_file(incarnation, rank)),
-                returncode=child.poll() if child else None,
+                exit=exit_record,
+                launcher_alive=launcher_alive[layout.node_of_rank(rank)],
             ))
         return observation
 
-    def _rank_pids(self, run: RunDir, incarnation: int) -> list[tuple[int, dict]]:
-        ranks_dir = run.incarnation(incarnation) / "ranks"
-        if not ranks_dir.is_dir():
-            return []
-        found = []
-        for pid_file in sorted(ranks_dir.glob("*.pid")):
-            record = read_json(pid_file)
-            if record is not None:
-                found.append((int(pid_file.stem), record))
-        return found
+    def _reap(self) -> None:
+        """Collect the exit status of launchers that ended, so none lingers as a zombie."""
+        for key, child in list(self._children.items()):
+            if child.poll() is not None:
+                del self._children[key]
 
-    def _kill(self, record: dict) -> None:
-        # Only the process recorded at launch: a recycled pid has another start time.
-        if record.get("start_time") is not None and _start_time(record["pid"]) == record["start_time"]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(record["pid"], signal.SIGKILL)
+    def _node_groups(self, run: RunDir, incarnation: int, node: str | None = None) -> list[NodeGroup]:
+        """Every node (or one) of an incarnation: its launcher's lock and its ranks' locks."""
+        assignment = Assignment.model_validate_json(run.assignment_file(incarnation).read_text())
+        per_node = assignment.layout.ranks_per_node
+        return [NodeGroup(incarnation, index, name, run.node_lock_file(incarnation, index), run.node_pid_file(incarnation, index),
+                          [(rank, run.lock_file(incarnation, rank)) for rank in range(index * per_node, (index + 1) * per_node)])
+                for index, name in enumerate(assignment.nodes) if node is None or name == node]
+
+    def _kill_and_wait(self, groups: list[NodeGroup], timeout: float) -> list[tuple[NodeGroup, list[int]]]:
+        """SIGKILL every live node group (the launcher's process group: it and all its ranks),
+        then wait until every lock is released; returns each group killed with its live ranks.
+
+        Killing the process group rather than recorded pids leaves no gap: a rank holds its
+        lock from the moment it is forked, before anyone could record its pid, and it is in
+        its launcher's group from that moment too.
+        """
+        deadline = time.monotonic() + timeout
+        killed = []
+        for group in groups:
+            ranks = [rank for rank, lock in group.rank_locks if _lock_is_held(lock)]
+            if not ranks and not _lock_is_held(group.lock):
+                continue
+            # The launcher records its group before it starts any rank; wait if it has just started.
+            record = read_json(group.pid_file)
+            while record is None and _lock_is_held(group.lock) and time.monotonic() < deadline:
+                time.sleep(0.005)
+                record = read_json(group.pid_file)
+            if record is not None:
+                # A live lock means the group still has members, so its id cannot have been reused.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(record["pgid"], signal.SIGKILL)
+            killed.append((group, ranks))
+        for group in groups:
+            for what, lock in [("launcher", group.lock)] + [(f"rank {rank}", lock) for rank, lock in group.rank_locks]:
+                while _lock_is_held(lock):
+                    if time.monotonic() > deadline:
+                        raise ClusterError(f"{what} of {group.node} (incarnation {group.incarnation}) is still alive "
+                                           f"{timeout:.0f} s after SIGKILL")
+                    time.sleep(0.005)
+        self._reap()
+        return killed
 
     def stop_incarnation(self, run_id: str, incarnation: int, timeout: float = 30.0) -> list[int]:
-        """SIGKILL every rank of an incarnation and wait until none is alive; returns the ranks killed.
+        """SIGKILL every process of an incarnation (launchers and ranks) and wait until none is alive;
+        returns the ranks that were alive.
 
         After this returns no process of the incarnation exists, so none can still write
         a checkpoint or a heartbeat.
         """
         run = self._existing(run_id)
-        killed = []
-        for rank, record in self._rank_pids(run, incarnation):
-            if _lock_is_held(run.lock_file(incarnation, rank)):
-                self._kill(record)
-                killed.append(rank)
-        self._wait_gone(run_id, run, [(incarnation, rank) for rank, _ in self._rank_pids(run, incarnation)], timeout)
-        return killed
+        killed = self._kill_and_wait(self._node_groups(run, incarnation), timeout)
+        return sorted(rank for _, ranks in killed for rank in ranks)
 
-    def _wait_gone(self, run_id: str, run: RunDir, ranks: list[tuple[int, int]], timeout: float) -> None:
-        """Wait until the processes of (incarnation, rank) have ended: their locks are released."""
-        deadline = time.monotonic() + timeout
-        for incarnation, rank in ranks:
-            while _lock_is_held(run.lock_file(incarnation, rank)):
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"rank {rank} of incarnation {incarnation} is still alive {timeout:.0f} s after SIGKILL")
-                time.sleep(0.005)
-            child = self._children.pop((run_id, incarnation, rank), None)
-            if child:
-                child.wait()
+    def stop_run(self, run_id: str, timeout: float = 30.0) -> None:
+        """SIGKILL every process of every incarnation of a run and wait until none is alive."""
+        run = self.run_dir(run_id)
+        groups = [group for k in run.incarnations() for group in self._node_groups(run, k)]
+        self._kill_and_wait(groups, timeout)
 
     def kill_node(self, run_id: str, node: str) -> list[int]:
         """Chaos: mark a node dead, SIGKILL every process on it, and wait until they are gone.
 
-        Returns the pids killed. The node is marked dead first, with the time just before
-        the kill, so a detector sees a dead node rather than only its ranks' exits.
+        Returns the process groups killed (one per incarnation the node ran in). The node is
+        marked dead first, with the time just before the kill, so a detector sees a dead node
+        rather than only its ranks' exits.
         """
         run = self._existing(run_id)
         self.update_nodes(run_id, {node: {"healthy": False, "died_at": _utcnow(), "note": "killed (chaos kill-node)"}})
-        killed, ranks = [], []
-        for incarnation in run.incarnations():
-            for rank, record in self._rank_pids(run, incarnation):
-                if record.get("node") == node and _lock_is_held(run.lock_file(incarnation, rank)):
-                    self._kill(record)
-                    killed.append(record["pid"])
-                    ranks.append((incarnation, rank))
-        self._wait_gone(run_id, run, ranks, timeout=30.0)
-        return killed
+        groups = [g for k in run.incarnations() for g in self._node_groups(run, k, node)]
+        return [read_json(group.pid_file)["pgid"] for group, _ in self._kill_and_wait(groups, timeout=30.0)
+                if read_json(group.pid_file)]
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node goes back to the pool as a healthy spare."""
         return self.update_nodes(run_id, {node: {"healthy": True, "died_at": None, "role": "spare", "note": "returned"}})
 
+    def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
+        """The last lines of a rank's log ('' if it has none)."""
+        path = self.run_dir(run_id).log_file(incarnation, rank)
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(max(0, path.stat().st_size - 16384))
+                text = handle.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
     def live_pids(self, run_id: str) -> list[int]:
-        """Pids of every rank process of the run that is alive now (any incarnation)."""
+        """Pids of every live process of the run with a pid record (launchers and ranks, any incarnation)."""
         run = self.run_dir(run_id)
-        return [record["pid"] for k in run.incarnations() for rank, record in self._rank_pids(run, k)
-                if _lock_is_held(run.lock_file(k, rank))]
+        pids = []
+        for k in run.incarnations():
+            for group in self._node_groups(run, k):
+                for lock, pid_file in [(group.lock, group.pid_file)] + [(lock, run.pid_file(k, r)) for r, lock in group.rank_locks]:
+                    record = read_json(pid_file)
+                    if _lock_is_held(lock) and record:
+                        pids.append(record["pid"])
+        return pids
 
     def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
         """If a checkpoint was being written when the fault hit, give it `grace` seconds to commit.

@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     watch = run_commands.add_parser("watch", help="follow a run live: progress bar, state, incidents (Ctrl-C stops watching)")
     watch.add_argument("run_id", metavar="RUN")
+    logs = run_commands.add_parser("logs", help="the ranks' stdout and stderr (local backend: read from LAZARUS_HOME)")
+    logs.add_argument("run_id", metavar="RUN")
+    logs.add_argument("--node", help="only this node's ranks (default incarnation: the newest it ran in)")
+    logs.add_argument("--incarnation", type=int, help="this incarnation (default: the newest)")
+    logs.add_argument("--follow", action="store_true", help="keep printing until those ranks end (Ctrl-C stops)")
     report = run_commands.add_parser("report", help="what elasticity cost this run: stage table, ETTR, lost steps, timeline")
     report.add_argument("run_id", metavar="RUN")
     report.add_argument("--plot", metavar="FILE", help="write the timeline as a PNG")
@@ -199,7 +204,11 @@ async def _run(args, settings: Settings) -> int:
     from lazarus.client import run_status, start_run
 
     if args.run_command == "start":
+        from activities.recovery import missing_command
+
         spec = _load(args.spec)
+        if missing_command(spec.trainer.command):
+            raise UserError(missing_command(spec.trainer.command))
         run_id = args.run_id or f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}"
         client = await _client(settings)
         try:
@@ -209,6 +218,17 @@ async def _run(args, settings: Settings) -> int:
         print(f"started run {run_id}\n  status: lazarus run status {run_id}\n  web UI: {settings.workflow_url(run_id)}")
         return 0
 
+    if args.run_command == "logs":
+        from infra.local import LocalCluster
+        from lazarus.logs import LogsError, select, show
+
+        run = LocalCluster(settings.home).run_dir(args.run_id)
+        try:
+            selected = select(run, args.node, args.incarnation)
+        except LogsError as error:
+            raise UserError(f"logs of {args.run_id}: {error}") from None
+        await asyncio.to_thread(show, run, selected, args.follow)
+        return 0
     client = await _client(settings)
     if args.run_command == "list":
         return await _list(client, args)

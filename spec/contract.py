@@ -10,6 +10,7 @@ Environment of every rank process (torchrun's names, plus Lazarus's own):
     LAZARUS_NODE          name of the node the rank runs on
     LAZARUS_RESUME_STEP   checkpoint step to restore (0: start from scratch); chosen by the controller
     LAZARUS_FAIL_AT       injected fault: `step:N` or `checkpoint:N` (the rank SIGKILLs itself there)
+    LAZARUS_NODE_INDEX    (launcher only) the node's index in the assignment
 
 Both sides build paths only through RunDir, so the file layout is written down once:
 
@@ -26,6 +27,8 @@ Both sides build paths only through RunDir, so the file layout is written down o
     <run_dir>/incarnations/K/logs/R.log         rank R's stdout and stderr
     <run_dir>/incarnations/K/samples/R.jsonl    data-loading rank R: sample ids trained per step
     <run_dir>/incarnations/K/stop               the controller asks the ranks to checkpoint and exit
+    <run_dir>/incarnations/K/errors/R.json      torch's @record error file of rank R (TORCHELASTIC_ERROR_FILE)
+    <run_dir>/incarnations/K/nodes/I.lock, .pid the launcher of node I (held while it lives)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ ENV_INCARNATION = "LAZARUS_INCARNATION"
 ENV_NODE = "LAZARUS_NODE"
 ENV_RESUME_STEP = "LAZARUS_RESUME_STEP"
 ENV_FAIL_AT = "LAZARUS_FAIL_AT"
+ENV_NODE_INDEX = "LAZARUS_NODE_INDEX"
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -96,6 +100,17 @@ class RunDir:
     def stop_file(self, k: int) -> Path:
         return self.incarnation(k) / "stop"
 
+    def error_file(self, k: int, rank: int) -> Path:
+        """Where torch's @record writes rank R's exception (TORCHELASTIC_ERROR_FILE)."""
+        return self.incarnation(k) / "errors" / f"{rank}.json"
+
+    def node_lock_file(self, k: int, node_index: int) -> Path:
+        """Held (flock) by the launcher of node `node_index` while it lives."""
+        return self.incarnation(k) / "nodes" / f"{node_index}.lock"
+
+    def node_pid_file(self, k: int, node_index: int) -> Path:
+        return self.incarnation(k) / "nodes" / f"{node_index}.pid"
+
     def incarnations(self) -> list[int]:
         """Incarnations that have an assignment, in order."""
         base = self.root / "incarnations"
@@ -110,9 +125,9 @@ class RunDir:
     def checkpoint_steps(self, complete_only: bool = True) -> list[int]:
         """Steps that have a checkpoint folder (only complete ones by default), ascending.
 
-        A folder is complete when the checkpoint's metadata and the commit marker exist; the
-        marker is written after every rank has finished writing, so a folder without it may
-        be half-written and is never loaded.
+        A folder is complete when its commit marker exists: the marker is written after every
+        rank has finished writing (for torch.distributed.checkpoint, after its metadata), so a
+        folder without it may be half-written and is never loaded.
         """
         if not self.checkpoints.is_dir():
             return []
@@ -121,9 +136,7 @@ class RunDir:
             match = _STEP_DIR.match(entry.name)
             if not match:
                 continue
-            if complete_only and not (
-                (entry / ".metadata").is_file() and (entry / COMMIT_MARKER).is_file()
-            ):
+            if complete_only and not (entry / COMMIT_MARKER).is_file():
                 continue
             steps.append(int(match.group(1)))
         return sorted(steps)
@@ -136,7 +149,7 @@ class RunDir:
         """
         folder = self.checkpoint(step)
         marker = read_json(folder / COMMIT_MARKER) if folder.is_dir() else None
-        if marker is None or not (folder / ".metadata").is_file():
+        if marker is None:
             return "incomplete (no commit marker)"
         for name, expected in marker.get("files", {}).items():
             path = folder / name
@@ -182,6 +195,20 @@ def write_json_atomic(path: Path, data: dict) -> None:
     with open(tmp, "w") as handle:
         json.dump(data, handle)
     os.replace(tmp, path)
+
+
+def process_start_time(pid: int) -> int | None:
+    """Kernel start time of a process (clock ticks since boot), None if it is gone.
+
+    Recorded with a pid so that a later kill can tell the process from another that got
+    the same pid.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name (field 2) may contain spaces; fields after it are fixed.
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def read_json(path: Path) -> dict | None:

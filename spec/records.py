@@ -79,13 +79,13 @@ class Inventory(Record):
         raise KeyError(f"unknown node {name!r}")
 
 
-FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator"]
+FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator", "program_error"]
 
 
 class FaultReport(Record):
     """A fault: which nodes, what kind, when it happened and when it was seen."""
 
-    kind: FaultKind = Field(description="node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; external: reported by signal; operator: drained by an operator.")
+    kind: FaultKind = Field(description="node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; external: reported by signal; operator: drained by an operator; program_error: every rank ended on its own before training a step (no node to blame).")
     nodes: list[str] = Field(description="Nodes blamed for the fault; they are quarantined.")
     incarnation: int = Field(ge=0, description="Incarnation that was running.")
     occurred_at: datetime = Field(description="Best known time of the fault (UTC): the backend's death time, else when it was first seen.")
@@ -93,6 +93,11 @@ class FaultReport(Record):
     step: int = Field(ge=0, description="Last step every rank had completed when the fault was detected.")
     last_heartbeat_at: datetime | None = Field(None, description="Newest heartbeat of the blamed ranks before the fault (UTC).")
     reason: str = Field("", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words.")
+    rank: int | None = Field(None, description="The first rank blamed.")
+    exit_code: int | None = Field(None, description="That rank's exit code, when it exited on its own.")
+    signal: str | None = Field(None, description="The signal that ended that rank, e.g. SIGKILL.")
+    error: str = Field("", description="The exception torch's @record wrote for that rank, if any.")
+    log_tail: str = Field("", description="The last lines of that rank's log.")
 
 
 class RankProgress(Record):

@@ -15,8 +15,24 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+CONTRACT_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+"""Variables the launcher sets for every rank (trainer/CONTRACT.md); trainer.env may not override them."""
+
+BUILT_IN_TRAINER = ["python", "-m", "trainer"]
+"""The default trainer.command: the built-in GPT trainer (`python` is the worker's interpreter)."""
+
+
 class TrainerSettings(Strict):
-    """The built-in GPT-style trainer: model size, schedule and checkpointing."""
+    """What each rank runs, and the built-in GPT trainer's model, schedule and checkpointing.
+
+    `command` may name any torchrun-ready script; it then reads `steps` and `checkpoint_every`
+    (through trainer.session) and the model fields are unused.
+    """
+
+    command: list[str] = Field(default_factory=lambda: list(BUILT_IN_TRAINER), min_length=1,
+                               description="Program each rank runs, as an argv list (no shell); `python` means the worker's interpreter.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for every rank.")
 
     vocab_size: int = Field(64, ge=8, le=65536, description="Vocabulary size of the synthetic token stream (tokens).")
     seq_len: int = Field(32, ge=4, le=4096, description="Tokens per training sample.")
@@ -32,8 +48,19 @@ class TrainerSettings(Strict):
     async_checkpoint: bool = Field(True, description="Write checkpoints from a background thread so training does not wait for the disk.")
     microbatches: int | None = Field(None, ge=1, description="Pipeline microbatches per replica and step, at most (default: 2 x pp); the trainer takes the largest count that divides the replica's share of the batch evenly.")
 
+    @property
+    def built_in(self) -> bool:
+        """True when the ranks run the built-in trainer."""
+        return self.command == BUILT_IN_TRAINER
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TrainerSettings:
+        if len(self.command) == 1 and " " in self.command[0].strip():
+            raise ValueError(f"trainer.command: {self.command[0]!r} is one string; give an argv list, "
+                             f"e.g. [{', '.join(self.command[0].split())}]")
+        reserved = sorted(name for name in self.env if name in CONTRACT_ENV or name.startswith("LAZARUS_"))
+        if reserved:
+            raise ValueError(f"trainer.env: {', '.join(reserved)} set by the launcher for every rank; remove it")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"trainer.n_heads: {self.n_heads} does not divide trainer.d_model {self.d_model}; "
@@ -143,7 +170,7 @@ class RunSpec(Strict):
                 f"recovery.min_dp: {self.recovery.min_dp} exceeds layout.dp {self.layout.dp}; "
                 f"set it between 1 and {self.layout.dp}"
             )
-        if self.layout.pp > self.trainer.n_layers:
+        if self.trainer.built_in and self.layout.pp > self.trainer.n_layers:
             raise ValueError(
                 f"layout.pp: {self.layout.pp} pipeline stages but trainer.n_layers is {self.trainer.n_layers}; "
                 f"every stage needs a block, so set pp to at most {self.trainer.n_layers}"

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from infra.local import free_port
 from infra.temporal_server import temporal_cli, test_server
 from workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE
+
+
+# Property tests check invariants, not speed: no per-example deadline on a loaded 2-core machine.
+settings.register_profile("lazarus", deadline=None)
+settings.load_profile("lazarus")
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ class GPT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.token_embedding is not None:
-            x = self.token_embedding(x) + self.position_embedding(torch.arange(x.shape[1]))
+            x = self.token_embedding(x) + self.position_embedding(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:

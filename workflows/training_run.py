@@ -647,6 +647,10 @@ class TrainingRun:
         """One incident: drain, reschedule, replace, resume. Returns a fault that hit the new
         incarnation before its first step (the next incident), and whether training is done."""
         status = self._status
+        if fault.kind == "program_error":
+            # No node is to blame: replacing nodes would only fail the same way.
+            tail = f"; last lines of rank {fault.rank}'s log:\n{fault.log_tail}" if fault.log_tail else ""
+            raise RunFailed(f"the training program failed: {fault.reason}{tail}")
         if len(status.incidents) >= self._policy.max_incidents:
             raise RunFailed(f"fault after {len(status.incidents)} recoveries (recovery.max_incidents): {fault.reason}")
         incident = Incident(

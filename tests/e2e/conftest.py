@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,12 +12,23 @@ from pathlib import Path
 import pytest
 
 from infra.local import LocalCluster
-from spec import Assignment, load_spec
+from spec import Assignment, RunSpec, load_spec
 from spec.contract import RunDir
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 SMALL_SPEC = SPECS / "small.yaml"
 SMALL_PP_SPEC = SPECS / "small-pp.yaml"
+
+
+REPO = Path(__file__).resolve().parents[2]
+USER_DDP_SPEC = SPECS / "user-ddp.yaml"
+
+
+def with_absolute_command(spec: RunSpec) -> RunSpec:
+    """The spec with a script path in trainer.command made absolute (relative to the repository)."""
+    command = [part if not part.endswith(".py") or Path(part).is_absolute() else str(REPO / part)
+               for part in spec.trainer.command]
+    return spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"command": command})})
 
 
 def wait_for(condition, timeout: float, what: str, every: float = 0.02):
@@ -49,14 +59,10 @@ def trained_step(run: RunDir) -> int:
 
 
 def kill_rank_processes(home: Path) -> None:
-    """SIGKILL every rank process still alive under `home` (a failed test must not leak them)."""
+    """SIGKILL every launcher and rank still alive under `home` (a failed test must not leak them)."""
     cluster = LocalCluster(home)
     for run in (home / "runs").glob("*") if (home / "runs").is_dir() else []:
-        for pid in cluster.live_pids(run.name):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        cluster.stop_run(run.name)
 
 
 @pytest.fixture
@@ -70,7 +76,7 @@ def home(tmp_path):
 
 def _train_without_fault(home: Path, spec_path: Path) -> dict[int, float]:
     """Train a spec once without any fault and without Temporal; returns step -> loss."""
-    spec = load_spec(spec_path)
+    spec = with_absolute_command(load_spec(spec_path))
     cluster = LocalCluster(home)
     try:
         cluster.create("reference", spec)
@@ -84,7 +90,8 @@ def _train_without_fault(home: Path, spec_path: Path) -> dict[int, float]:
             assert not any(r.exit and r.exit["code"] for r in ranks), [r.exit for r in ranks]
             return all(r.exit is not None and not r.alive for r in ranks)
 
-        wait_for(finished, 180, f"the reference run of {spec_path.name} to finish", every=0.1)
+        wait_for(lambda: finished() and not cluster.observe("reference", 0).launchers_alive, 180,
+                 f"the reference run of {spec_path.name} to finish", every=0.1)
     finally:
         kill_rank_processes(home)
     result = losses(cluster.run_dir("reference"))

@@ -12,14 +12,15 @@ POLICY = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=60)
 NOW = 1_000_000.0
 
 
-def rank(r, step=7, alive=True, exit=None, beat_age=0.5, phase="training", returncode=None):
+def rank(r, step=7, alive=True, exit=None, beat_age=0.5, phase="training"):
     heartbeat = {"rank": r, "step": step, "phase": phase, "time": NOW - beat_age}
     return RankObservation(rank=r, node=f"node-{r}", launched=True, alive=alive, heartbeat=heartbeat,
-                           exit=exit, returncode=returncode)
+                           exit=exit)
 
 
-def observe(*ranks, dead=None):
-    return Observation(incarnation=2, launched_at=NOW - 100, resume_step=0, ranks=list(ranks), dead_nodes=dead or {})
+def observe(*ranks, dead=None, incarnation=2):
+    return Observation(incarnation=incarnation, launched_at=NOW - 100, resume_step=0, ranks=list(ranks),
+                       dead_nodes=dead or {})
 
 
 def test_healthy_ranks_report_the_slowest_step():
@@ -37,7 +38,8 @@ def test_node_the_backend_saw_die_is_blamed_with_its_death_time():
 
 def test_killed_rank_is_blamed_not_the_peers_that_failed_after_it():
     collateral = {"code": 1, "time": NOW - 0.05, "step": 7, "error": "Connection reset by peer"}
-    verdict = judge(observe(rank(0, alive=False, exit=collateral), rank(1, alive=False, returncode=-9), rank(2)),
+    sigkill = {"code": -9, "signal": "SIGKILL", "time": NOW - 0.06, "step": 7, "error": "", "by": "launcher"}
+    verdict = judge(observe(rank(0, alive=False, exit=collateral), rank(1, alive=False, exit=sigkill), rank(2)),
                     POLICY, NOW, NOW - 0.1, 40)
     assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-1"]
     assert "killed by SIGKILL" in verdict.fault.reason
@@ -86,3 +88,26 @@ def test_starting_ranks_get_the_startup_grace():
     assert judge(observe(slow_start), POLICY, NOW, NOW - 0.1, 40).fault is None
     too_slow = rank(0, step=0, beat_age=61, phase="starting")
     assert judge(observe(too_slow), POLICY, NOW, NOW - 0.1, 40).fault.kind == "hang"
+
+
+def test_a_rank_gone_while_its_launcher_writes_its_record_is_not_judged_yet():
+    pending = RankObservation(rank=1, node="node-1", launched=True, alive=False, launcher_alive=True,
+                              heartbeat={"rank": 1, "step": 7, "phase": "training", "time": NOW - 0.5})
+    assert judge(observe(rank(0), pending), POLICY, NOW, NOW - 0.1, 40).fault is None
+    pending.launcher_alive = False  # the whole node went: nobody will write it
+    assert judge(observe(rank(0), pending), POLICY, NOW, NOW - 0.1, 40).fault.nodes == ["node-1"]
+
+
+def test_every_rank_failing_before_its_first_step_is_a_program_error():
+    failed = {"code": 3, "time": NOW - 1, "step": 0, "error": "ValueError: no such dataset"}
+    starting = dict(step=0, phase="starting")
+    first_launch = dict(incarnation=0)
+    both = judge(observe(rank(0, alive=False, exit=failed, **starting), rank(1, alive=False, exit=failed, **starting),
+                         **first_launch), POLICY, NOW, NOW - 0.1, 40)
+    assert both.fault.kind == "program_error" and both.fault.exit_code == 3
+    assert "every rank ended before training a step" in both.fault.reason
+    # One rank failed a second ago and the other still runs: give it a moment to fail too...
+    one = observe(rank(0, alive=False, exit=failed, **starting), rank(1, **starting), **first_launch)
+    assert judge(one, POLICY, NOW, NOW - 0.1, 40).fault is None
+    # ...past that, it is that rank's node, recovered as usual.
+    assert judge(one, POLICY, NOW + 5, NOW + 4.9, 40).fault.kind == "rank_exit"

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 import threading
+import time
 
 import pytest
 
@@ -13,31 +11,40 @@ from infra.local import ClusterError, LocalCluster
 from spec import Assignment, parse_spec
 from spec.contract import read_json
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+SLEEPER = ["python", "-c", "import time; time.sleep(600)"]
 
 
 @pytest.fixture
 def cluster(tmp_path):
-    cluster = LocalCluster(tmp_path, rank_command=SLEEPER)
+    cluster = LocalCluster(tmp_path)
     yield cluster
     for run in (tmp_path / "runs").glob("*"):
-        for pid in LocalCluster(tmp_path).live_pids(run.name):
-            os.kill(pid, signal.SIGKILL)
+        cluster.stop_run(run.name)
 
 
 def launch(cluster: LocalCluster, run_id="r1") -> Assignment:
-    spec = parse_spec({"name": "r", "cluster": {"active_nodes": 4, "spare_nodes": 1}})
+    spec = parse_spec({"name": "r", "cluster": {"active_nodes": 4, "spare_nodes": 1}, "trainer": {"command": SLEEPER}})
     cluster.create(run_id, spec)
     assignment = cluster.commit_assignment(run_id, Assignment(
         incarnation=0, nodes=["node-0", "node-1", "node-2", "node-3"], layout=spec.layout, master_port=29999))
     cluster.start_ranks(run_id, 0, resume_step=0)
+    every_rank_alive(cluster, run_id)
     return assignment
+
+
+def every_rank_alive(cluster: LocalCluster, run_id: str, incarnation: int = 0) -> None:
+    """Wait until the launchers have started every rank (they do so in the background)."""
+    deadline = time.monotonic() + 30
+    run = cluster.run_dir(run_id)
+    while not all(r.alive and run.pid_file(incarnation, r.rank).exists() for r in cluster.observe(run_id, incarnation).ranks):
+        assert time.monotonic() < deadline, "the launchers did not start every rank within 30 s"
+        time.sleep(0.01)
 
 
 def test_launch_twice_starts_each_rank_once(cluster):
     launch(cluster)
     first = sorted(cluster.live_pids("r1"))
-    assert len(first) == 4
+    assert len(first) == 8  # a launcher and a rank per node
     assert cluster.start_ranks("r1", 0, resume_step=99)["resume_step"] == 0  # the first launch's stays
     assert sorted(cluster.live_pids("r1")) == first
 
@@ -46,8 +53,10 @@ def test_kill_node_kills_its_ranks_and_marks_it_dead(cluster):
     launch(cluster)
     before = cluster.observe("r1", 0)
     [victim] = [r for r in before.ranks if r.node == "node-2"]
-    pid_of = {r: read_json(cluster.run_dir("r1").pid_file(0, r))["pid"] for r in range(4)}
-    assert cluster.kill_node("r1", "node-2") == [pid_of[victim.rank]]
+    run = cluster.run_dir("r1")
+    launcher = read_json(run.node_pid_file(0, 2))
+    assert launcher["pgid"] == launcher["pid"]  # the launcher leads its node's process group
+    assert cluster.kill_node("r1", "node-2") == [launcher["pgid"]]
     after = cluster.observe("r1", 0)
     assert [r.alive for r in after.ranks] == [True, True, False, True]
     assert list(after.dead_nodes) == ["node-2"]
@@ -62,7 +71,7 @@ def test_kill_unknown_node_is_a_clear_error(cluster):
 
 def test_a_new_controller_sees_and_stops_ranks_it_did_not_start(cluster, tmp_path):
     launch(cluster)
-    restarted = LocalCluster(tmp_path, rank_command=SLEEPER)
+    restarted = LocalCluster(tmp_path)
     assert all(r.alive for r in restarted.observe("r1", 0).ranks)
     assert sorted(restarted.stop_incarnation("r1", 0)) == [0, 1, 2, 3]
     assert not any(r.alive for r in restarted.observe("r1", 0).ranks)
@@ -83,13 +92,32 @@ def test_spares_are_claimed_exactly_once(cluster):
         cluster.commit_assignment("r1", proposal.model_copy(update={"incarnation": 2}), claims=["node-4"])
 
 
+def test_stop_right_after_start_leaves_no_process(cluster):
+    # Before the launchers have recorded anything: the process groups still catch every rank.
+    for attempt in range(3):
+        run_id = f"early-{attempt}"
+        spec = parse_spec({"name": "r", "trainer": {"command": SLEEPER}})
+        cluster.create(run_id, spec)
+        cluster.commit_assignment(run_id, Assignment(incarnation=0, nodes=[f"node-{i}" for i in range(4)],
+                                                     layout=spec.layout, master_port=29999))
+        cluster.start_ranks(run_id, 0, resume_step=0)
+        cluster.stop_incarnation(run_id, 0)
+        assert cluster.live_pids(run_id) == [] and not any(r.alive for r in cluster.observe(run_id, 0).ranks)
+
+
 def test_a_rank_that_ended_is_not_restarted(cluster):
-    launch(cluster)
+    spec = parse_spec({"name": "r", "cluster": {"active_nodes": 4, "spare_nodes": 1}, "trainer": {"command": SLEEPER}})
+    cluster.create("r1", spec)
+    cluster.commit_assignment("r1", Assignment(incarnation=0, nodes=["node-0", "node-1", "node-2", "node-3"],
+                                               layout=spec.layout, master_port=29999))
     run = cluster.run_dir("r1")
-    cluster.stop_incarnation("r1", 0)
     run.exit_file(0, 1).parent.mkdir(parents=True, exist_ok=True)
     run.exit_file(0, 1).write_text('{"rank": 1, "code": 0, "time": 0, "step": 5, "error": ""}')
     cluster.start_ranks("r1", 0, resume_step=0)
+    deadline = time.monotonic() + 30
+    while sum(r.alive for r in cluster.observe("r1", 0).ranks) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     assert [r.alive for r in cluster.observe("r1", 0).ranks] == [True, False, True, True]
 
 

@@ -1,0 +1,76 @@
+"""A user's own DDP script under Lazarus: recovery from its own checkpoint, logs, bad commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from infra.local import LocalCluster
+from lazarus.config import Settings
+from lazarus.demo import drive_run
+from lazarus.worker import build_worker
+from spec import RunState, load_spec, parse_spec
+from tests.e2e.conftest import USER_DDP_SPEC, losses, with_absolute_command
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+async def run_spec(dev_env, home, spec, kill_at):
+    settings = Settings(task_queue=f"byo-{uuid.uuid4().hex[:8]}", home=home)
+    cluster = LocalCluster(home)
+    run_id = f"{spec.name}-{uuid.uuid4().hex[:6]}"
+    async with build_worker(dev_env.client, settings.task_queue, cluster):
+        status = await drive_run(dev_env.client, settings, cluster, spec, run_id, kill_at, say=lambda _: None)
+    return status, cluster, run_id
+
+
+async def test_user_ddp_script_resumes_from_its_own_checkpoint(dev_env, home, reference):
+    spec = with_absolute_command(load_spec(USER_DDP_SPEC))
+    status, cluster, run_id = await run_spec(dev_env, home, spec, kill_at=60)
+
+    assert status.state == RunState.COMPLETED and status.step == 150
+    [incident] = status.incidents
+    assert incident.fault.kind == "node_down" and incident.resumed_from_step == 50
+    run = cluster.run_dir(run_id)
+    # The script restored its own state.pt of step 50, then trained 51..150 as if nothing happened.
+    assert (run.checkpoint(150) / "state.pt").exists()
+    resumed = losses(run, incarnation=1)
+    assert sorted(resumed) == list(range(51, 151))
+    expected = reference(USER_DDP_SPEC)
+    assert {s: loss for s, loss in resumed.items() if loss != expected[s]} == {}
+
+    # The killed node's logs are kept and shown by `lazarus run logs`.
+    killed = incident.fault.nodes[0]
+    shown = subprocess.run([sys.executable, "-m", "lazarus.cli", "run", "logs", run_id, "--node", killed],
+                           env={"LAZARUS_HOME": str(home)}, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    rank = incident.old_assignment.nodes.index(killed)
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"{killed} rank {rank} | rank {rank} of 4: training steps 1..150"
+    assert all(line.startswith(f"{killed} rank {rank} | ") for line in lines)
+
+
+async def test_a_command_that_exits_at_once_fails_the_run_with_its_log(dev_env, home):
+    spec = parse_spec({"name": "bad-exit", "trainer": {
+        "command": ["python", "-c", "import sys; print('bad config: no such dataset'); sys.exit(3)"]}})
+    status, _, _ = await run_spec(dev_env, home, spec, kill_at=None)
+    assert status.state == RunState.FAILED
+    assert "the training program failed: every rank ended before training a step" in status.reason
+    assert "exited with code 3" in status.reason and "bad config: no such dataset" in status.reason
+    assert status.incidents == []  # no node was blamed, no spare was spent
+
+
+async def test_a_command_that_does_not_exist_is_refused(dev_env, home, tmp_path):
+    spec = parse_spec({"name": "no-cmd", "trainer": {"command": ["no-such-trainer-binary", "--steps", "5"]}})
+    status, _, _ = await run_spec(dev_env, home, spec, kill_at=None)
+    assert status.state == RunState.FAILED
+    assert "launch refused (CommandNotFound): trainer.command: 'no-such-trainer-binary' is not an executable" in status.reason
+    path = tmp_path / "no-cmd.yaml"
+    path.write_text("name: no-cmd\ntrainer:\n  command: [no-such-trainer-binary]\n")
+    done = subprocess.run([sys.executable, "-m", "lazarus.cli", "run", "start", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "'no-such-trainer-binary' is not an executable on this node" in done.stderr

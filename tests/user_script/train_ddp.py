@@ -1,0 +1,66 @@
+"""A plain torchrun DDP training script, as a user writes one, made recoverable with trainer.session.
+
+Under torchrun alone it would read RANK/WORLD_SIZE/MASTER_* and train; under Lazarus the same
+environment is set by the node launcher, and the session tells it where to resume from.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.session import TrainingSession
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's data for a step: the same for the same (step, rank), whatever happened before."""
+    generator = torch.Generator().manual_seed(10_000 * step + rank)
+    inputs = torch.randn(256, 64, generator=generator)
+    return inputs, torch.sin(inputs).sum(dim=1, keepdim=True)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    session = TrainingSession.from_environ()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+    # DDP rebuilds its gradient buckets after the first step of every process, so the first
+    # step after a restart would sum gradients in another order than the uninterrupted run
+    # did. With find_unused_parameters it never rebuilds: resumed runs stay bit-identical.
+    ddp = DDP(model, find_unused_parameters=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+
+    step = 0
+    if session.resume_checkpoint:
+        state = torch.load(session.resume_checkpoint / "state.pt")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+
+    print(f"rank {rank} of {world}: training steps {step + 1}..{session.total_steps}", flush=True)
+    while step < session.total_steps:
+        step += 1
+        inputs, targets = batch(step, rank)
+        loss = F.mse_loss(ddp(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        session.step_done(step, mean_loss.item() / world)
+        if session.checkpoint_due(step):
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                           session.checkpoint_dir(step) / "state.pt")
+            dist.barrier()
+            session.commit_checkpoint(step)
+    session.finish(step)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""One node's launcher: starts the node's ranks of an incarnation with torchrun's environment,
+and records how each one ended.
+
+Run by the backend as `python -m trainer.launcher` with LAZARUS_RUN_DIR, LAZARUS_INCARNATION,
+LAZARUS_NODE, LAZARUS_NODE_INDEX and LAZARUS_RESUME_STEP set (trainer/CONTRACT.md).
+
+Why not torchrun as the per-node launcher: its agent imports torch before it starts a rank
+(one to three seconds on a loaded node, paid again on every recovery), hosts the rendezvous
+store inside the agent of node 0 (so losing that node's agent takes the store with it), and
+cannot keep warm standbys. This launcher does what a static-rendezvous torchrun agent does
+for the rank (the same environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_ERROR_FILE), and
+nothing torch-specific, so it starts in milliseconds. Rank 0 of the job hosts the store, as
+under a plain torchrun.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spec.contract import (
+    ENV_FAIL_AT,
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_NODE_INDEX,
+    ENV_RUN_DIR,
+    RunDir,
+    process_start_time,
+    read_json,
+    write_json_atomic,
+)
+from spec.records import Assignment
+from spec.run import BUILT_IN_TRAINER, RunSpec
+
+
+def rank_command(command: list[str]) -> list[str]:
+    """The argv to run: `python` (and the built-in trainer) mean this interpreter."""
+    return [sys.executable, *command[1:]] if command[0] == "python" or command == BUILT_IN_TRAINER else list(command)
+
+
+def rank_environment(spec: RunSpec, assignment: Assignment, run: RunDir, incarnation: int, node_index: int,
+                     rank: int, base: dict) -> dict:
+    """torchrun's environment for one rank, plus the contract's and the spec's variables."""
+    layout = assignment.layout
+    env = {**base, **spec.trainer.env}
+    env.pop(ENV_FAIL_AT, None)
+    env.update({
+        "RANK": str(rank),
+        "WORLD_SIZE": str(layout.world_size),
+        "LOCAL_RANK": str(rank % layout.ranks_per_node),
+        "LOCAL_WORLD_SIZE": str(layout.ranks_per_node),
+        "GROUP_RANK": str(node_index),
+        "GROUP_WORLD_SIZE": str(len(assignment.nodes)),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(layout.world_size),
+        "MASTER_ADDR": assignment.master_addr,
+        "MASTER_PORT": str(assignment.master_port),
+        "TORCHELASTIC_RUN_ID": run.root.name,
+        "TORCHELASTIC_RESTART_COUNT": str(incarnation),
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_ERROR_FILE": str(run.error_file(incarnation, rank)),
+        # NCCL: fail a broken collective with an error instead of hanging (ignored on CPU).
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+    })
+    planned = {f.node: f"{f.point}:{f.step}" for f in spec.faults if f.incarnation == incarnation}
+    if assignment.nodes[node_index] in planned:
+        env[ENV_FAIL_AT] = planned[assignment.nodes[node_index]]
+    return env
+
+
+def _error_summary(path: Path) -> str:
+    """The exception message torch's @record wrote, if the rank used it."""
+    data = read_json(path)
+    if not data:
+        return ""
+    message = data.get("message", {})
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message).strip().splitlines()[-1] if str(message).strip() else ""
+
+
+def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> None:
+    """Write the rank's exit record unless the rank wrote one itself."""
+    path = run.exit_file(incarnation, rank)
+    if path.exists():
+        return
+    beat = read_json(run.heartbeat_file(incarnation, rank)) or {}
+    record = {"rank": rank, "code": returncode, "step": beat.get("step", 0), "time": time.time(),
+              "error": _error_summary(run.error_file(incarnation, rank)), "by": "launcher"}
+    if returncode < 0:
+        record["signal"] = signal.Signals(-returncode).name
+    write_json_atomic(path, record)
+
+
+def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict) -> int:
+    """Start this node's ranks (those not running and not ended), wait for them; returns 0."""
+    assignment = Assignment.model_validate_json(run.assignment_file(incarnation).read_text())
+    # Record this launcher's process group before any rank exists: the controller kills the
+    # node by killing the group, which its ranks join when they are forked.
+    write_json_atomic(run.node_pid_file(incarnation, node_index), {
+        "pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid()),
+        "node": assignment.nodes[node_index]})
+    spec = RunSpec.model_validate_json(run.spec_file.read_text())
+    layout = assignment.layout
+    command = rank_command(spec.trainer.command)
+    children: dict[int, subprocess.Popen] = {}
+    watched: list[int] = []
+    for rank in range(node_index * layout.ranks_per_node, (node_index + 1) * layout.ranks_per_node):
+        lock_path = run.lock_file(incarnation, rank)
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                watched.append(rank)  # started by an earlier launcher of this node; wait for it too
+                continue
+            if run.exit_file(incarnation, rank).exists():
+                continue  # it ran and ended; a restarted rank could not rejoin its peers
+            env = rank_environment(spec, assignment, run, incarnation, node_index, rank, base_env)
+            log_path = run.log_file(incarnation, rank)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            run.error_file(incarnation, rank).parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as log:
+                try:
+                    # The rank inherits the locked descriptor: the lock lives exactly as long as it does.
+                    child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, pass_fds=(fd,))
+                except OSError as error:
+                    log.write(f"lazarus launcher: cannot start {command[0]}: {error.strerror}\n".encode())
+                    write_json_atomic(run.exit_file(incarnation, rank), {
+                        "rank": rank, "code": 127, "step": 0, "time": time.time(), "by": "launcher",
+                        "error": f"cannot start {command[0]!r}: {error.strerror} (trainer.command)"})
+                    continue
+            children[rank] = child
+            write_json_atomic(run.pid_file(incarnation, rank), {
+                "pid": child.pid, "start_time": process_start_time(child.pid), "node": assignment.nodes[node_index]})
+        finally:
+            os.close(fd)
+    for rank, child in children.items():
+        record_exit(run, incarnation, rank, child.wait())
+    for rank in watched:
+        while _held(run.lock_file(incarnation, rank)):
+            time.sleep(0.05)
+    return 0
+
+
+def _held(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    """Entry point: `python -m trainer.launcher`."""
+    missing = [name for name in (ENV_RUN_DIR, ENV_INCARNATION, ENV_NODE, ENV_NODE_INDEX) if name not in os.environ]
+    if missing:
+        raise SystemExit(f"lazarus launcher: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")
+    run = RunDir(os.environ[ENV_RUN_DIR])
+    sys.exit(launch_node(run, int(os.environ[ENV_INCARNATION]), int(os.environ[ENV_NODE_INDEX]), dict(os.environ)))
+
+
+if __name__ == "__main__":
+    main()

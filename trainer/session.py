@@ -1,0 +1,149 @@
+"""The helper a training script imports to be recoverable under Lazarus (torch only; no controller).
+
+    from trainer.session import TrainingSession
+
+    session = TrainingSession.from_environ()
+    if session.resume_step:                        # restore what you saved at that step
+        state = torch.load(session.checkpoint_dir(session.resume_step) / "model.pt")
+    for step in range(session.resume_step + 1, session.total_steps + 1):
+        loss = train_one_step(...)
+        session.step_done(step, loss)              # heartbeat (every rank), metrics line (rank 0)
+        if session.checkpoint_due(step):
+            torch.save(state, session.checkpoint_dir(step) / f"rank-{rank}.pt")   # your format
+            dist.barrier()
+            session.commit_checkpoint(step)        # rank 0: the manifest, last
+        if session.stop_requested():               # an operator's pause, abort or reshard
+            ...save and commit a checkpoint of this step..., then break
+    session.finish(step)                           # exit record: done at this step
+
+Everything it does is the file contract of trainer/CONTRACT.md, so a script can follow the
+contract without it. It needs only the environment the launcher sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from spec.contract import (
+    COMMIT_MARKER,
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_RESUME_STEP,
+    ENV_RUN_DIR,
+    RunDir,
+    checkpoint_manifest,
+    write_json_atomic,
+)
+from spec.records import Assignment
+from spec.run import RunSpec
+
+
+class TrainingSession:
+    """One rank's view of its run: resume step, checkpoint folders, heartbeats, metrics, exit."""
+
+    def __init__(self, run: RunDir, incarnation: int, rank: int, world_size: int, node: str, resume_step: int):
+        self.run = run
+        self.incarnation = incarnation
+        self.rank = rank
+        self.world_size = world_size
+        self.node = node
+        self.resume_step = resume_step
+        """Step of the checkpoint to restore (0: start from scratch); the controller chose it."""
+        spec = RunSpec.model_validate_json(run.spec_file.read_text())
+        self.total_steps = spec.trainer.steps
+        """trainer.steps: the step at which the run is complete."""
+        self.checkpoint_every = spec.trainer.checkpoint_every
+        """trainer.checkpoint_every: steps between checkpoints."""
+        self.layout = Assignment.model_validate_json(run.assignment_file(incarnation).read_text()).layout
+        self.first_step_at: float | None = None
+        self._metrics = open(run.metrics_file, "a") if rank == 0 else None
+        self.heartbeat(resume_step, "starting")
+
+    @classmethod
+    def from_environ(cls, environ=os.environ) -> TrainingSession:
+        """The session of this process, from the launcher's environment."""
+        missing = [name for name in ("RANK", "WORLD_SIZE", ENV_RUN_DIR, ENV_INCARNATION) if name not in environ]
+        if missing:
+            raise RuntimeError(f"not started by Lazarus: {', '.join(missing)} missing (trainer/CONTRACT.md)")
+        return cls(RunDir(environ[ENV_RUN_DIR]), int(environ[ENV_INCARNATION]), int(environ["RANK"]),
+                   int(environ["WORLD_SIZE"]), environ.get(ENV_NODE, "local"), int(environ.get(ENV_RESUME_STEP, "0")))
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """The folder for the checkpoint of `step` (created); every rank writes into the same one."""
+        folder = self.run.checkpoint(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    @property
+    def resume_checkpoint(self) -> Path | None:
+        """The folder to restore from, or None when starting from scratch."""
+        return self.run.checkpoint(self.resume_step) if self.resume_step else None
+
+    def checkpoint_due(self, step: int) -> bool:
+        """True at every checkpoint_every-th step and at the last one."""
+        return step % self.checkpoint_every == 0 or step == self.total_steps
+
+    def commit_checkpoint(self, step: int) -> None:
+        """Rank 0, after every rank has written `step` (barrier first): write the manifest, last.
+
+        Until then the folder does not count and is never restored.
+        """
+        if self.rank != 0:
+            return
+        folder = self.run.checkpoint(step)
+        write_json_atomic(folder / COMMIT_MARKER, {"step": step, "incarnation": self.incarnation, "time": time.time(),
+                                                   "files": checkpoint_manifest(folder)})
+
+    def heartbeat(self, step: int, phase: str = "training") -> None:
+        """Tell the controller this rank completed `step` (call after every optimizer step)."""
+        now = time.time()
+        if phase == "training" and self.first_step_at is None:
+            self.first_step_at = now
+        record = {"rank": self.rank, "step": step, "phase": phase, "time": now}
+        if self.first_step_at is not None:
+            record["first_step_at"] = self.first_step_at
+        write_json_atomic(self.run.heartbeat_file(self.incarnation, self.rank), record)
+
+    def log_metrics(self, step: int, loss: float, **extra) -> None:
+        """Rank 0: one line of metrics.jsonl for `step` (other ranks: nothing)."""
+        if self._metrics:
+            self._metrics.write(json.dumps({"step": step, "loss": loss, "incarnation": self.incarnation,
+                                            "dp": self.layout.dp, **extra}) + "\n")
+            self._metrics.flush()
+
+    def step_done(self, step: int, loss: float | None = None) -> None:
+        """Heartbeat, and on rank 0 the metrics line: the one call per step."""
+        self.heartbeat(step)
+        if loss is not None:
+            self.log_metrics(step, loss)
+
+    def stop_requested(self, agree=None) -> bool:
+        """Whether the controller asked the run to checkpoint and stop.
+
+        Every rank must stop at the same step, so the answer is rank 0's, shared with a small
+        all-reduce over the default process group (or `agree(flag) -> flag`, e.g. your own
+        collective); call it at the same point of every step on every rank.
+        """
+        asked = self.rank == 0 and self.run.stop_file(self.incarnation).exists()
+        if agree is not None:
+            return bool(agree(asked))
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return asked
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([1.0 if asked else 0.0], device=device)
+        dist.all_reduce(flag)
+        return flag.item() > 0
+
+    def finish(self, step: int, stopped: bool = False) -> None:
+        """Record that this rank ended on its own at `step` (the run is complete at total_steps)."""
+        self.heartbeat(step, "stopped" if stopped else "done")
+        write_json_atomic(self.run.exit_file(self.incarnation, self.rank),
+                          {"rank": self.rank, "code": 0, "step": step, "time": time.time(), "error": ""})
+        if self._metrics:
+            self._metrics.close()
