@@ -31,8 +31,10 @@ from spec.contract import (
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     RunDir,
+    lock_is_held,
     process_start_time,
     read_json,
+    take_lock,
     write_json_atomic,
 )
 from spec.records import Assignment, Inventory, NodeRecord
@@ -82,21 +84,6 @@ class NodeGroup:
 
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def _lock_is_held(path: Path) -> bool:
-    """True while a process holds the flock on `path`."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def free_port() -> int:
@@ -248,14 +235,10 @@ class LocalCluster:
 
     def _spawn_launcher(self, run: RunDir, run_id: str, incarnation: int, index: int, node: str, env: dict) -> None:
         """Start the launcher of one node unless one runs; it starts the node's ranks (trainer/launcher.py)."""
-        lock_path = run.node_lock_file(incarnation, index)
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        fd = take_lock(run.node_lock_file(incarnation, index))
+        if fd is None:
+            return  # this node's launcher is running (an earlier attempt started it)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return  # this node's launcher is running (an earlier attempt started it)
             log_path = run.incarnation(incarnation) / "nodes" / f"{index}.log"
             with open(log_path, "ab") as log:
                 child = subprocess.Popen(
@@ -284,7 +267,7 @@ class LocalCluster:
         dead = {n.name: n.died_at or _utcnow() for n in inventory.nodes
                 if not n.healthy and n.name in assignment.nodes}
         observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead)
-        launcher_alive = [_lock_is_held(run.node_lock_file(incarnation, index)) for index in range(len(assignment.nodes))]
+        launcher_alive = [lock_is_held(run.node_lock_file(incarnation, index)) for index in range(len(assignment.nodes))]
         observation.launchers_alive = sum(launcher_alive)
         layout = assignment.layout
         for rank in range(layout.world_size):
@@ -294,7 +277,7 @@ class LocalCluster:
                 node=assignment.nodes[layout.node_of_rank(rank)],
                 # A rank the launcher could not even start has an exit record and no pid.
                 launched=exit_record is not None or run.pid_file(incarnation, rank).exists(),
-                alive=_lock_is_held(run.lock_file(incarnation, rank)),
+                alive=lock_is_held(run.lock_file(incarnation, rank)),
                 heartbeat=read_json(run.heartbeat_file(incarnation, rank)),
                 exit=exit_record,
                 launcher_alive=launcher_alive[layout.node_of_rank(rank)],
@@ -326,12 +309,12 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         killed = []
         for group in groups:
-            ranks = [rank for rank, lock in group.rank_locks if _lock_is_held(lock)]
-            if not ranks and not _lock_is_held(group.lock):
+            ranks = [rank for rank, lock in group.rank_locks if lock_is_held(lock)]
+            if not ranks and not lock_is_held(group.lock):
                 continue
             # The launcher records its group before it starts any rank; wait if it has just started.
             record = read_json(group.pid_file)
-            while record is None and _lock_is_held(group.lock) and time.monotonic() < deadline:
+            while record is None and lock_is_held(group.lock) and time.monotonic() < deadline:
                 time.sleep(0.005)
                 record = read_json(group.pid_file)
             if record is not None:
@@ -341,7 +324,7 @@ class LocalCluster:
             killed.append((group, ranks))
         for group in groups:
             for what, lock in [("launcher", group.lock)] + [(f"rank {rank}", lock) for rank, lock in group.rank_locks]:
-                while _lock_is_held(lock):
+                while lock_is_held(lock):
                     if time.monotonic() > deadline:
                         raise ClusterError(f"{what} of {group.node} (incarnation {group.incarnation}) is still alive "
                                            f"{timeout:.0f} s after SIGKILL")
@@ -402,7 +385,7 @@ class LocalCluster:
             for group in self._node_groups(run, k):
                 for lock, pid_file in [(group.lock, group.pid_file)] + [(lock, run.pid_file(k, r)) for r, lock in group.rank_locks]:
                     record = read_json(pid_file)
-                    if _lock_is_held(lock) and record:
+                    if lock_is_held(lock) and record:
                         pids.append(record["pid"])
         return pids
 
@@ -423,7 +406,7 @@ class LocalCluster:
         deadline = time.monotonic() + grace
         ranks = range(self.assignment(run_id, incarnation).layout.world_size)
         while not (run.checkpoint(step) / COMMIT_MARKER).is_file():
-            alive = any(_lock_is_held(run.lock_file(incarnation, rank)) for rank in ranks)
+            alive = any(lock_is_held(run.lock_file(incarnation, rank)) for rank in ranks)
             if not alive or time.monotonic() > deadline:
                 return step, False
             time.sleep(0.02)

@@ -33,6 +33,7 @@ Both sides build paths only through RunDir, so the file layout is written down o
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -195,6 +196,37 @@ def write_json_atomic(path: Path, data: dict) -> None:
     with open(tmp, "w") as handle:
         json.dump(data, handle)
     os.replace(tmp, path)
+
+
+def take_lock(path: Path) -> int | None:
+    """An open descriptor holding the exclusive flock on `path`, or None if a live process holds it.
+
+    Liveness locks: the launcher takes a rank's (or the backend a launcher's) lock and hands
+    the descriptor to the child it starts, so the lock lives exactly as long as that process.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def lock_is_held(path: Path) -> bool:
+    """True while a process holds the flock on `path`."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def process_start_time(pid: int) -> int | None:

@@ -16,7 +16,6 @@ under a plain torchrun.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import subprocess
@@ -31,8 +30,10 @@ from spec.contract import (
     ENV_NODE_INDEX,
     ENV_RUN_DIR,
     RunDir,
+    lock_is_held,
     process_start_time,
     read_json,
+    take_lock,
     write_json_atomic,
 )
 from spec.records import Assignment
@@ -114,15 +115,11 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict) 
     children: dict[int, subprocess.Popen] = {}
     watched: list[int] = []
     for rank in range(node_index * layout.ranks_per_node, (node_index + 1) * layout.ranks_per_node):
-        lock_path = run.lock_file(incarnation, rank)
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        fd = take_lock(run.lock_file(incarnation, rank))
+        if fd is None:
+            watched.append(rank)  # started by an earlier launcher of this node; wait for it too
+            continue
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                watched.append(rank)  # started by an earlier launcher of this node; wait for it too
-                continue
             if run.exit_file(incarnation, rank).exists():
                 continue  # it ran and ended; a restarted rank could not rejoin its peers
             env = rank_environment(spec, assignment, run, incarnation, node_index, rank, base_env)
@@ -148,20 +145,9 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict) 
     for rank, child in children.items():
         record_exit(run, incarnation, rank, child.wait())
     for rank in watched:
-        while _held(run.lock_file(incarnation, rank)):
+        while lock_is_held(run.lock_file(incarnation, rank)):
             time.sleep(0.05)
     return 0
-
-
-def _held(path: Path) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 def main() -> None:
