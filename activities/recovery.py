@@ -87,7 +87,7 @@ class RecoveryActivities:
         assignment = self.cluster.commit_assignment(request.run_id, Assignment(
             incarnation=0, nodes=active, layout=request.spec.layout, master_port=free_port(),
         ))
-        self.cluster.start_ranks(request.run_id, 0, resume_step=0)
+        await asyncio.to_thread(self.cluster.start_ranks, request.run_id, 0, 0)
         return LaunchResult(run_dir=str(run.root), assignment=assignment)
 
     async def _watch(self, run_id: str, incarnation: int, policy, total_steps: int, until=None) -> tuple:
@@ -98,6 +98,8 @@ class RecoveryActivities:
             verdict = judge(self.cluster.observe(run_id, incarnation), policy, now, last_poll, total_steps)
             if verdict.fault is not None and verdict.fault.rank is not None:
                 verdict.fault.log_tail = self.cluster.log_tail(run_id, incarnation, verdict.fault.rank)
+            if verdict.completed:
+                await asyncio.to_thread(self.cluster.release_standbys, run_id)
             if verdict.fault or verdict.completed or verdict.stopped or (until and until(verdict, now)):
                 return verdict, now
             last_poll = now
@@ -172,8 +174,9 @@ class RecoveryActivities:
         run_id, incarnation = request.run_id, request.assignment.incarnation
         newest, skipped = await asyncio.to_thread(self.cluster.run_dir(run_id).newest_checkpoint)
         if newest >= request.total_steps:
+            await asyncio.to_thread(self.cluster.release_standbys, run_id)
             return ResumeResult(resumed_from_step=newest, skipped_checkpoints=skipped, completed=True)
-        launch = self.cluster.start_ranks(run_id, incarnation, resume_step=newest, skipped=skipped)
+        launch = await asyncio.to_thread(self.cluster.start_ranks, run_id, incarnation, newest, skipped)
         resumed_from = launch["resume_step"]
         skipped = {int(step): why for step, why in launch.get("skipped", {}).items()}
         await self.failpoints.reach("resume.after_launch")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -227,11 +228,114 @@ class LocalCluster:
             write_json_atomic(launch_file, record)
         resume_step = record["resume_step"]
 
+        spec = RunSpec.model_validate_json(run.spec_file.read_text())
+        if spec.cluster.warm_standby:
+            self._start_warm(run, run_id, spec, assignment, record["resume_step"])
+            return record
         for index, node in enumerate(assignment.nodes):
-            env = {**os.environ, ENV_RUN_DIR: str(run.root), ENV_INCARNATION: str(incarnation), ENV_NODE: node,
-                   ENV_NODE_INDEX: str(index), ENV_RESUME_STEP: str(record["resume_step"])}
-            self._spawn_launcher(run, run_id, incarnation, index, node, env)
+            self._spawn_launcher(run, run_id, incarnation, index, node, self._launcher_env(run, incarnation, index, node,
+                                                                                             record["resume_step"]))
         return record
+
+    @staticmethod
+    def _launcher_env(run: RunDir, incarnation: int, index: int, node: str, resume_step: int) -> dict:
+        return {**os.environ, ENV_RUN_DIR: str(run.root), ENV_INCARNATION: str(incarnation), ENV_NODE: node,
+                ENV_NODE_INDEX: str(index), ENV_RESUME_STEP: str(resume_step)}
+
+    # --- warm standbys (trainer/standby.py) ------------------------------------------
+
+    def _ensure_standby(self, run: RunDir, run_id: str, spec: RunSpec, node: str) -> subprocess.Popen | None:
+        """Start the node's warm standby unless one lives; returns the process if this call started it."""
+        home = run.standby(node)
+        home.mkdir(parents=True, exist_ok=True)
+        if lock_is_held(home / "lock"):
+            return None
+        with contextlib.suppress(FileExistsError):
+            os.mkfifo(home / "orders")
+        env = {**os.environ, **spec.trainer.env, ENV_RUN_DIR: str(run.root), ENV_NODE: node}
+        env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
+        with open(home / "log", "ab") as log:
+            child = subprocess.Popen([self.python, "-m", "trainer.standby"], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._children[(run_id, "standby", node)] = child
+        return child
+
+    def ensure_standbys(self, run_id: str) -> None:
+        """Give every healthy node of the run (active or spare) a warm standby, if the spec asks for them."""
+        run = self._existing(run_id)
+        spec = RunSpec.model_validate_json(run.spec_file.read_text())
+        if spec.cluster.warm_standby:
+            for node in self.inventory(run_id).nodes:
+                if node.healthy and node.role != "quarantined":
+                    self._ensure_standby(run, run_id, spec, node.name)
+
+    def _start_warm(self, run: RunDir, run_id: str, spec: RunSpec, assignment: Assignment, resume_step: int,
+                    timeout: float = 60.0) -> None:
+        """Order each node's standby to start its ranks; wait until each node's launcher exists.
+
+        A node whose standby dies, or does not answer within `timeout` seconds (stuck in
+        its imports), gets a cold launcher instead; should the standby answer later, its
+        launcher finds the node lock taken or the ranks ended, and starts nothing.
+        """
+        incarnation = assignment.incarnation
+        started = {node: self._ensure_standby(run, run_id, spec, node) for node in assignment.nodes}
+        self.ensure_standbys(run_id)  # the spares, so that they are warm before they are needed
+        # O_RDWR keeps the FIFO's buffer alive until the standby opens it, even if it has not yet.
+        writers = {}
+        for index, node in enumerate(assignment.nodes):
+            fd = os.open(run.standby(node) / "orders", os.O_RDWR | os.O_NONBLOCK)
+            os.write(fd, json.dumps({"incarnation": incarnation, "node_index": index,
+                                     "resume_step": resume_step}).encode() + b"\n")
+            writers[index] = fd
+        deadline = time.monotonic() + timeout
+        try:
+            while writers:
+                for index, fd in list(writers.items()):
+                    node = assignment.nodes[index]
+                    if lock_is_held(run.node_lock_file(incarnation, index)) or run.node_pid_file(incarnation, index).exists():
+                        del writers[index]  # its launcher runs (or already ran)
+                        os.close(fd)
+                        continue
+                    child = started[node]
+                    alive = lock_is_held(run.standby(node) / "lock") or (child is not None and child.poll() is None)
+                    if not alive or time.monotonic() > deadline:
+                        del writers[index]
+                        os.close(fd)
+                        self._spawn_launcher(run, run_id, incarnation, index, node,
+                                             self._launcher_env(run, incarnation, index, node, resume_step))
+                time.sleep(0.002)
+        finally:
+            for fd in writers.values():
+                os.close(fd)
+
+    def _kill_standbys(self, run: RunDir, nodes: list[str] | None = None, timeout: float = 30.0) -> None:
+        """SIGKILL the warm standbys of the given nodes (default: all) and wait until they are gone."""
+        base = run.root / "standby"
+        homes = [base / n for n in nodes] if nodes is not None else (sorted(base.iterdir()) if base.is_dir() else [])
+        deadline = time.monotonic() + timeout
+        for home in homes:
+            record = read_json(home / "pid")
+            while record is None and lock_is_held(home / "lock") and time.monotonic() < deadline:
+                time.sleep(0.005)
+                record = read_json(home / "pid")
+            if record is not None and lock_is_held(home / "lock"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(record["pgid"], signal.SIGKILL)
+            while lock_is_held(home / "lock"):
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"standby of {home.name} is still alive {timeout:.0f} s after SIGKILL")
+                time.sleep(0.005)
+        # A standby started by this object but killed before it took its lock.
+        for key, child in list(self._children.items()):
+            if key[0] == run.root.name and key[1] == "standby" and (nodes is None or key[2] in nodes):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                del self._children[key]
+
+    def release_standbys(self, run_id: str) -> None:
+        """Stop the run's warm standbys (it has ended: they would only wait for their idle exit)."""
+        self._kill_standbys(self.run_dir(run_id))
 
     def _spawn_launcher(self, run: RunDir, run_id: str, incarnation: int, index: int, node: str, env: dict) -> None:
         """Start the launcher of one node unless one runs; it starts the node's ranks (trainer/launcher.py)."""
@@ -340,12 +444,16 @@ class LocalCluster:
         a checkpoint or a heartbeat.
         """
         run = self._existing(run_id)
+        run.ended_file(incarnation).touch()
         killed = self._kill_and_wait(self._node_groups(run, incarnation), timeout)
         return sorted(rank for _, ranks in killed for rank in ranks)
 
     def stop_run(self, run_id: str, timeout: float = 30.0) -> None:
         """SIGKILL every process of every incarnation of a run and wait until none is alive."""
         run = self.run_dir(run_id)
+        for k in run.incarnations():
+            run.ended_file(k).touch()
+        self._kill_standbys(run, timeout=timeout)
         groups = [group for k in run.incarnations() for group in self._node_groups(run, k)]
         self._kill_and_wait(groups, timeout)
 
@@ -358,13 +466,17 @@ class LocalCluster:
         """
         run = self._existing(run_id)
         self.update_nodes(run_id, {node: {"healthy": False, "died_at": _utcnow(), "note": "killed (chaos kill-node)"}})
+        self._kill_standbys(run, [node])  # first, so that it cannot fork another launcher on the dead node
         groups = [g for k in run.incarnations() for g in self._node_groups(run, k, node)]
         return [read_json(group.pid_file)["pgid"] for group, _ in self._kill_and_wait(groups, timeout=30.0)
                 if read_json(group.pid_file)]
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node goes back to the pool as a healthy spare."""
-        return self.update_nodes(run_id, {node: {"healthy": True, "died_at": None, "role": "spare", "note": "returned"}})
+        inventory = self.update_nodes(run_id, {node: {"healthy": True, "died_at": None, "role": "spare", "note": "returned"}})
+        if any(lock_is_held(lock) for lock in (self.run_dir(run_id).root / "standby").glob("*/lock")):
+            self.ensure_standbys(run_id)  # the run is live: warm the returned spare now, not at the next fault
+        return inventory
 
     def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
         """The last lines of a rank's log ('' if it has none)."""

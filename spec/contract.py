@@ -112,6 +112,14 @@ class RunDir:
     def node_pid_file(self, k: int, node_index: int) -> Path:
         return self.incarnation(k) / "nodes" / f"{node_index}.pid"
 
+    def ended_file(self, k: int) -> Path:
+        """Written by the backend before it kills an incarnation: a launcher started later must not run."""
+        return self.incarnation(k) / "ended"
+
+    def standby(self, node: str) -> Path:
+        """The warm standby of a node: `orders` (a FIFO), `lock` (held while it lives), `pid`, `ready`, `log`."""
+        return self.root / "standby" / node
+
     def incarnations(self) -> list[int]:
         """Incarnations that have an assignment, in order."""
         base = self.root / "incarnations"

@@ -75,6 +75,10 @@ class ClusterSpec(Strict):
     backend: Literal["local"] = Field("local", description="Cluster backend; `local` runs each node as rank processes on this machine.")
     active_nodes: int = Field(4, ge=1, description="Nodes that train at launch (nodes).")
     spare_nodes: int = Field(1, ge=0, description="Hot spares kept idle to replace a lost node (nodes).")
+    warm_standby: bool = Field(True, description=(
+        "Keep one warm standby process per node (interpreter started, torch and the trainer imported) "
+        "that forks the node's ranks when an incarnation starts, so a resume pays neither process start "
+        "nor import. Only `python -m module` and `python script.py` commands run warm; others start cold."))
 
 
 class FaultInjection(Strict):

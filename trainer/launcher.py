@@ -101,8 +101,18 @@ def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> No
     write_json_atomic(path, record)
 
 
-def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict) -> int:
-    """Start this node's ranks (those not running and not ended), wait for them; returns 0."""
+def start_cold(command: list[str], env: dict, log, lock_fd: int):
+    """Start a rank as a new process (the lock's descriptor is its only inherited one); returns a Popen."""
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            pass_fds=(lock_fd,))
+
+
+def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, start_rank=start_cold) -> int:
+    """Start this node's ranks (those not running and not ended), wait for them; returns 0.
+
+    `start_rank(command, env, log, lock_fd)` starts one rank and returns an object with `pid`
+    and `wait()`: a new process here, a fork of a warm standby in trainer/standby.py.
+    """
     assignment = Assignment.model_validate_json(run.assignment_file(incarnation).read_text())
     # Record this launcher's process group before any rank exists: the controller kills the
     # node by killing the group, which its ranks join when they are forked.
@@ -112,7 +122,7 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict) 
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
     layout = assignment.layout
     command = rank_command(spec.trainer.command)
-    children: dict[int, subprocess.Popen] = {}
+    children: dict[int, object] = {}
     watched: list[int] = []
     for rank in range(node_index * layout.ranks_per_node, (node_index + 1) * layout.ranks_per_node):
         fd = take_lock(run.lock_file(incarnation, rank))
@@ -129,8 +139,7 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict) 
             with open(log_path, "ab") as log:
                 try:
                     # The rank inherits the locked descriptor: the lock lives exactly as long as it does.
-                    child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT, pass_fds=(fd,))
+                    child = start_rank(command, env, log, fd)
                 except OSError as error:
                     log.write(f"lazarus launcher: cannot start {command[0]}: {error.strerror}\n".encode())
                     write_json_atomic(run.exit_file(incarnation, rank), {

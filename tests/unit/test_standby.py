@@ -1,0 +1,115 @@
+"""Warm standbys on the local backend: ranks forked from a warm interpreter, with the environment,
+argv and exit status a cold start would give them, and killed with their node."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.local import LocalCluster
+from spec import Assignment, parse_spec
+from spec.contract import lock_is_held, read_json
+from trainer.standby import warm_entry
+
+# A rank that reports what it found and exits with a code of its choosing: it imports nothing,
+# so `torch` in sys.modules shows that the standby's imports came with the fork.
+REPORTER = '''
+import json, os, sys
+rank = int(os.environ["RANK"])
+with open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w") as out:
+    json.dump({"argv": sys.argv, "path0": sys.path[0], "torch": "torch" in sys.modules, "pid": os.getpid(),
+               "ppid": os.getppid(), "world": os.environ["WORLD_SIZE"], "name": __name__}, out)
+sys.exit(int(sys.argv[1]) + rank)
+'''
+
+
+def wait_until(condition, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.01)
+    return value
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cluster = LocalCluster(tmp_path / "home")
+    yield cluster
+    for run in (tmp_path / "home" / "runs").glob("*"):
+        cluster.stop_run(run.name)
+
+
+def start(cluster: LocalCluster, tmp_path: Path, warm: bool = True) -> Path:
+    script = tmp_path / "reporter.py"
+    script.write_text(REPORTER)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    spec = parse_spec({"name": "r", "cluster": {"active_nodes": 2, "spare_nodes": 1, "warm_standby": warm},
+                       "layout": {"dp": 2}, "trainer": {"command": ["python", str(script), "10"],
+                                                        "env": {"REPORT_DIR": str(reports)}}})
+    cluster.create("r1", spec)
+    cluster.commit_assignment("r1", Assignment(incarnation=0, nodes=["node-0", "node-1"], layout=spec.layout,
+                                               master_port=29999))
+    cluster.start_ranks("r1", 0, resume_step=0)
+    return reports
+
+
+def test_warm_entry_runs_python_modules_and_scripts_in_place():
+    assert warm_entry(["python", "-m", "trainer", "--x"]) == ("module", "trainer", ["trainer", "--x"])
+    assert warm_entry(["python", "train.py", "a"]) == ("path", "train.py", ["train.py", "a"])
+    assert warm_entry([sys.executable, "train.py"]) == ("path", "train.py", ["train.py"])
+    assert warm_entry(["python", "-c", "pass"]) is None  # exec'd: a flag we do not interpret
+    assert warm_entry(["./train.sh"]) is None
+
+
+def test_a_warm_rank_gets_a_cold_ranks_environment_and_exit_status(cluster, tmp_path):
+    reports = start(cluster, tmp_path)
+    run = cluster.run_dir("r1")
+    exits = wait_until(lambda: [read_json(run.exit_file(0, r)) for r in (0, 1)]
+                       if all(run.exit_file(0, r).exists() for r in (0, 1)) else None, "both ranks to exit")
+    assert [e["code"] for e in exits] == [10, 11]  # sys.exit(code) of each rank, recorded by its launcher
+    for rank in (0, 1):
+        report = json.loads((reports / f"{rank}.json").read_text())
+        assert report["argv"] == [str(tmp_path / "reporter.py"), "10"]
+        assert report["path0"] == str(tmp_path)  # as `python script.py` sets it
+        assert report["name"] == "__main__" and report["world"] == "2"
+        assert report["torch"] is True  # imported by the standby before the order came
+        launcher = read_json(run.node_pid_file(0, rank))
+        standby = read_json(run.standby(f"node-{rank}") / "pid")
+        assert report["ppid"] == launcher["pid"] and launcher["pgid"] == launcher["pid"] != standby["pgid"]
+    # The spare has its standby too, before anything asked for it.
+    wait_until(lambda: lock_is_held(run.standby("node-2") / "lock"), "the spare's standby")
+
+
+def test_a_cold_start_gives_the_same_result(cluster, tmp_path):
+    reports = start(cluster, tmp_path, warm=False)
+    run = cluster.run_dir("r1")
+    exits = wait_until(lambda: [read_json(run.exit_file(0, r)) for r in (0, 1)]
+                       if all(run.exit_file(0, r).exists() for r in (0, 1)) else None, "both ranks to exit")
+    assert [e["code"] for e in exits] == [10, 11]
+    assert json.loads((reports / "0.json").read_text())["torch"] is False
+    assert not run.standby("node-0").exists()
+
+
+def test_kill_node_kills_its_standby_and_a_late_order_starts_nothing(cluster, tmp_path):
+    start(cluster, tmp_path)
+    run = cluster.run_dir("r1")
+    wait_until(lambda: all(run.exit_file(0, r).exists() for r in (0, 1)), "both ranks to exit")
+    spare = wait_until(lambda: lock_is_held(run.standby("node-2") / "lock") and read_json(run.standby("node-2") / "pid"),
+                       "the spare's standby")
+    cluster.kill_node("r1", "node-0")
+    assert not lock_is_held(run.standby("node-0") / "lock")
+    assert lock_is_held(run.standby("node-2") / "lock") and read_json(run.standby("node-2") / "pid") == spare
+    # An order for an incarnation the backend has ended (say, sent by a worker that crashed
+    # right after) must not start ranks.
+    cluster.stop_incarnation("r1", 0)
+    with open(run.standby("node-1") / "orders", "w") as orders:
+        orders.write(json.dumps({"incarnation": 0, "node_index": 1, "resume_step": 0}) + "\n")
+    log = run.incarnation(0) / "nodes" / "1.log"
+    wait_until(lambda: log.exists() and "not starting it" in log.read_text(), "the launcher to refuse the order")
+    wait_until(lambda: not lock_is_held(run.node_lock_file(0, 1)), "the refusing launcher to exit")
+    assert cluster.live_pids("r1") == [] and not any(r.alive for r in cluster.observe("r1", 0).ranks)

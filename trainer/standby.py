@@ -1,0 +1,267 @@
+"""A node's warm standby: an interpreter with torch and the trainer already imported, waiting
+for orders to start the node's ranks of an incarnation.
+
+Run by the local backend as `python -m trainer.standby` with LAZARUS_RUN_DIR and LAZARUS_NODE
+set, one per node of a run (active nodes and hot spares alike), in its own session. A cold
+start pays a new interpreter and `import torch` (two to three seconds on a loaded 2-core
+node) on every recovery; here that is paid once, before any fault. An order is one JSON line
+written to the node's FIFO ({"incarnation", "node_index", "resume_step"}); the standby forks
+a launcher for it (its own session, so the backend kills an incarnation by killing its group
+without touching the standby), and the launcher forks the ranks, each of which runs the
+trainer's `python -m module` or `python script.py` in place. Nothing here runs a torch
+operation or starts a thread, so forking is safe: a child starts exactly as a fresh process
+would after its imports.
+
+The standby exits when its run has had no live launcher for `IDLE_EXIT_SECONDS` (the run
+ended, failed or is paused: the next launch starts a new standby), or when its run directory
+is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from spec.contract import (
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_NODE_INDEX,
+    ENV_RESUME_STEP,
+    ENV_RUN_DIR,
+    RunDir,
+    lock_is_held,
+    process_start_time,
+    read_json,
+    take_lock,
+    write_json_atomic,
+)
+from spec.run import BUILT_IN_TRAINER, RunSpec
+
+IDLE_EXIT_SECONDS = 30.0
+"""How long a standby waits with no live launcher in its run before it exits (seconds)."""
+
+# What the built-in trainer imports before its first step; torch.distributed.checkpoint also
+# brings in the compiler stack that the optimizer would otherwise import at its first step.
+_BUILT_IN_IMPORTS = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.pipelining",
+                     "trainer.train", "trainer.model", "trainer.checkpoint", "trainer.data"]
+_ANY_PYTHON_IMPORTS = ["torch", "torch.distributed"]
+
+
+def warm_entry(command: list[str]) -> tuple[str, str, list[str]] | None:
+    """How a forked rank runs `command` in place: ("module"|"path", target, argv), or None if it
+    must be exec'd (not `python -m module ...` or `python script.py ...`)."""
+    if len(command) < 2 or command[0] not in ("python", "python3", sys.executable):
+        return None
+    if command[1] == "-m" and len(command) >= 3:
+        return "module", command[2], command[2:]
+    if not command[1].startswith("-"):
+        return "path", command[1], command[1:]
+    return None
+
+
+def warm_up(command: list[str]) -> list[str]:
+    """Import what the trainer will need; returns the modules that failed to import."""
+    if warm_entry(command) is None:
+        return []  # it will be exec'd: nothing imported here would help it
+    failed = []
+    for name in _BUILT_IN_IMPORTS if command == BUILT_IN_TRAINER else _ANY_PYTHON_IMPORTS:
+        try:
+            __import__(name)
+        except Exception:  # a user's environment without torch still runs its ranks, cold
+            failed.append(name)
+    return failed
+
+
+class ForkedRank:
+    """A rank forked from this process; `wait()` returns what Popen.returncode would."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+
+def _exit_code(error: SystemExit) -> int:
+    if error.code is None:
+        return 0
+    if isinstance(error.code, int):
+        return error.code
+    print(error.code, file=sys.stderr)
+    return 1
+
+
+def _run_in_place(command: list[str], env: dict) -> int:
+    """In a forked child: become the rank (environment, argv, sys.path) and run its entry point."""
+    os.environ.clear()
+    os.environ.update(env)
+    entry = warm_entry(command)
+    if entry is None:
+        os.execvpe(command[0], command, env)
+    kind, target, argv = entry
+    sys.argv = list(argv)
+    try:
+        if kind == "module":
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+        code = 0
+    except SystemExit as error:
+        code = _exit_code(error)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # What interpreter shutdown would do (as multiprocessing's forked children do): wait for
+    # non-daemon threads (an async checkpoint's writer), run atexit hooks, flush.
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    return code
+
+
+def fork_starter(private_fds: list[int]):
+    """A `start_rank` for trainer.launcher.launch_node that forks this warm process.
+
+    `private_fds` are descriptors of the launcher that a rank must not inherit (its node
+    lock: a rank holding it would keep the node's launcher looking alive).
+    """
+
+    def start_rank(command: list[str], env: dict, log, lock_fd: int) -> ForkedRank:
+        pid = os.fork()
+        if pid:
+            return ForkedRank(pid)
+        code = 1
+        try:
+            for fd in private_fds:
+                os.close(fd)
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            os.set_inheritable(lock_fd, True)  # kept across an exec, as Popen's pass_fds would
+            code = _run_in_place(command, env)
+        finally:
+            os._exit(code)
+
+    return start_rank
+
+
+def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -> None:
+    """Fork a launcher (own session) that starts this node's ranks of the ordered incarnation."""
+    if os.fork():
+        return
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the launcher waits for its ranks itself
+        for fd in private_fds:
+            os.close(fd)
+        incarnation, index = int(order["incarnation"]), int(order["node_index"])
+        log_path = run.incarnation(incarnation) / "nodes" / f"{index}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        from trainer.launcher import launch_node
+
+        node_lock = take_lock(run.node_lock_file(incarnation, index))
+        if node_lock is None:
+            code = 0  # this node's launcher runs already (a repeated order)
+            return
+        # The backend marks an incarnation ended, or the node dead, before it kills their
+        # processes; this launcher took its lock first, so either it sees the mark here or the
+        # backend sees the lock and kills it.
+        inventory = read_json(run.inventory_file) or {}
+        healthy = {n["name"]: n.get("healthy", True) for n in inventory.get("nodes", [])}
+        if run.ended_file(incarnation).exists() or not healthy.get(node, False):
+            print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
+            code = 0
+            return
+        env = {**os.environ, ENV_INCARNATION: str(incarnation), ENV_NODE_INDEX: str(index),
+               ENV_RESUME_STEP: str(order["resume_step"])}
+        code = launch_node(run, incarnation, index, env, start_rank=fork_starter([node_lock]))
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _launcher_alive(run: RunDir) -> bool:
+    incarnations = run.incarnations()
+    if not incarnations:
+        return False
+    newest = run.incarnation(incarnations[-1]) / "nodes"
+    return any(lock_is_held(lock) for lock in newest.glob("*.lock")) if newest.is_dir() else False
+
+
+def serve(run: RunDir, node: str) -> int:
+    """Warm up, then start a launcher for each order until the run goes idle; returns the exit code."""
+    home = run.standby(node)
+    lock = take_lock(home / "lock")
+    if lock is None:
+        return 0  # this node has a live standby
+    write_json_atomic(home / "pid", {"pid": os.getpid(), "pgid": os.getpgid(0),
+                                     "start_time": process_start_time(os.getpid())})
+    # O_RDWR: the open neither blocks for a writer nor sees end-of-file when one leaves, and an
+    # order written while the imports below run waits in the pipe.
+    orders = os.open(home / "orders", os.O_RDWR)
+    spec = RunSpec.model_validate_json(run.spec_file.read_text())
+    started = time.time()
+    failed = warm_up(spec.trainer.command)
+    write_json_atomic(home / "ready", {"import_seconds": time.time() - started, "failed_imports": failed})
+    print(f"lazarus standby {node}: warm after {time.time() - started:.2f} s"
+          + (f" (could not import {', '.join(failed)})" if failed else ""), flush=True)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers are reaped by the kernel
+    pending = b""
+    idle_since = time.monotonic()
+    while run.spec_file.exists():
+        readable, _, _ = select.select([orders], [], [], 1.0)
+        if readable:
+            pending += os.read(orders, 65536)
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    _launch_order(run, node, json.loads(line), [orders, lock])
+            idle_since = time.monotonic()
+        elif _launcher_alive(run):
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since > IDLE_EXIT_SECONDS:
+            print(f"lazarus standby {node}: no launcher alive for {IDLE_EXIT_SECONDS:g} s; exiting", flush=True)
+            break
+    return 0
+
+
+def main() -> None:
+    """Entry point: `python -m trainer.standby`."""
+    missing = [name for name in (ENV_RUN_DIR, ENV_NODE) if name not in os.environ]
+    if missing:
+        raise SystemExit(f"lazarus standby: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")
+    sys.exit(serve(RunDir(os.environ[ENV_RUN_DIR]), os.environ[ENV_NODE]))
+
+
+if __name__ == "__main__":
+    main()
