@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Stages last from milliseconds (reschedule) to minutes (resume at scale).
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One successful activity attempt as the activity itself timed it (wall clock, seconds since the epoch)."""
+
+    workflow_id: str
+    stage: str
+    attempt: int
+    started: float
+    ended: float
 
 
 class Metrics:
@@ -22,3 +36,5 @@ class Metrics:
         self.runs = Gauge(
             "lazarus_runs", "TrainingRun workflows by state (from the LazarusState search attribute).",
             ["state"], registry=self.registry)
+        # The newest attempts, for benchmarks that split a recovery into work and orchestration.
+        self.spans: deque[Span] = deque(maxlen=10_000)

@@ -19,7 +19,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.failpoints import Failpoints
 from activities.health import judge
-from activities.metrics import Metrics
+from activities.metrics import Metrics, Span
 from infra.local import ClusterError, LocalCluster, free_port
 from spec.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
 from spec.stages import (
@@ -39,13 +39,15 @@ from spec.stages import (
 
 
 def timed(stage: str):
-    """Record the duration of each successful attempt in the stage histogram."""
+    """Record the duration of each successful attempt in the stage histogram, and its span."""
     def wrap(method):
         @functools.wraps(method)
         async def run(self, request):
-            started = time.monotonic()
+            started, wall = time.monotonic(), time.time()
             result = await method(self, request)
             self.metrics.stage_seconds.labels(stage).observe(time.monotonic() - started)
+            info = activity.info()
+            self.metrics.spans.append(Span(info.workflow_id, stage, info.attempt, wall, time.time()))
             return result
         return run
     return wrap
@@ -91,8 +93,12 @@ class RecoveryActivities:
         return LaunchResult(run_dir=str(run.root), assignment=assignment)
 
     async def _watch(self, run_id: str, incarnation: int, policy, total_steps: int, until=None) -> tuple:
-        """Poll the incarnation until judge finds a fault, completion or a stop, or `until(verdict)` holds."""
+        """Look at the incarnation until judge finds a fault, completion or a stop, or `until(verdict)` holds.
+
+        It looks every heartbeat interval (heartbeats, hangs) and at once when a process exits.
+        """
         last_poll = time.time()
+        exited = False
         while True:
             now = time.time()
             verdict = judge(self.cluster.observe(run_id, incarnation), policy, now, last_poll, total_steps)
@@ -104,7 +110,9 @@ class RecoveryActivities:
                 return verdict, now
             last_poll = now
             activity.heartbeat(verdict.step)
-            await asyncio.sleep(policy.heartbeat_interval_seconds)
+            # Woken by an exit: look again soon, the launcher is about to record how the rank ended.
+            wait = 0.01 if exited else policy.heartbeat_interval_seconds
+            exited = await self.cluster.wait_for_exit(run_id, incarnation, wait)
 
     @activity.defn(name="detect")
     async def detect(self, request: DetectInput) -> DetectResult:

@@ -8,6 +8,16 @@ result, as the history shows them; detect spans the node's death to its report);
 node's death to the first training step of the new incarnation (it ends inside resume, which
 returns once it has seen that step). A stage starts when the workflow schedules its activity,
 so Temporal's dispatch is inside the stage times.
+
+The second table splits each MTTR into what the stages did and what orchestration cost,
+from the spans the activities time themselves and the run's history:
+  detect      the fault to its report (detect polls every heartbeat interval)
+  work        inside drain, reschedule and replace_or_reshard, and resume's start to the
+              first training step of the new incarnation
+  wf_task     an activity's end (as it timed itself) to the next one's ActivityTaskScheduled:
+              the completion RPC and a workflow task
+  dispatch    ActivityTaskScheduled to the activity's start: matching, the poll, the worker
+The four add up to the MTTR; overhead is wf_task + dispatch, as a share of MTTR.
 """
 
 from __future__ import annotations
@@ -24,14 +34,17 @@ from pathlib import Path
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from activities.metrics import Metrics
 from infra.local import LocalCluster, free_port
-from infra.temporal_server import temporal_cli
+from infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.worker import build_worker
 from spec import STAGES, RunState, load_spec
 
 COLUMNS = [*STAGES, "MTTR", "lost_steps"]
+SPLIT = ["detect", "work", "wf_task", "dispatch", "overhead_pct"]
+RECOVERY_STAGES = ["drain", "reschedule", "replace_or_reshard", "resume"]
 
 
 def row(incident) -> dict:
@@ -39,12 +52,42 @@ def row(incident) -> dict:
             "MTTR": incident.mttr_seconds, "lost_steps": incident.lost_steps}
 
 
+async def split(client, run_id: str, incident, spans: list) -> dict:
+    """The incident's MTTR as detect + work + wf_task + dispatch (see the module's docstring)."""
+    fault_at = incident.fault.occurred_at.timestamp()
+    scheduled = {}
+    async for event in client.get_workflow_handle(run_id).fetch_history_events():
+        attributes = event.activity_task_scheduled_event_attributes
+        name = attributes.activity_type.name if event.HasField("activity_task_scheduled_event_attributes") else None
+        if name in RECOVERY_STAGES and event.event_time.ToDatetime().timestamp() > fault_at:
+            scheduled.setdefault(name, event.event_time.ToMicroseconds() / 1e6)
+    inside = {}
+    for span in spans:
+        if span.workflow_id == run_id and span.stage in RECOVERY_STAGES and span.started > fault_at:
+            inside.setdefault(span.stage, span)
+    first_step = incident.first_step_at.timestamp()
+    detected = incident.fault.detected_at.timestamp()
+    work = sum(inside[s].ended - inside[s].started for s in RECOVERY_STAGES[:-1]) + first_step - inside["resume"].started
+    previous_end, hops = detected, {}
+    for stage in RECOVERY_STAGES:
+        hops[stage] = {"wf_task": scheduled[stage] - previous_end, "dispatch": inside[stage].started - scheduled[stage]}
+        previous_end = inside[stage].ended
+    wf_task = sum(h["wf_task"] for h in hops.values())
+    dispatch = sum(h["dispatch"] for h in hops.values())
+    mttr = incident.mttr_seconds
+    return {"detect": detected - fault_at, "work": work, "wf_task": wf_task, "dispatch": dispatch,
+            "overhead_pct": 100 * (wf_task + dispatch) / mttr, "hops": hops}
+
+
 async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -> list[dict]:
     spec = load_spec(spec_path)
     kill_at = kill_at or default_kill_step(spec)
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
-                                                data_converter=pydantic_data_converter, port=free_port())
-    rows = []
+    with output_to_stderr():
+        env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
+                                                    data_converter=pydantic_data_converter, port=free_port(),
+                                                    dev_server_extra_args=DYNAMIC_CONFIG)
+    rows, splits = [], []
+    metrics = Metrics()
     try:
         with tempfile.TemporaryDirectory() as home:
             settings = Settings(address=env.client.service_client.config.target_host, home=Path(home),
@@ -56,7 +99,7 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
                 if not quiet:
                     print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-            async with build_worker(env.client, settings.task_queue, cluster):
+            async with build_worker(env.client, settings.task_queue, cluster, metrics=metrics):
                 for i in range(kills):
                     say(f"run {i + 1}/{kills}: kill a node at step {kill_at}")
                     final = await drive_run(env.client, settings, cluster, spec, f"bench-{i}", kill_at, say)
@@ -64,9 +107,10 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
                         raise SystemExit(f"bench: run {i + 1} ended {final.state.value} with "
                                          f"{len(final.incidents)} incident(s): {final.reason}")
                     rows.append(row(final.incidents[0]))
+                    splits.append(await split(env.client, f"bench-{i}", final.incidents[0], list(metrics.spans)))
     finally:
         await env.shutdown()
-    return rows
+    return rows, splits
 
 
 def main() -> None:
@@ -79,10 +123,11 @@ def main() -> None:
     if args.kills < 1:
         parser.error("--kills must be at least 1")
 
-    rows = asyncio.run(bench(args.spec, args.kills, args.kill_at_step, quiet=args.json))
+    rows, splits = asyncio.run(bench(args.spec, args.kills, args.kill_at_step, quiet=args.json))
     medians = {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
+    split_medians = {c: statistics.median(r[c] for r in splits) for c in SPLIT}
     if args.json:
-        print(json.dumps({"runs": rows, "median": medians}, indent=2))
+        print(json.dumps({"runs": rows, "median": medians, "split": splits, "split_median": split_medians}, indent=2))
         return
     print(f"\nRecovery with a hot spare, {len(rows)} kill(s), spec {args.spec} (seconds)")
     widths = {c: max(len(c), 6) + 2 for c in COLUMNS}
@@ -90,6 +135,11 @@ def main() -> None:
     for i, r in enumerate(rows, 1):
         print(f"{i:<8}" + "".join(f"{r[c]:>{widths[c]}.2f}" for c in COLUMNS))
     print("median  " + "".join(f"{medians[c]:>{widths[c]}.2f}" for c in COLUMNS))
+    print("\nWhere the MTTR goes (seconds; overhead = wf_task + dispatch, % of MTTR)")
+    print("run     " + "".join(f"{c:>14}" for c in SPLIT))
+    for i, r in enumerate(splits, 1):
+        print(f"{i:<8}" + "".join(f"{r[c]:>14.3f}" for c in SPLIT))
+    print("median  " + "".join(f"{split_medians[c]:>14.3f}" for c in SPLIT))
 
 
 if __name__ == "__main__":

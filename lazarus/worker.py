@@ -19,6 +19,12 @@ from spec.records import RunState
 from workflows.training_run import TrainingRun
 
 
+MAX_CONCURRENT_ACTIVITIES = 2000
+"""Activities one worker runs at once. Every training run holds one (its detect, a long watch
+that sleeps between looks), so this bounds the runs a worker can watch; the SDK's default of
+100 would leave run 101 unwatched."""
+
+
 def build_worker(client: Client, task_queue: str, cluster: LocalCluster, failpoints: Failpoints | None = None,
                  metrics: Metrics | None = None) -> Worker:
     """A worker that runs TrainingRun and the activities over `cluster`."""
@@ -31,6 +37,7 @@ def build_worker(client: Client, task_queue: str, cluster: LocalCluster, failpoi
                     stages.replace_or_reshard, stages.resume, stages.stop, stages.return_node],
         # Shutdown waits this long for running activities; detect is cancelled and retried elsewhere.
         graceful_shutdown_timeout=timedelta(seconds=2),
+        max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
         # After a worker dies, the run's next workflow task waits this long on the dead
         # worker's sticky queue before any worker may take it (SDK default: 10 s). A
         # controller crash mid-recovery should cost seconds, not tens of them.

@@ -8,7 +8,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from infra.local import free_port
-from infra.temporal_server import temporal_cli, test_server
+from infra.temporal_server import DYNAMIC_CONFIG, temporal_cli, test_server
 from workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE
 
 
@@ -37,7 +37,7 @@ async def dev_env(tmp_path):
         dev_server_existing_path=temporal_cli(), data_converter=pydantic_data_converter,
         ip="127.0.0.1", port=free_port(), ui=True, ui_port=ui_port,
         dev_server_database_filename=str(tmp_path / "temporal.db"),
-        search_attributes=[STATE_ATTRIBUTE, INCIDENTS_ATTRIBUTE],
+        search_attributes=[STATE_ATTRIBUTE, INCIDENTS_ATTRIBUTE], dev_server_extra_args=DYNAMIC_CONFIG,
     )
     env.ui_port = ui_port
     try:

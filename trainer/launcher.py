@@ -40,6 +40,10 @@ from spec.records import Assignment
 from spec.run import BUILT_IN_TRAINER, RunSpec
 
 
+NODE_NICENESS = 5
+"""Scheduling priority added to a node's launcher and ranks (`nice`)."""
+
+
 def rank_command(command: list[str]) -> list[str]:
     """The argv to run: `python` (and the built-in trainer) mean this interpreter."""
     return [sys.executable, *command[1:]] if command[0] == "python" or command == BUILT_IN_TRAINER else list(command)
@@ -114,6 +118,10 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     and `wait()`: a new process here, a fork of a warm standby in trainer/standby.py.
     """
     assignment = Assignment.model_validate_json(run.assignment_file(incarnation).read_text())
+    # On the local backend every node shares this machine's cores with the controller; a real
+    # node would not. Ranks (forked after this) inherit the lower priority, so a busy node
+    # cannot delay the controller's reaction to a fault by a scheduler slice or two.
+    os.nice(NODE_NICENESS)
     # Record this launcher's process group before any rank exists: the controller kills the
     # node by killing the group, which its ranks join when they are forked.
     write_json_atomic(run.node_pid_file(incarnation, node_index), {

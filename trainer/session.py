@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -70,6 +71,26 @@ class TrainingSession:
             raise RuntimeError(f"not started by Lazarus: {', '.join(missing)} missing (trainer/CONTRACT.md)")
         return cls(RunDir(environ[ENV_RUN_DIR]), int(environ[ENV_INCARNATION]), int(environ["RANK"]),
                    int(environ["WORLD_SIZE"]), environ.get(ENV_NODE, "local"), int(environ.get(ENV_RESUME_STEP, "0")))
+
+    def wait_for_store(self, timeout: float = 300.0) -> None:
+        """Before init_process_group on a rank other than 0: return once rank 0's store
+        (MASTER_ADDR:MASTER_PORT) accepts connections, or after `timeout` seconds.
+
+        torch's TCPStore client that finds no server backs off for half a second or more
+        before it tries again. The ranks of a warm start begin within milliseconds of each
+        other, so whichever reaches init_process_group before rank 0 listens would lose that
+        backoff on every resume; connecting here first costs nothing.
+        """
+        if self.rank == 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            return
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(address, timeout=1.0).close()
+                return
+            except OSError:
+                time.sleep(0.002)
 
     def checkpoint_dir(self, step: int) -> Path:
         """The folder for the checkpoint of `step` (created); every rank writes into the same one."""

@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 
 from spec.contract import (
     ENV_INCARNATION,

@@ -170,6 +170,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     # policy's hang threshold, by which time detect has already reported the hang.
     if torch.cuda.is_available():
         torch.cuda.set_device(session.rank % layout.ranks_per_node)
+    session.wait_for_store()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=spec.recovery.hang_after_seconds + 30))
     trainer = Trainer(settings, layout, session.rank)

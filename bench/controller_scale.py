@@ -1,0 +1,248 @@
+"""The controller under load: one worker, many concurrent runs, faults injected across them.
+
+    .venv/bin/python bench/controller_scale.py [--runs 200] [--spread-seconds 10] [--json]
+
+Every run is a real TrainingRun workflow on a private Temporal dev server, served by one
+worker (this process) with the real recovery activities; only the cluster is simulated
+(SimulatedCluster below: no processes, ranks that "train" at a fixed rate from their
+launch), so what is measured is the controller: Temporal, the workflow, the activities and
+the run directories they read and write. Each run has 4 active nodes and 1 hot spare; once
+every run trains, one node of each run dies at a random moment within --spread-seconds.
+Printed:
+  incidents/s        incidents recovered / (last recovery's first step - first fault)
+  report->decision   from detect's fault report to the replace decision being recorded
+                     (replace_or_reshard's end, as the workflow records it): median, p99
+  fault->first step  the MTTR of the simulated recovery: median, p99
+  events/incident    history events from the detect completion that reported the fault to
+                     resume's completion, inclusive (median)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from infra.local import LocalCluster, Observation, RankObservation, free_port
+from infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, quiet_runtime, temporal_cli
+from lazarus.client import run_status, start_run
+from lazarus.config import Settings
+from lazarus.worker import build_worker
+from spec import RunState, parse_spec
+from spec.contract import read_json, write_json_atomic
+from spec.run import RunSpec
+
+
+class SimulatedCluster(LocalCluster):
+    """The local backend's run directories and inventory, with ranks simulated in memory.
+
+    An incarnation's ranks are alive from start_ranks until it is stopped or their node is
+    killed; they report their first step `startup_seconds` after launch and then train
+    `steps_per_second`. Everything else (assignments, claims, quarantine) is LocalCluster's.
+    """
+
+    def __init__(self, home: Path, steps_per_second: float = 20.0, startup_seconds: float = 0.5):
+        super().__init__(home)
+        self.steps_per_second = steps_per_second
+        self.startup_seconds = startup_seconds
+        self._launched: dict[tuple[str, int], float] = {}
+        self._stopped: set[tuple[str, int]] = set()
+        self._specs: dict[str, RunSpec] = {}
+
+    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped=None) -> dict:
+        run = self._existing(run_id)
+        launch_file = run.incarnation(incarnation) / "launch.json"
+        record = read_json(launch_file)
+        if record is None:
+            record = {"resume_step": resume_step, "skipped": {}, "launched_at": time.time()}
+            write_json_atomic(launch_file, record)
+        self._launched.setdefault((run_id, incarnation), record["launched_at"])
+        return record
+
+    def observe(self, run_id: str, incarnation: int) -> Observation:
+        run = self._existing(run_id)
+        assignment = self.assignment(run_id, incarnation)
+        spec = self._specs.get(run_id) or self._specs.setdefault(
+            run_id, RunSpec.model_validate_json(run.spec_file.read_text()))
+        launch = read_json(run.incarnation(incarnation) / "launch.json") or {}
+        dead = {n.name: n.died_at for n in self.inventory(run_id).nodes if not n.healthy and n.name in assignment.nodes}
+        now = time.time()
+        launched = self._launched.get((run_id, incarnation))
+        resume = launch.get("resume_step", 0)
+        running = launched is not None and (run_id, incarnation) not in self._stopped
+        trained = 0 if launched is None else int((now - launched - self.startup_seconds) * self.steps_per_second)
+        step = min(resume + max(trained, 0), spec.trainer.steps)
+        finished = running and step >= spec.trainer.steps
+        first = None if launched is None else launched + self.startup_seconds + 1 / self.steps_per_second
+        observation = Observation(incarnation, launch.get("launched_at"), resume, dead_nodes=dead)
+        layout = assignment.layout
+        for rank in range(layout.world_size):
+            node = assignment.nodes[layout.node_of_rank(rank)]
+            alive = running and node not in dead and not finished
+            beat = None
+            if running:
+                beat = {"step": step, "time": now, "phase": "training" if trained > 0 else "starting"}
+                if trained > 0:
+                    beat["first_step_at"] = first
+            exit_record = {"rank": rank, "code": 0, "step": step, "time": now} if finished else None
+            observation.ranks.append(RankObservation(rank, node, launched is not None, alive, beat, exit_record,
+                                                     launcher_alive=alive))
+        observation.launchers_alive = sum(1 for r in observation.ranks if r.launcher_alive)
+        return observation
+
+    def stop_incarnation(self, run_id: str, incarnation: int, timeout: float = 30.0) -> list[int]:
+        self._stopped.add((run_id, incarnation))
+        return list(range(self.assignment(run_id, incarnation).layout.world_size))
+
+    def kill_node(self, run_id: str, node: str) -> list[int]:
+        from datetime import datetime, timezone
+
+        self.update_nodes(run_id, {node: {"healthy": False, "died_at": datetime.now(timezone.utc), "note": "killed"}})
+        return []
+
+    async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
+        await asyncio.sleep(timeout)  # simulated ranks have no process to watch
+        return False
+
+    def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float):
+        return None, False
+
+    def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
+        return ""
+
+    def release_standbys(self, run_id: str) -> None:
+        pass
+
+    def ensure_standbys(self, run_id: str) -> None:
+        pass
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def events_per_incident(client, run_id: str) -> int | None:
+    """History events from the detect completion that reported the fault through resume's completion."""
+    events = [e async for e in client.get_workflow_handle(run_id).fetch_history_events()]
+    names = {e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name
+             for e in events if e.HasField("activity_task_scheduled_event_attributes")}
+    completed = [(i, names[e.activity_task_completed_event_attributes.scheduled_event_id])
+                 for i, e in enumerate(events) if e.HasField("activity_task_completed_event_attributes")]
+    drains = [i for i, name in completed if name == "drain"]
+    if not drains:
+        return None
+    start = max(i for i, name in completed if name == "detect" and i < drains[0])
+    end = min(i for i, name in completed if name == "resume" and i > drains[0])
+    return end - start + 1
+
+
+async def bench(runs: int, spread: float, seed: int, say) -> dict:
+    with output_to_stderr():
+        env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
+                                                    data_converter=pydantic_data_converter, port=free_port(),
+                                                    runtime=quiet_runtime(), dev_server_extra_args=DYNAMIC_CONFIG)
+    rng = random.Random(seed)
+    try:
+        with tempfile.TemporaryDirectory() as home:
+            cluster = SimulatedCluster(Path(home))
+            settings = Settings(task_queue="controller-scale")
+            spec = parse_spec({
+                "name": "scale", "trainer": {"steps": 10_000_000, "checkpoint_every": 1000},
+                "cluster": {"active_nodes": 4, "spare_nodes": 1},
+                "recovery": {"heartbeat_interval_seconds": 0.5, "hang_after_seconds": 30,
+                             "progress_every_seconds": 30},
+            })
+            ids = [f"scale-{i:03d}" for i in range(runs)]
+            async with build_worker(env.client, settings.task_queue, cluster):
+                started = time.monotonic()
+                await asyncio.gather(*(start_run(env.client, settings, spec, run_id) for run_id in ids))
+                say(f"{runs} runs started in {time.monotonic() - started:.1f} s; waiting until each is launched")
+                while True:
+                    statuses = await asyncio.gather(*(run_status(env.client, run_id) for run_id in ids))
+                    if all(s.state == RunState.TRAINING for s in statuses):
+                        break
+                    await asyncio.sleep(0.5)
+                say(f"all launched after {time.monotonic() - started:.1f} s; one node of each run dies "
+                    f"within {spread:g} s")
+
+                async def fault(run_id: str) -> None:
+                    await asyncio.sleep(rng.uniform(0, spread))
+                    await asyncio.to_thread(cluster.kill_node, run_id, f"node-{rng.randrange(4)}")
+
+                await asyncio.gather(*(fault(run_id) for run_id in ids))
+                while True:
+                    statuses = await asyncio.gather(*(run_status(env.client, run_id) for run_id in ids))
+                    done = sum(1 for s in statuses if s.incidents and s.incidents[0].outcome == "recovered")
+                    if done == runs:
+                        break
+                    failed = [s for s in statuses if s.state == RunState.FAILED]
+                    if failed:
+                        raise SystemExit(f"controller_scale: run {failed[0].run_id} failed: {failed[0].reason}")
+                    await asyncio.sleep(1.0)
+                say(f"all {runs} recovered after {time.monotonic() - started:.1f} s; reading histories")
+                incidents = [s.incidents[0] for s in statuses]
+                events = [await events_per_incident(env.client, run_id) for run_id in ids]
+                # Terminating cancels the run's activities; each would log its cancellation.
+                logging.getLogger("temporalio").setLevel(logging.CRITICAL)
+                for run_id in ids:
+                    await env.client.get_workflow_handle(run_id).terminate("benchmark done")
+    finally:
+        await env.shutdown()
+    to_decision = [(i.stages["replace_or_reshard"].ended_at - i.fault.detected_at).total_seconds() for i in incidents]
+    mttr = [i.mttr_seconds for i in incidents]
+    first_fault = min(i.fault.occurred_at for i in incidents)
+    last_step = max(i.first_step_at for i in incidents)
+    return {
+        "runs": runs,
+        "incidents": len(incidents),
+        "incidents_per_s": len(incidents) / (last_step - first_fault).total_seconds(),
+        "report_to_decision_median_s": statistics.median(to_decision),
+        "report_to_decision_p99_s": percentile(to_decision, 99),
+        "mttr_median_s": statistics.median(mttr),
+        "mttr_p99_s": percentile(mttr, 99),
+        "events_per_incident": statistics.median([e for e in events if e is not None]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=200, help="concurrent runs (default 200)")
+    parser.add_argument("--spread-seconds", type=float, default=10.0,
+                        help="the faults (one per run) land at random within this many seconds (default 10)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = parser.parse_args()
+    if args.runs < 1 or args.spread_seconds < 0:
+        parser.error("--runs must be at least 1 and --spread-seconds not negative")
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        if not args.json:
+            print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    result = asyncio.run(bench(args.runs, args.spread_seconds, args.seed, say))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"\nOne worker, {result['runs']} concurrent runs, {result['incidents']} incidents "
+          f"(one node of each run killed within {args.spread_seconds:g} s)")
+    print(f"  incidents handled per second     {result['incidents_per_s']:8.2f}")
+    print(f"  fault report -> replace decision {result['report_to_decision_median_s']:8.3f} s median, "
+          f"{result['report_to_decision_p99_s']:.3f} s p99")
+    print(f"  fault -> first step (simulated)  {result['mttr_median_s']:8.3f} s median, {result['mttr_p99_s']:.3f} s p99")
+    print(f"  history events per incident      {result['events_per_incident']:8.0f}")
+
+
+if __name__ == "__main__":
+    main()

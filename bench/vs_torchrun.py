@@ -1,0 +1,260 @@
+"""Lazarus against torchrun elastic: a node killed at the same step, time to the first training step after.
+
+    .venv/bin/python bench/vs_torchrun.py [--repetitions 3] [--kill-at-step 60] [--json] [--only NAME]
+
+One script for all three (bench/elastic_train.py: same model, data, global batch, checkpoint
+interval), 2 nodes of 2 ranks each:
+  torchrun_default  two torchrun agents as two nodes (c10d rendezvous, min 1 max 2 nodes),
+                    torchrun's defaults; the first agent hosts the rendezvous store
+  torchrun_tuned    the same with last_call_timeout=1, keep_alive_interval=1,
+                    keep_alive_max_attempt=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the store
+                    in a process of its own (is_host=0), as ../shared/FIELD-NOTES.md tuned it
+  lazarus           the local backend with one hot spare node, a Temporal dev server and
+                    an in-process worker
+In each repetition the second node dies (every process of it, SIGKILL) once the job reaches
+--kill-at-step. MTTR is the kill to the first step the restarted job trains (rank 0's step
+log); steps lost are the steps trained after the checkpoint it resumed from; world is the
+world size after recovery. A recovery that has not trained within --timeout seconds failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from infra.local import LocalCluster, free_port  # noqa: E402
+
+SCRIPT = ROOT / "bench" / "elastic_train.py"
+CHECKPOINT_EVERY = 20
+
+
+@dataclass
+class Trial:
+    """One repetition."""
+
+    mttr_s: float | None
+    lost_steps: int | None
+    world_after: int | None
+    failed: bool
+
+
+def step_log(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for_step(path: Path, step: int, timeout: float) -> dict | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = step_log(path)
+        if rows and rows[-1]["step"] >= step:
+            return rows[-1]
+        time.sleep(0.01)
+    return None
+
+
+def first_step_after(path: Path, restart: int, timeout: float) -> dict | None:
+    """The first step logged by a later restart round (or incarnation) than `restart`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for row in step_log(path):
+            if row["restart"] > restart:
+                return row
+        time.sleep(0.01)
+    return None
+
+
+def trial_from(log: Path, killed_at: float, before: dict, after: dict | None) -> Trial:
+    if after is None:
+        return Trial(None, None, None, failed=True)
+    return Trial(after["time"] - killed_at, before["step"] - (after["step"] - 1), after["world"], failed=False)
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += children.get(current, [])
+    return found
+
+
+def kill_tree(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def torchrun_trial(tuned: bool, kill_at: int, timeout: float, folder: Path) -> Trial:
+    port = free_port()
+    log = folder / "steps.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}
+    store = None
+    conf = []
+    if tuned:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        conf = ["--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,is_host=0"]
+        store = subprocess.Popen([sys.executable, "-c",
+                                  "import time, torch.distributed as d; "
+                                  f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+                                  "time.sleep(1e6)"], env=env, start_new_session=True)
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1:2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
+               "--max-restarts", "10", *conf, str(SCRIPT), "--step-log", str(log),
+               "--checkpoint-dir", str(folder / "checkpoints"), "--checkpoint-every", str(CHECKPOINT_EVERY)]
+    agents = []
+    try:
+        for name in ("a", "b"):
+            with open(folder / f"agent-{name}.log", "ab") as out:
+                agents.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+            time.sleep(0.5 if name == "a" else 0)  # the first agent up is the one that hosts the store
+        before = wait_for_step(log, kill_at, timeout)
+        if before is None or before["world"] != 4:
+            return Trial(None, None, None, failed=True)
+        victims = descendants(agents[1].pid)
+        killed_at = time.time()
+        kill_tree(victims)
+        after = first_step_after(log, before["restart"], timeout)
+        return trial_from(log, killed_at, before, after)
+    finally:
+        for agent in agents:
+            kill_tree(descendants(agent.pid))
+        if store:
+            kill_tree([store.pid])
+        for process in agents + ([store] if store else []):
+            process.wait()
+
+
+async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder: Path) -> list[Trial]:
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.testing import WorkflowEnvironment
+
+    from infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, quiet_runtime, temporal_cli
+    from lazarus.client import start_run
+    from lazarus.config import Settings
+    from lazarus.worker import build_worker
+    from spec import parse_spec
+
+    with output_to_stderr():
+        env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
+                                                    data_converter=pydantic_data_converter, port=free_port(),
+                                                    runtime=quiet_runtime(), dev_server_extra_args=DYNAMIC_CONFIG)
+    cluster = LocalCluster(folder / "home")
+    trials = []
+    try:
+        async with build_worker(env.client, "vs-torchrun", cluster):
+            for index in range(repetitions):
+                log = folder / f"lazarus-{index}.jsonl"
+                spec = parse_spec({
+                    "name": "vs-torchrun",
+                    "trainer": {"command": ["python", str(SCRIPT), "--step-log", str(log),
+                                            "--checkpoint-every", str(CHECKPOINT_EVERY)],
+                                "steps": 100000, "checkpoint_every": CHECKPOINT_EVERY},
+                    "layout": {"dp": 4, "ranks_per_node": 2},
+                    "cluster": {"active_nodes": 2, "spare_nodes": 1},
+                    "recovery": {"heartbeat_interval_seconds": 0.05},
+                })
+                run_id = f"vs-torchrun-{index}"
+                handle = await start_run(env.client, Settings(task_queue="vs-torchrun"), spec, run_id)
+                before = await asyncio.to_thread(wait_for_step, log, kill_at, timeout)
+                if before is None:
+                    trials.append(Trial(None, None, None, failed=True))
+                else:
+                    killed_at = time.time()
+                    cluster.kill_node(run_id, "node-1")
+                    after = await asyncio.to_thread(first_step_after, log, before["restart"], timeout)
+                    trials.append(trial_from(log, killed_at, before, after))
+                # Terminating cancels the run's activities; each would log its cancellation.
+                logging.getLogger("temporalio").setLevel(logging.CRITICAL)
+                await handle.terminate("benchmark repetition done")
+                cluster.stop_run(run_id)
+    finally:
+        await env.shutdown()
+    return trials
+
+
+def summary(trials: list[Trial]) -> dict:
+    good = [t for t in trials if not t.failed]
+    mttrs = [t.mttr_s for t in good]
+    return {
+        "mttr_median_s": statistics.median(mttrs) if mttrs else None,
+        "mttr_min_s": min(mttrs) if mttrs else None,
+        "mttr_max_s": max(mttrs) if mttrs else None,
+        "lost_steps": statistics.median([t.lost_steps for t in good]) if good else None,
+        "world_after": statistics.median([t.world_after for t in good]) if good else None,
+        "failed": sum(t.failed for t in trials),
+        "trials": [asdict(t) for t in trials],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--kill-at-step", type=int, default=70)
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds a recovery may take before it counts as failed")
+    parser.add_argument("--only", choices=["lazarus", "torchrun_default", "torchrun_tuned"], action="append")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", type=Path, help="keep the agents' logs and step logs in this folder")
+    args = parser.parse_args()
+    names = args.only or ["lazarus", "torchrun_tuned", "torchrun_default"]
+
+    results = {}
+    with tempfile.TemporaryDirectory() as temporary:
+        root = args.keep or Path(temporary)
+        root.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            if name == "lazarus":
+                folder = root / name
+                folder.mkdir()
+                trials = asyncio.run(lazarus_trials(args.repetitions, args.kill_at_step, args.timeout, folder))
+            else:
+                trials = []
+                for index in range(args.repetitions):
+                    folder = root / f"{name}-{index}"
+                    folder.mkdir()
+                    trials.append(torchrun_trial(name == "torchrun_tuned", args.kill_at_step, args.timeout, folder))
+            results[name] = summary(trials)
+            if not args.json:
+                print(f"{name}: {[round(t.mttr_s, 2) if t.mttr_s else 'failed' for t in trials]}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"\nA node (2 of 4 ranks) killed at step {args.kill_at_step}, {args.repetitions} repetition(s)")
+    print(f"{'':<18}{'MTTR median':>12}{'min':>8}{'max':>8}{'steps lost':>12}{'world after':>13}{'failed':>8}")
+    for name, r in results.items():
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        print(f"{name:<18}{fmt(r['mttr_median_s']):>12}{fmt(r['mttr_min_s']):>8}{fmt(r['mttr_max_s']):>8}"
+              f"{'-' if r['lost_steps'] is None else r['lost_steps']:>12}"
+              f"{'-' if r['world_after'] is None else r['world_after']:>13}{r['failed']:>8}")
+
+
+if __name__ == "__main__":
+    main()
