@@ -63,7 +63,7 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
             incarnation=incarnation,
             occurred_at=_at(occurred),
             detected_at=_at(now),
-            step=step,
+            step=max(steps, default=step),
             last_heartbeat_at=_at(max(beats)) if beats else None,
             reason=reason,
             rank=first.rank if first else None,

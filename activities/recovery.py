@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import shutil
 import time
 from datetime import datetime, timezone
@@ -53,6 +54,11 @@ def timed(stage: str):
     return wrap
 
 
+def natural_order(name: str) -> list:
+    """Sort key that puts node-2 before node-10."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
 def missing_command(command: list[str]) -> str | None:
     """Why trainer.command cannot run on this node, or None (`python` is the worker's interpreter)."""
     if command[0] == "python" or shutil.which(command[0]):
@@ -77,20 +83,33 @@ class RecoveryActivities:
     @timed("launch")
     async def launch(self, request: LaunchInput) -> LaunchResult:
         """Create the run's directory and inventory, assign the active nodes, start incarnation 0."""
-        missing = missing_command(request.spec.trainer.command)
-        if missing:
-            raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
+        if request.spec.cluster.backend != self.cluster.backend:
+            raise ApplicationError(
+                f"cluster.backend is {request.spec.cluster.backend!r} but this worker drives the {self.cluster.backend!r} "
+                f"backend; start a worker with `lazarus worker --backend {request.spec.cluster.backend}`",
+                type="WrongBackend", non_retryable=True)
+        if self.cluster.backend == "local":
+            missing = missing_command(request.spec.trainer.command)
+            if missing:
+                raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
         try:
-            run = self.cluster.create(request.run_id, request.spec)
+            run = await asyncio.to_thread(self.cluster.create, request.run_id, request.spec)
         except ClusterError as error:
             raise _permanent(error, "RunDirectoryConflict") from None
-        inventory = self.cluster.inventory(request.run_id)
-        active = sorted((n.name for n in inventory.nodes if n.role == "active"), key=lambda n: int(n.split("-")[-1]))
-        assignment = self.cluster.commit_assignment(request.run_id, Assignment(
+        inventory = await asyncio.to_thread(self.cluster.inventory, request.run_id)
+        active = sorted((n.name for n in inventory.nodes if n.role == "active"), key=natural_order)
+        assignment = await asyncio.to_thread(self.cluster.commit_assignment, request.run_id, Assignment(
             incarnation=0, nodes=active, layout=request.spec.layout, master_port=free_port(),
         ))
         await asyncio.to_thread(self.cluster.start_ranks, request.run_id, 0, 0)
         return LaunchResult(run_dir=str(run.root), assignment=assignment)
+
+    async def _note(self, run_id: str, stage: str, message: str) -> None:
+        """Record the stage where the cluster's tools show it (an Event on Kubernetes); never fails the stage."""
+        try:
+            await asyncio.to_thread(self.cluster.record_stage, run_id, stage, message)
+        except Exception as error:  # noqa: BLE001 - the audit trail of record is the workflow history
+            activity.logger.warning("could not record %s for run %s: %s", stage, run_id, error)
 
     async def _watch(self, run_id: str, incarnation: int, policy, total_steps: int, until=None) -> tuple:
         """Look at the incarnation until judge finds a fault, completion or a stop, or `until(verdict)` holds.
@@ -101,7 +120,8 @@ class RecoveryActivities:
         exited = False
         while True:
             now = time.time()
-            verdict = judge(self.cluster.observe(run_id, incarnation), policy, now, last_poll, total_steps)
+            observation = await asyncio.to_thread(self.cluster.observe, run_id, incarnation)
+            verdict = judge(observation, policy, now, last_poll, total_steps)
             if verdict.fault is not None and verdict.fault.rank is not None:
                 verdict.fault.log_tail = self.cluster.log_tail(run_id, incarnation, verdict.fault.rank)
             if verdict.completed:
@@ -129,6 +149,8 @@ class RecoveryActivities:
             fault = FaultReport(kind="rank_exit", nodes=assignment.nodes, incarnation=request.incarnation,
                                 occurred_at=at, detected_at=at, step=verdict.step,
                                 reason=f"every rank exited at step {verdict.step}, before the last step")
+        if fault is not None:
+            await self._note(request.run_id, "fault_detected", f"{fault.kind} on {', '.join(fault.nodes)}: {fault.reason}")
         return DetectResult(fault=fault, completed=verdict.completed, progress=progress)
 
     @activity.defn(name="drain")
@@ -139,9 +161,7 @@ class RecoveryActivities:
         if activity.info().attempt == 1:
             self.metrics.stage_seconds.labels("detect").observe(request.detect_seconds)
         try:
-            self.cluster.update_nodes(request.run_id, {
-                node: {"role": "quarantined", "note": request.reason} for node in request.nodes
-            })
+            await asyncio.to_thread(self.cluster.quarantine, request.run_id, request.nodes, request.reason)
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
@@ -149,6 +169,8 @@ class RecoveryActivities:
             self.cluster.await_checkpoint_in_flight, request.run_id, request.incarnation, request.save_grace_seconds)
         stopped = await asyncio.to_thread(self.cluster.stop_incarnation, request.run_id, request.incarnation)
         removed = self.cluster.remove_partial_checkpoints(request.run_id)
+        await self._note(request.run_id, "drained", f"quarantined {', '.join(sorted(request.nodes))}; "
+                         f"stopped incarnation {request.incarnation} (ranks {stopped or 'none'} were alive)")
         return DrainResult(quarantined=sorted(request.nodes), stopped_ranks=stopped, removed_partial_checkpoints=removed,
                            in_flight_checkpoint=in_flight, in_flight_committed=committed)
 
@@ -156,7 +178,9 @@ class RecoveryActivities:
     @timed("reschedule")
     async def reschedule(self, request: RescheduleInput) -> Inventory:
         """The run's inventory: which spares are free, which nodes are quarantined."""
-        return self.cluster.inventory(request.run_id)
+        inventory = await asyncio.to_thread(self.cluster.inventory, request.run_id)
+        await self._note(request.run_id, "rescheduled", f"free spares: {', '.join(inventory.free_spares()) or 'none'}")
+        return inventory
 
     @activity.defn(name="replace_or_reshard")
     @timed("replace_or_reshard")
@@ -167,12 +191,14 @@ class RecoveryActivities:
                               master_addr=old.master_addr, master_port=free_port())
         claims = [node for node in decision.nodes if node not in old.nodes]
         try:
-            recorded = self.cluster.commit_assignment(request.run_id, proposed, claims=claims,
-                                                      releases=decision.released_nodes)
+            recorded = await asyncio.to_thread(self.cluster.commit_assignment, request.run_id, proposed, claims,
+                                               decision.released_nodes)
         except ClusterError as error:
             raise _permanent(error, "SpareUnavailable") from None
-        if recorded == proposed:  # this attempt committed it (a retry finds the first one's)
+        if recorded.nodes == proposed.nodes and recorded.layout == proposed.layout and activity.info().attempt == 1:
             self.metrics.incidents.labels(request.fault_kind, decision.action).inc()
+        await self._note(request.run_id, "replaced" if decision.action == "replace" else "resharded",
+                         f"incarnation {recorded.incarnation} on {', '.join(recorded.nodes)} (dp {recorded.layout.dp})")
         return recorded
 
     @activity.defn(name="resume")
@@ -192,6 +218,7 @@ class RecoveryActivities:
         def trained_past_checkpoint(verdict, _now) -> bool:
             return verdict.step > resumed_from
 
+        await self._note(run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from}")
         verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps,
                                        until=trained_past_checkpoint)
         if verdict.fault:

@@ -41,6 +41,7 @@ from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.worker import build_worker
 from spec import STAGES, RunState, load_spec
+from spec.contract import read_json
 
 COLUMNS = [*STAGES, "MTTR", "lost_steps"]
 SPLIT = ["detect", "work", "wf_task", "dispatch", "overhead_pct"]
@@ -50,6 +51,19 @@ RECOVERY_STAGES = ["drain", "reschedule", "replace_or_reshard", "resume"]
 def row(incident) -> dict:
     return {**{name: incident.stages[name].seconds for name in STAGES},
             "MTTR": incident.mttr_seconds, "lost_steps": incident.lost_steps}
+
+
+RESUME_PARTS = ["start", "rendezvous", "restore", "first_step"]
+
+
+def resume_parts(run, incident, resume_started: float) -> dict:
+    """Resume's share of the MTTR by the new incarnation's slowest rank: rank processes started
+    (fork or exec, imports, session), rendezvous done, checkpoint restored, first step done."""
+    k = incident.new_assignment.incarnation
+    beats = [read_json(run.heartbeat_file(k, rank)) or {} for rank in range(incident.new_assignment.layout.world_size)]
+    marks = [resume_started] + [max(b.get("phases", {}).get(p, float("nan")) for b in beats)
+                                for p in ("starting", "joined", "restored")] + [incident.first_step_at.timestamp()]
+    return {part: marks[i + 1] - marks[i] for i, part in enumerate(RESUME_PARTS)}
 
 
 async def split(client, run_id: str, incident, spans: list) -> dict:
@@ -76,7 +90,7 @@ async def split(client, run_id: str, incident, spans: list) -> dict:
     dispatch = sum(h["dispatch"] for h in hops.values())
     mttr = incident.mttr_seconds
     return {"detect": detected - fault_at, "work": work, "wf_task": wf_task, "dispatch": dispatch,
-            "overhead_pct": 100 * (wf_task + dispatch) / mttr, "hops": hops}
+            "overhead_pct": 100 * (wf_task + dispatch) / mttr, "hops": hops, "resume_started": inside["resume"].started}
 
 
 async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -> list[dict]:
@@ -107,7 +121,10 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
                         raise SystemExit(f"bench: run {i + 1} ended {final.state.value} with "
                                          f"{len(final.incidents)} incident(s): {final.reason}")
                     rows.append(row(final.incidents[0]))
-                    splits.append(await split(env.client, f"bench-{i}", final.incidents[0], list(metrics.spans)))
+                    parts = await split(env.client, f"bench-{i}", final.incidents[0], list(metrics.spans))
+                    parts["resume"] = resume_parts(cluster.run_dir(f"bench-{i}"), final.incidents[0],
+                                                   parts.pop("resume_started"))
+                    splits.append(parts)
     finally:
         await env.shutdown()
     return rows, splits
@@ -126,8 +143,10 @@ def main() -> None:
     rows, splits = asyncio.run(bench(args.spec, args.kills, args.kill_at_step, quiet=args.json))
     medians = {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
     split_medians = {c: statistics.median(r[c] for r in splits) for c in SPLIT}
+    resume_medians = {c: statistics.median(r["resume"][c] for r in splits) for c in RESUME_PARTS}
     if args.json:
-        print(json.dumps({"runs": rows, "median": medians, "split": splits, "split_median": split_medians}, indent=2))
+        print(json.dumps({"runs": rows, "median": medians, "split": splits, "split_median": split_medians,
+                          "resume_median": resume_medians}, indent=2))
         return
     print(f"\nRecovery with a hot spare, {len(rows)} kill(s), spec {args.spec} (seconds)")
     widths = {c: max(len(c), 6) + 2 for c in COLUMNS}
@@ -140,6 +159,11 @@ def main() -> None:
     for i, r in enumerate(splits, 1):
         print(f"{i:<8}" + "".join(f"{r[c]:>14.3f}" for c in SPLIT))
     print("median  " + "".join(f"{split_medians[c]:>14.3f}" for c in SPLIT))
+    print("\nInside resume, by the slowest rank (seconds): processes up, rendezvous, checkpoint restored, first step")
+    print("run     " + "".join(f"{c:>14}" for c in RESUME_PARTS))
+    for i, r in enumerate(splits, 1):
+        print(f"{i:<8}" + "".join(f"{r['resume'][c]:>14.3f}" for c in RESUME_PARTS))
+    print("median  " + "".join(f"{resume_medians[c]:>14.3f}" for c in RESUME_PARTS))
 
 
 if __name__ == "__main__":

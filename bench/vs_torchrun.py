@@ -5,12 +5,13 @@
 One script for all three (bench/elastic_train.py: same model, data, global batch, checkpoint
 interval), 2 nodes of 2 ranks each:
   torchrun_default  two torchrun agents as two nodes (c10d rendezvous, min 1 max 2 nodes),
-                    torchrun's defaults; the first agent hosts the rendezvous store
+                    torchrun's defaults but --max-restarts 10 (its default, 0, never restarts);
+                    the first agent hosts the rendezvous store
   torchrun_tuned    the same with last_call_timeout=1, keep_alive_interval=1,
                     keep_alive_max_attempt=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the store
                     in a process of its own (is_host=0), as ../shared/FIELD-NOTES.md tuned it
-  lazarus           the local backend with one hot spare node, a Temporal dev server and
-                    an in-process worker
+  lazarus           the local backend with one hot spare node and warm standbys, a Temporal
+                    dev server and an in-process worker
 In each repetition the second node dies (every process of it, SIGKILL) once the job reaches
 --kill-at-step. MTTR is the kill to the first step the restarted job trains (rank 0's step
 log); steps lost are the steps trained after the checkpoint it resumed from; world is the
@@ -189,7 +190,8 @@ async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder:
                     trials.append(Trial(None, None, None, failed=True))
                 else:
                     killed_at = time.time()
-                    cluster.kill_node(run_id, "node-1")
+                    # In a thread: the worker shares this event loop, and the chaos is not its work.
+                    await asyncio.to_thread(cluster.kill_node, run_id, "node-1")
                     after = await asyncio.to_thread(first_step_after, log, before["restart"], timeout)
                     trials.append(trial_from(log, killed_at, before, after))
                 # Terminating cancels the run's activities; each would log its cancellation.

@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,13 +24,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from infra.runfiles import ClusterError, RunFiles
 from spec.contract import (
-    COMMIT_MARKER,
     ENV_INCARNATION,
     ENV_NODE,
     ENV_NODE_INDEX,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
+    ENV_STANDBY_LOCK_FD,
     RunDir,
     lock_is_held,
     process_start_time,
@@ -42,9 +42,7 @@ from spec.contract import (
 from spec.records import Assignment, Inventory, NodeRecord
 from spec.run import RunSpec
 
-
-class ClusterError(RuntimeError):
-    """The backend cannot do what was asked (unknown run or node, a stuck process)."""
+__all__ = ["ClusterError", "LocalCluster", "Observation", "RankObservation", "free_port"]
 
 
 @dataclass
@@ -95,21 +93,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class LocalCluster:
+class LocalCluster(RunFiles):
     """Runs' nodes as rank processes on this machine, with state under `home/runs/<run_id>`."""
 
+    backend = "local"
+
     def __init__(self, home: str | Path, python: str = sys.executable):
-        self.home = Path(home).resolve()
+        super().__init__(home)
         self.python = python  # the interpreter that runs the node launchers
         # Launchers this object started, reaped as they end so they do not linger as zombies;
         # after a restart the lock files tell liveness.
         self._children: dict[tuple[str, int, int], subprocess.Popen] = {}
 
     # --- run state -----------------------------------------------------------------
-
-    def run_dir(self, run_id: str) -> RunDir:
-        """The run's directory (it may not exist yet)."""
-        return RunDir(self.home / "runs" / run_id)
 
     def create(self, run_id: str, spec: RunSpec) -> RunDir:
         """Create the run's directory, spec and inventory; a second call finds them and checks the spec."""
@@ -128,12 +124,6 @@ class LocalCluster:
             write_json_atomic(run.inventory_file, inventory.model_dump(mode="json"))
             # The spec is written last: its presence means the run directory is complete.
             write_json_atomic(run.spec_file, spec.model_dump(mode="json"))
-        return run
-
-    def _existing(self, run_id: str) -> RunDir:
-        run = self.run_dir(run_id)
-        if not run.spec_file.exists():
-            raise ClusterError(f"no run {run_id!r} under {self.home / 'runs'}")
         return run
 
     @contextlib.contextmanager
@@ -169,11 +159,6 @@ class LocalCluster:
             inventory = Inventory(nodes=[n.model_copy(update=changes.get(n.name, {})) for n in inventory.nodes])
             self._write_inventory(run, inventory)
         return inventory
-
-    def assignment(self, run_id: str, incarnation: int) -> Assignment | None:
-        """The recorded assignment of an incarnation, if any."""
-        data = read_json(self.run_dir(run_id).assignment_file(incarnation))
-        return None if data is None else Assignment.model_validate(data)
 
     def commit_assignment(self, run_id: str, assignment: Assignment, claims: list[str] = (),
                           releases: list[str] = ()) -> Assignment:
@@ -221,13 +206,7 @@ class LocalCluster:
         assignment = self.assignment(run_id, incarnation)
         if assignment is None:
             raise ClusterError(f"incarnation {incarnation} of run {run_id!r} has no assignment")
-        launch_file = run.incarnation(incarnation) / "launch.json"
-        record = read_json(launch_file)
-        if record is None:
-            record = {"resume_step": resume_step, "skipped": {str(k): v for k, v in (skipped or {}).items()},
-                      "launched_at": time.time()}
-            write_json_atomic(launch_file, record)
-        resume_step = record["resume_step"]
+        record = self.record_launch(run_id, incarnation, resume_step, skipped)
 
         spec = RunSpec.model_validate_json(run.spec_file.read_text())
         if spec.cluster.warm_standby:
@@ -248,17 +227,25 @@ class LocalCluster:
     def _ensure_standby(self, run: RunDir, run_id: str, spec: RunSpec, node: str) -> subprocess.Popen | None:
         """Start the node's warm standby unless one lives; returns the process if this call started it."""
         home = run.standby(node)
-        home.mkdir(parents=True, exist_ok=True)
-        if lock_is_held(home / "lock"):
+        # Taken here and handed to the standby, as for launchers: from the moment this call
+        # returns the lock says a standby lives, so no second one can be started meanwhile.
+        fd = take_lock(home / "lock")
+        if fd is None:
             return None
-        with contextlib.suppress(FileExistsError):
-            os.mkfifo(home / "orders")
-        env = {**os.environ, **spec.trainer.env, ENV_RUN_DIR: str(run.root), ENV_NODE: node}
-        env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
-        with open(home / "log", "ab") as log:
-            child = subprocess.Popen([self.python, "-m", "trainer.standby"], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._children[(run_id, "standby", node)] = child
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkfifo(home / "orders")
+            env = {**os.environ, **spec.trainer.env, ENV_RUN_DIR: str(run.root), ENV_NODE: node,
+                   ENV_STANDBY_LOCK_FD: str(fd)}
+            env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
+            with open(home / "log", "ab") as log:
+                child = subprocess.Popen([self.python, "-m", "trainer.standby"], env=env, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,))
+            self._children[(run_id, "standby", node)] = child
+            write_json_atomic(home / "pid", {"pid": child.pid, "pgid": child.pid,
+                                             "start_time": process_start_time(child.pid)})
+        finally:
+            os.close(fd)
         return child
 
     def ensure_standbys(self, run_id: str) -> None:
@@ -280,7 +267,7 @@ class LocalCluster:
         """
         incarnation = assignment.incarnation
         started = {node: self._ensure_standby(run, run_id, spec, node) for node in assignment.nodes}
-        self.ensure_standbys(run_id)  # the spares, so that they are warm before they are needed
+        self.ensure_standbys(run_id)  # the spares too, so that they are warm before they are needed
         # O_RDWR keeps the FIFO's buffer alive until the standby opens it, even if it has not yet.
         writers = {}
         for index, node in enumerate(assignment.nodes):
@@ -523,17 +510,6 @@ class LocalCluster:
             self.ensure_standbys(run_id)  # the run is live: warm the returned spare now, not at the next fault
         return inventory
 
-    def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
-        """The last lines of a rank's log ('' if it has none)."""
-        path = self.run_dir(run_id).log_file(incarnation, rank)
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(max(0, path.stat().st_size - 16384))
-                text = handle.read().decode(errors="replace")
-        except FileNotFoundError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
     def live_pids(self, run_id: str) -> list[int]:
         """Pids of every live process of the run with a pid record (launchers and ranks, any incarnation)."""
         run = self.run_dir(run_id)
@@ -547,36 +523,12 @@ class LocalCluster:
         return pids
 
     def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
-        """If a checkpoint was being written when the fault hit, give it `grace` seconds to commit.
-
-        Returns its step (None if there was none) and whether it committed. A save whose
-        writer died usually cannot finish (its ranks meet in a collective at the end), but
-        one whose every shard was written commits within milliseconds, and keeping it saves
-        up to a whole checkpoint interval of training.
-        """
-        run = self._existing(run_id)
-        complete = run.checkpoint_steps()
-        newer = [s for s in run.checkpoint_steps(complete_only=False) if not complete or s > complete[-1]]
-        if not newer:
-            return None, False
-        step = newer[-1]
-        deadline = time.monotonic() + grace
+        """If a checkpoint was being written when the fault hit, give it `grace` seconds to commit
+        while a rank of the incarnation lives (RunFiles.wait_for_commit)."""
         ranks = range(self.assignment(run_id, incarnation).layout.world_size)
-        while not (run.checkpoint(step) / COMMIT_MARKER).is_file():
-            alive = any(lock_is_held(run.lock_file(incarnation, rank)) for rank in ranks)
-            if not alive or time.monotonic() > deadline:
-                return step, False
-            time.sleep(0.02)
-        return step, True
-
-    def remove_partial_checkpoints(self, run_id: str) -> list[int]:
-        """Delete checkpoint folders that never got their commit marker; returns their steps.
-
-        Called only once no rank of the run is alive, so nothing can still be writing them.
-        """
         run = self._existing(run_id)
-        complete = set(run.checkpoint_steps())
-        partial = [s for s in run.checkpoint_steps(complete_only=False) if s not in complete]
-        for step in partial:
-            shutil.rmtree(run.checkpoint(step), ignore_errors=True)
-        return partial
+        return self.wait_for_commit(run_id, grace, lambda: any(lock_is_held(run.lock_file(incarnation, r)) for r in ranks))
+
+    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
+        """Hold the nodes out of the run and its spare pool (drain, after a fault)."""
+        self.update_nodes(run_id, {node: {"role": "quarantined", "note": reason} for node in nodes})

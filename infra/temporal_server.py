@@ -56,7 +56,12 @@ def output_to_stderr():
 def quiet_runtime():
     """A Temporal SDK runtime that logs only errors: for benchmarks that end their runs by terminating
     them, where every cancelled activity would otherwise print a warning."""
-    from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+    from temporalio.runtime import (
+        LoggingConfig,
+        Runtime,
+        TelemetryConfig,
+        TelemetryFilter,
+    )
 
     return Runtime(telemetry=TelemetryConfig(logging=LoggingConfig(
         filter=TelemetryFilter(core_level="ERROR", other_level="ERROR"))))

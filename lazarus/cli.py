@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--stop", action="store_true", help="stop a server started with --detach (or by the demo)")
 
     worker = commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
+    worker.add_argument("--backend", choices=["local", "kubernetes"], default=os.environ.get("LAZARUS_BACKEND", "local"),
+                        help="cluster the activities drive: local rank processes, or pods through the Kubernetes API "
+                             "(in-cluster service account, else ~/.kube/config) (default: LAZARUS_BACKEND, else local)")
     worker.add_argument("--metrics-port", type=int, default=int(os.environ.get("LAZARUS_METRICS_PORT", "0")) or None,
                         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: LAZARUS_METRICS_PORT, else off)")
 
@@ -182,7 +185,16 @@ async def _worker(args, settings: Settings) -> int:
 
     client = await _client(settings)
     metrics = Metrics()
-    worker = build_worker(client, settings.task_queue, LocalCluster(settings.home), Failpoints.from_environ(), metrics)
+    if args.backend == "kubernetes":
+        from infra.kubernetes import KubernetesCluster
+
+        try:
+            cluster = KubernetesCluster(settings.home)
+        except Exception as error:  # noqa: BLE001 - no kubeconfig, no service account: say so, no traceback
+            raise UserError(f"--backend kubernetes: cannot reach a Kubernetes API ({error})") from None
+    else:
+        cluster = LocalCluster(settings.home)
+    worker = build_worker(client, settings.task_queue, cluster, Failpoints.from_environ(), metrics)
     counter = None
     if args.metrics_port:
         try:
@@ -190,7 +202,7 @@ async def _worker(args, settings: Settings) -> int:
         except OSError as error:
             raise UserError(f"--metrics-port {args.metrics_port}: {error.strerror}") from None
         counter = asyncio.ensure_future(count_runs_by_state(client, metrics))
-    print(f"worker pid {os.getpid()} on task queue {settings.task_queue!r} at {settings.address}, "
+    print(f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} at {settings.address}, "
           f"runs under {settings.home.resolve() / 'runs'}"
           + (f", metrics on http://127.0.0.1:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
     await serve(worker, counter)

@@ -90,7 +90,9 @@ class FaultReport(Record):
     incarnation: int = Field(ge=0, description="Incarnation that was running.")
     occurred_at: datetime = Field(description="Best known time of the fault (UTC): the backend's death time, else when it was first seen.")
     detected_at: datetime = Field(description="When the detector reported it (UTC).")
-    step: int = Field(ge=0, description="Last step every rank had completed when the fault was detected.")
+    step: int = Field(ge=0, description=(
+        "Newest step completed when the fault was detected: the highest any rank reported (in synchronous "
+        "training every rank got through that step's collectives; another's heartbeat may lag by milliseconds)."))
     last_heartbeat_at: datetime | None = Field(None, description="Newest heartbeat of the blamed ranks before the fault (UTC).")
     reason: str = Field("", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words.")
     rank: int | None = Field(None, description="The first rank blamed.")

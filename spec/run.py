@@ -69,10 +69,32 @@ class TrainerSettings(Strict):
         return self
 
 
+class KubernetesSettings(Strict):
+    """Where and how the Kubernetes backend runs a node's ranks (one pod per node and incarnation)."""
+
+    namespace: str = Field("lazarus", description="Namespace of the rank pods, the run's ConfigMap and its Events.")
+    pool: str = Field("default", description="Value of the `lazarus.dev/pool` label that selects the nodes this run may use.")
+    image: str = Field("lazarus-trainer:latest", description="Container image of the rank pods; it must hold this project and the trainer.")
+    cpu: str = Field("1", description="CPU request and limit of a rank pod (Kubernetes quantity, e.g. `8` or `500m`).")
+    memory: str = Field("4Gi", description="Memory request and limit of a rank pod (Kubernetes quantity).")
+    gpus: int = Field(0, ge=0, description="`nvidia.com/gpu` per rank pod (GPUs); usually layout.ranks_per_node.")
+    volume_claim: str = Field("lazarus-runs", description=(
+        "ReadWriteMany PersistentVolumeClaim holding run directories (heartbeats, checkpoints); the worker mounts it too."))
+    mount_path: str = Field("/lazarus", description="Where the pods and the worker mount volume_claim; LAZARUS_HOME there.")
+    not_ready_toleration_seconds: int = Field(10, ge=0, description=(
+        "How long a rank pod stays bound to a node that is not ready or unreachable before Kubernetes "
+        "evicts it (seconds; Kubernetes' default is 300)."))
+    delete_grace_seconds: int = Field(5, ge=0, description="Grace period when drain deletes an incarnation's pods (seconds).")
+    master_port: int = Field(29500, ge=1024, le=65535, description="Port of rank 0's rendezvous store on its node (pods use the host network).")
+
+
 class ClusterSpec(Strict):
     """Where the ranks run and how many nodes stand by."""
 
-    backend: Literal["local"] = Field("local", description="Cluster backend; `local` runs each node as rank processes on this machine.")
+    backend: Literal["local", "kubernetes"] = Field("local", description=(
+        "Cluster backend: `local` runs each node as rank processes on this machine; `kubernetes` runs a "
+        "pod per node on the nodes labelled `lazarus.dev/pool`."))
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings, description="Settings of the kubernetes backend (ignored by `local`).")
     active_nodes: int = Field(4, ge=1, description="Nodes that train at launch (nodes).")
     spare_nodes: int = Field(1, ge=0, description="Hot spares kept idle to replace a lost node (nodes).")
     warm_standby: bool = Field(True, description=(

@@ -60,6 +60,7 @@ class TrainingSession:
         """trainer.checkpoint_every: steps between checkpoints."""
         self.layout = Assignment.model_validate_json(run.assignment_file(incarnation).read_text()).layout
         self.first_step_at: float | None = None
+        self._phases: dict[str, float] = {}  # phase -> when this rank first reported it
         self._metrics = open(run.metrics_file, "a") if rank == 0 else None
         self.heartbeat(resume_step, "starting")
 
@@ -123,7 +124,8 @@ class TrainingSession:
         now = time.time()
         if phase == "training" and self.first_step_at is None:
             self.first_step_at = now
-        record = {"rank": self.rank, "step": step, "phase": phase, "time": now}
+        self._phases.setdefault(phase, now)
+        record = {"rank": self.rank, "step": step, "phase": phase, "time": now, "phases": self._phases}
         if self.first_step_at is not None:
             record["first_step_at"] = self.first_step_at
         write_json_atomic(self.run.heartbeat_file(self.incarnation, self.rank), record)

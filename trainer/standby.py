@@ -36,6 +36,7 @@ from spec.contract import (
     ENV_NODE_INDEX,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
+    ENV_STANDBY_LOCK_FD,
     RunDir,
     lock_is_held,
     process_start_time,
@@ -52,7 +53,14 @@ IDLE_EXIT_SECONDS = 30.0
 # brings in the compiler stack that the optimizer would otherwise import at its first step.
 _BUILT_IN_IMPORTS = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.pipelining",
                      "trainer.train", "trainer.model", "trainer.checkpoint", "trainer.data"]
-_ANY_PYTHON_IMPORTS = ["torch", "torch.distributed"]
+# A user's script: what a typical DDP/FSDP script reaches before its first step (DDP's
+# constructor alone imports the compiler stack: more than a second here).
+_ANY_PYTHON_IMPORTS = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.checkpoint",
+                       "torch._dynamo"]
+
+_fork_safe = True
+"""False once this process has more than one thread: a fork would copy locks other threads hold
+(an OpenMP pool, say), so ranks are exec'd instead (cold, but correct)."""
 
 
 def warm_entry(command: list[str]) -> tuple[str, str, list[str]] | None:
@@ -105,7 +113,7 @@ def _run_in_place(command: list[str], env: dict) -> int:
     os.environ.clear()
     os.environ.update(env)
     entry = warm_entry(command)
-    if entry is None:
+    if entry is None or not _fork_safe:
         os.execvpe(command[0], command, env)
     kind, target, argv = entry
     sys.argv = list(argv)
@@ -220,9 +228,12 @@ def _launcher_alive(run: RunDir) -> bool:
 def serve(run: RunDir, node: str) -> int:
     """Warm up, then start a launcher for each order until the run goes idle; returns the exit code."""
     home = run.standby(node)
-    lock = take_lock(home / "lock")
-    if lock is None:
-        return 0  # this node has a live standby
+    if ENV_STANDBY_LOCK_FD in os.environ:
+        lock = int(os.environ.pop(ENV_STANDBY_LOCK_FD))  # taken for us by the backend that started us
+    else:
+        lock = take_lock(home / "lock")
+        if lock is None:
+            return 0  # this node has a live standby
     write_json_atomic(home / "pid", {"pid": os.getpid(), "pgid": os.getpgid(0),
                                      "start_time": process_start_time(os.getpid())})
     # O_RDWR: the open neither blocks for a writer nor sees end-of-file when one leaves, and an
@@ -231,8 +242,13 @@ def serve(run: RunDir, node: str) -> int:
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
     started = time.time()
     failed = warm_up(spec.trainer.command)
-    write_json_atomic(home / "ready", {"import_seconds": time.time() - started, "failed_imports": failed})
-    print(f"lazarus standby {node}: warm after {time.time() - started:.2f} s"
+    global _fork_safe
+    threads = len(os.listdir("/proc/self/task"))
+    _fork_safe = threads == 1
+    write_json_atomic(home / "ready", {"import_seconds": time.time() - started, "failed_imports": failed,
+                                       "threads": threads, "warm": _fork_safe})
+    print(f"lazarus standby {node}: " + (f"warm after {time.time() - started:.2f} s" if _fork_safe else
+                                         f"{threads} threads after the imports (OMP_NUM_THREADS > 1?): ranks will be exec'd, cold")
           + (f" (could not import {', '.join(failed)})" if failed else ""), flush=True)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers are reaped by the kernel
     pending = b""

@@ -173,6 +173,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     session.wait_for_store()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             timeout=timedelta(seconds=spec.recovery.hang_after_seconds + 30))
+    session.heartbeat(session.resume_step, "joined")
     trainer = Trainer(settings, layout, session.rank)
     checkpointer = checkpoint.Checkpointer(run, session.incarnation, settings.keep_checkpoints,
                                            asynchronous=settings.async_checkpoint)

@@ -36,7 +36,7 @@ def test_negative_stage_timeout_names_the_stage():
 
 
 def test_unknown_backend_is_refused():
-    assert refuse({"cluster": {"backend": "slurm"}}) == "cluster.backend: 'slurm' is not supported; must be 'local'"
+    assert refuse({"cluster": {"backend": "slurm"}}) == "cluster.backend: 'slurm' is not supported; must be 'local' or 'kubernetes'"
 
 
 def test_unknown_field_is_refused():

@@ -22,9 +22,10 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     torch.set_num_threads(1)
+    session = TrainingSession.from_environ()
+    session.wait_for_store()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    session = TrainingSession.from_environ()
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))

@@ -1,0 +1,411 @@
+"""The Kubernetes backend: nodes of a labelled pool are the unit of failure, one pod per node and
+incarnation runs the node's launcher (trainer/launcher.py), and quarantine is cordon + taint.
+
+Behind the same interface as the local backend (infra/local.py), so the activities do not know
+which one they drive. What lives where:
+- the API server: which nodes belong to the pool (`lazarus.dev/pool=<pool>`), which run holds
+  a node (`lazarus.dev/run=<run id>`), which nodes are hot spares (`lazarus.dev/spare=true`),
+  quarantine (spec.unschedulable, a `lazarus.dev/quarantined` NoSchedule taint, a label naming
+  the run and an annotation with the reason), node health (the Ready condition), the rank pods
+  and an Event per recovery stage on the run's ConfigMap;
+- the shared volume (a ReadWriteMany claim the pods and the worker mount): the run directory
+  of spec/contract.py with its assignments, launch records, heartbeats, exits and checkpoints.
+
+Every name derives from (run, incarnation, node index), so a retried activity finds what an
+earlier attempt did: a 409 on create and a 404 on delete are success. A spare is claimed by a
+label patch that carries the node's resourceVersion, so two runs racing for one spare cannot
+both win: the loser's patch gets 409 Conflict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+from infra.local import Observation, RankObservation
+from infra.runfiles import (
+    ClusterError,
+    RunFiles,  # noqa: I001
+)
+from spec.contract import (
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_NODE_INDEX,
+    ENV_RESUME_STEP,
+    ENV_RUN_DIR,
+    RunDir,
+    read_json,
+)
+from spec.records import Assignment, Inventory, NodeRecord
+from spec.run import KubernetesSettings, RunSpec
+
+POOL_LABEL = "lazarus.dev/pool"
+RUN_LABEL = "lazarus.dev/run"
+SPARE_LABEL = "lazarus.dev/spare"
+QUARANTINE_LABEL = "lazarus.dev/quarantined"
+QUARANTINE_TAINT = "lazarus.dev/quarantined"
+REASON_ANNOTATION = "lazarus.dev/quarantine-reason"
+INCARNATION_LABEL = "lazarus.dev/incarnation"
+NODE_INDEX_LABEL = "lazarus.dev/node-index"
+
+
+def _utc(value) -> datetime:
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    if isinstance(value, str) and value:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return datetime.now(timezone.utc)
+
+
+def object_name(*parts: str | int) -> str:
+    """A DNS-1123 name from its parts, shortened with a hash past 63 characters."""
+    name = "-".join(str(p) for p in parts).lower()
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:54].rstrip('-')}-{digest}"
+
+
+def pod_name(run_id: str, incarnation: int, index: int) -> str:
+    """The rank pod of node `index` in an incarnation."""
+    return object_name("lz", run_id, incarnation, index)
+
+
+def run_object_name(run_id: str) -> str:
+    """The run's ConfigMap: its spec, and the object its Events are about."""
+    return object_name("lazarus-run", run_id)
+
+
+def _ready(node: k8s.V1Node) -> tuple[bool, datetime | None]:
+    """Ready condition: (True, None) when Ready, else (False, when it stopped being Ready)."""
+    for condition in (node.status.conditions if node.status and node.status.conditions else []):
+        if condition.type == "Ready":
+            if condition.status == "True":
+                return True, None
+            return False, _utc(condition.last_transition_time)
+    return False, None
+
+
+class KubernetesCluster(RunFiles):
+    """Runs' nodes as pods on a Kubernetes cluster, with run directories under `home` (the shared volume)."""
+
+    backend = "kubernetes"
+
+    def __init__(self, home: str | Path, api: k8s.ApiClient | None = None):
+        super().__init__(home)
+        if api is None:
+            from kubernetes import config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api = k8s.ApiClient()
+        self.core = k8s.CoreV1Api(api)
+
+    def _settings(self, run_id: str) -> KubernetesSettings:
+        return self.spec(run_id).cluster.kubernetes
+
+    # --- nodes -------------------------------------------------------------------------
+
+    def _pool(self, settings: KubernetesSettings) -> list[k8s.V1Node]:
+        return self.core.list_node(label_selector=f"{POOL_LABEL}={settings.pool}").items
+
+    @staticmethod
+    def _free(node: k8s.V1Node) -> bool:
+        labels = node.metadata.labels or {}
+        return (RUN_LABEL not in labels and QUARANTINE_LABEL not in labels and not (node.spec and node.spec.unschedulable)
+                and _ready(node)[0])
+
+    def _claim(self, node_name: str, run_id: str, spare_only: bool) -> bool:
+        """Label the node as this run's if it is free; True if it is (now or already) this run's.
+
+        The patch carries the resourceVersion the node was read at: if anything changed the node
+        since (another run's claim), the API server refuses it with 409 and this one loses.
+        """
+        node = self.core.read_node(node_name)
+        labels = node.metadata.labels or {}
+        if labels.get(RUN_LABEL) == run_id:
+            return True
+        if not self._free(node) or (spare_only and labels.get(SPARE_LABEL) != "true"):
+            return False
+        try:
+            self.core.patch_node(node_name, {"metadata": {
+                "labels": {RUN_LABEL: run_id, SPARE_LABEL: None},
+                "resourceVersion": node.metadata.resource_version}})
+        except ApiException as error:
+            if error.status != 409:
+                raise
+            return (self.core.read_node(node_name).metadata.labels or {}).get(RUN_LABEL) == run_id
+        return True
+
+    def _release(self, node_name: str, run_id: str) -> None:
+        node = self.core.read_node(node_name)
+        if (node.metadata.labels or {}).get(RUN_LABEL) == run_id:
+            self.core.patch_node(node_name, {"metadata": {"labels": {RUN_LABEL: None, SPARE_LABEL: "true"}}})
+
+    # --- run state -----------------------------------------------------------------------
+
+    def create(self, run_id: str, spec: RunSpec) -> RunDir:
+        """Record the run (directory, spec, ConfigMap) and claim its active nodes from the pool, once."""
+        run = self.write_spec(run_id, spec)
+        settings = spec.cluster.kubernetes
+        with contextlib.suppress(ApiException):
+            self._create_ignoring_conflict(lambda: self.core.create_namespaced_config_map(settings.namespace, k8s.V1ConfigMap(
+                metadata=k8s.V1ObjectMeta(name=run_object_name(run_id), labels={RUN_LABEL: run_id}),
+                data={"spec.json": spec.model_dump_json()})))
+        pool = self._pool(settings)
+        mine = [n for n in pool if (n.metadata.labels or {}).get(RUN_LABEL) == run_id]
+        # Spares last: a run takes ordinary free nodes first and leaves the hot spares for recoveries.
+        candidates = sorted((n for n in pool if self._free(n)),
+                            key=lambda n: ((n.metadata.labels or {}).get(SPARE_LABEL) == "true", n.metadata.name))
+        for node in candidates:
+            if len(mine) >= spec.cluster.active_nodes:
+                break
+            if self._claim(node.metadata.name, run_id, spare_only=False):
+                mine.append(node)
+        if len(mine) < spec.cluster.active_nodes:
+            for node in mine:
+                self._release(node.metadata.name, run_id)
+            raise ClusterError(f"pool {settings.pool!r} has {len(mine)} free ready node(s); the run needs "
+                               f"{spec.cluster.active_nodes} (label more nodes {POOL_LABEL}={settings.pool})")
+        return run
+
+    def inventory(self, run_id: str) -> Inventory:
+        """This run's nodes (active, quarantined by it) and the pool's free hot spares."""
+        self._existing(run_id)
+        records = []
+        for node in self._pool(self._settings(run_id)):
+            labels = node.metadata.labels or {}
+            ready, since = _ready(node)
+            annotations = node.metadata.annotations or {}
+            if labels.get(RUN_LABEL) == run_id:
+                role, note = "active", ""
+            elif labels.get(QUARANTINE_LABEL) == run_id:
+                role, note = "quarantined", annotations.get(REASON_ANNOTATION, "")
+            elif labels.get(SPARE_LABEL) == "true" and self._free(node):
+                role, note = "spare", "hot spare of the pool"
+            else:
+                continue
+            records.append(NodeRecord(name=node.metadata.name, role=role, healthy=ready, died_at=since, note=note))
+        return Inventory(nodes=records)
+
+    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
+        """Cordon and taint the nodes, label them with the run and annotate why; an Event on each."""
+        for name in nodes:
+            try:
+                node = self.core.read_node(name)
+            except ApiException as error:
+                if error.status == 404:
+                    raise ClusterError(f"no node {name!r} in the cluster") from None
+                raise
+            taints = [t.to_dict() for t in (node.spec.taints if node.spec and node.spec.taints else [])
+                      if t.key != QUARANTINE_TAINT]
+            taints = [{k: v for k, v in t.items() if v is not None and k != "time_added"} for t in taints]
+            taints.append({"key": QUARANTINE_TAINT, "value": run_id, "effect": "NoSchedule"})
+            self.core.patch_node(name, {
+                "spec": {"unschedulable": True, "taints": taints},
+                "metadata": {"labels": {QUARANTINE_LABEL: run_id, RUN_LABEL: None},
+                             "annotations": {REASON_ANNOTATION: reason[:1000]}}})
+            self._event(run_id, "Quarantined", f"{name}: {reason}", kind="Node", name=name, namespace="")
+
+    def return_node(self, run_id: str, node: str) -> Inventory:
+        """A repaired node goes back to the pool as a hot spare: uncordoned, untainted, unlabelled."""
+        try:
+            current = self.core.read_node(node)
+        except ApiException as error:
+            if error.status == 404:
+                raise ClusterError(f"no node {node!r} in the cluster") from None
+            raise
+        taints = [{k: v for k, v in t.to_dict().items() if v is not None and k != "time_added"}
+                  for t in (current.spec.taints if current.spec and current.spec.taints else []) if t.key != QUARANTINE_TAINT]
+        self.core.patch_node(node, {"spec": {"unschedulable": False, "taints": taints or None},
+                                    "metadata": {"labels": {QUARANTINE_LABEL: None, SPARE_LABEL: "true"},
+                                                 "annotations": {REASON_ANNOTATION: None}}})
+        self._event(run_id, "Returned", f"{node} is back in the pool as a hot spare", kind="Node", name=node, namespace="")
+        return self.inventory(run_id)
+
+    def commit_assignment(self, run_id: str, assignment: Assignment, claims: list[str] = (),
+                          releases: list[str] = ()) -> Assignment:
+        """Claim the spares, record the assignment exactly once (rank 0's node address filled in),
+        and release leftover nodes to the spare pool."""
+        recorded = self.assignment(run_id, assignment.incarnation)
+        if recorded is None:
+            taken = [node for node in claims if not self._claim(node, run_id, spare_only=True)]
+            if taken:
+                raise ClusterError(f"node {', '.join(taken)} is no longer a free spare")
+            settings = self._settings(run_id)
+            first = self.core.read_node(assignment.nodes[0])
+            addresses = {a.type: a.address for a in (first.status.addresses if first.status and first.status.addresses else [])}
+            proposal = assignment.model_copy(update={
+                "master_addr": addresses.get("InternalIP", addresses.get("Hostname", assignment.nodes[0])),
+                "master_port": settings.master_port})
+            recorded = self.record_assignment(run_id, proposal)
+        for node in recorded.nodes:  # completes an attempt that crashed between its writes
+            if not self._claim(node, run_id, spare_only=False):
+                raise ClusterError(f"node {node} of incarnation {recorded.incarnation} is held by another run")
+        for node in set(releases) - set(recorded.nodes):
+            self._release(node, run_id)
+        return recorded
+
+    # --- rank pods -----------------------------------------------------------------------
+
+    @staticmethod
+    def _create_ignoring_conflict(create) -> None:
+        try:
+            create()
+        except ApiException as error:
+            if error.status != 409:  # already there: an earlier attempt created it
+                raise
+
+    def rank_pod(self, run_id: str, spec: RunSpec, assignment: Assignment, index: int, resume_step: int) -> k8s.V1Pod:
+        """The pod of node `index`: its launcher with the contract's environment, pinned to the node."""
+        settings = spec.cluster.kubernetes
+        run_dir = f"{settings.mount_path.rstrip('/')}/runs/{run_id}"
+        resources = {"cpu": settings.cpu, "memory": settings.memory}
+        if settings.gpus:
+            resources["nvidia.com/gpu"] = str(settings.gpus)
+        env = {ENV_RUN_DIR: run_dir, ENV_INCARNATION: str(assignment.incarnation), ENV_NODE: assignment.nodes[index],
+               ENV_NODE_INDEX: str(index), ENV_RESUME_STEP: str(resume_step)}
+        tolerations = [k8s.V1Toleration(key=key, operator="Exists", effect="NoExecute",
+                                        toleration_seconds=settings.not_ready_toleration_seconds)
+                       for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
+        return k8s.V1Pod(
+            metadata=k8s.V1ObjectMeta(
+                name=pod_name(run_id, assignment.incarnation, index), namespace=settings.namespace,
+                labels={RUN_LABEL: run_id, INCARNATION_LABEL: str(assignment.incarnation), NODE_INDEX_LABEL: str(index)}),
+            spec=k8s.V1PodSpec(
+                node_name=assignment.nodes[index], restart_policy="Never", host_network=True,
+                dns_policy="ClusterFirstWithHostNet", automount_service_account_token=False,
+                termination_grace_period_seconds=settings.delete_grace_seconds, tolerations=tolerations,
+                containers=[k8s.V1Container(
+                    name="launcher", image=settings.image, command=["python", "-m", "trainer.launcher"],
+                    env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
+                    resources=k8s.V1ResourceRequirements(requests=resources, limits=resources),
+                    volume_mounts=[k8s.V1VolumeMount(name="runs", mount_path=settings.mount_path)])],
+                volumes=[k8s.V1Volume(name="runs", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                    claim_name=settings.volume_claim))]))
+
+    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None) -> dict:
+        """Create the incarnation's pods (one per node) unless they exist; returns the launch record in force."""
+        assignment = self.assignment(run_id, incarnation)
+        if assignment is None:
+            raise ClusterError(f"incarnation {incarnation} of run {run_id!r} has no assignment")
+        record = self.record_launch(run_id, incarnation, resume_step, skipped)
+        spec = self.spec(run_id)
+        for index in range(len(assignment.nodes)):
+            pod = self.rank_pod(run_id, spec, assignment, index, record["resume_step"])
+            self._create_ignoring_conflict(lambda pod=pod: self.core.create_namespaced_pod(spec.cluster.kubernetes.namespace, pod))
+        return record
+
+    def _pods(self, run_id: str, incarnation: int) -> dict[int, k8s.V1Pod]:
+        pods = self.core.list_namespaced_pod(self._settings(run_id).namespace,
+                                             label_selector=f"{RUN_LABEL}={run_id},{INCARNATION_LABEL}={incarnation}").items
+        return {int(p.metadata.labels[NODE_INDEX_LABEL]): p for p in pods}
+
+    @staticmethod
+    def _running(pod: k8s.V1Pod | None) -> bool:
+        return (pod is not None and not pod.metadata.deletion_timestamp
+                and (pod.status is None or pod.status.phase in (None, "Pending", "Running")))
+
+    def observe(self, run_id: str, incarnation: int) -> Observation:
+        """Pods, node Ready conditions and the ranks' heartbeat and exit files of an incarnation."""
+        run = self._existing(run_id)
+        assignment = self.assignment(run_id, incarnation)
+        if assignment is None:
+            raise ClusterError(f"incarnation {incarnation} of run {run_id!r} has no assignment")
+        launch = read_json(run.incarnation(incarnation) / "launch.json") or {}
+        nodes = {n.metadata.name: n for n in self._pool(self._settings(run_id))}
+        dead = {}
+        for name in assignment.nodes:
+            ready, since = _ready(nodes[name]) if name in nodes else (False, None)
+            if not ready:
+                dead[name] = since or datetime.now(timezone.utc)
+        pods = self._pods(run_id, incarnation)
+        observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead)
+        observation.launchers_alive = sum(self._running(p) for p in pods.values())
+        layout = assignment.layout
+        for rank in range(layout.world_size):
+            index = layout.node_of_rank(rank)
+            running = self._running(pods.get(index))
+            exit_record = read_json(run.exit_file(incarnation, rank))
+            observation.ranks.append(RankObservation(
+                rank=rank, node=assignment.nodes[index], launched=index in pods or exit_record is not None,
+                alive=running and exit_record is None, heartbeat=read_json(run.heartbeat_file(incarnation, rank)),
+                exit=exit_record, launcher_alive=running))
+        return observation
+
+    async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
+        """The API server pushes no process exits to us cheaply; the next look comes after `timeout`."""
+        await asyncio.sleep(timeout)
+        return False
+
+    def stop_incarnation(self, run_id: str, incarnation: int, timeout: float = 60.0) -> list[int]:
+        """Delete the incarnation's pods (with the spec's grace; at once on a node that is not ready,
+        whose kubelet cannot confirm) and wait until the API server has none left; returns the ranks
+        whose pods were running."""
+        run = self._existing(run_id)
+        run.ended_file(incarnation).parent.mkdir(parents=True, exist_ok=True)
+        run.ended_file(incarnation).touch()
+        settings = self._settings(run_id)
+        assignment = self.assignment(run_id, incarnation)
+        observation = self.observe(run_id, incarnation)
+        for index, pod in self._pods(run_id, incarnation).items():
+            grace = 0 if assignment.nodes[index] in observation.dead_nodes else settings.delete_grace_seconds
+            try:
+                self.core.delete_namespaced_pod(pod.metadata.name, settings.namespace, grace_period_seconds=grace)
+            except ApiException as error:
+                if error.status != 404:  # gone already
+                    raise
+        deadline = time.monotonic() + timeout
+        while self._pods(run_id, incarnation):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"pods of incarnation {incarnation} of run {run_id!r} still exist {timeout:.0f} s after deletion")
+            time.sleep(0.2)
+        return sorted(r.rank for r in observation.ranks if r.alive)
+
+    def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
+        """As the local backend's: give a checkpoint being written `grace` seconds to commit while pods run."""
+        return self.wait_for_commit(run_id, grace, lambda: any(self._running(p) for p in self._pods(run_id, incarnation).values()))
+
+    # --- what the local backend does with processes, which pods do not need ----------------
+
+    def ensure_standbys(self, run_id: str) -> None:
+        """No warm standbys on Kubernetes (yet): each pod starts its interpreter."""
+
+    def release_standbys(self, run_id: str) -> None:
+        """No warm standbys on Kubernetes (yet)."""
+
+    # --- audit ------------------------------------------------------------------------------
+
+    def _event(self, run_id: str, reason: str, message: str, kind: str = "ConfigMap", name: str | None = None,
+               namespace: str | None = None) -> None:
+        settings = self._settings(run_id)
+        name = name or run_object_name(run_id)
+        now = datetime.now(timezone.utc)
+        event = k8s.CoreV1Event(
+            metadata=k8s.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:12]}", namespace=settings.namespace),
+            involved_object=k8s.V1ObjectReference(kind=kind, name=name, namespace=settings.namespace if namespace is None else namespace,
+                                                  api_version="v1"),
+            reason=reason, message=message[:1024], type="Warning" if reason in ("FaultDetected", "Quarantined") else "Normal",
+            first_timestamp=now, last_timestamp=now, count=1, source=k8s.V1EventSource(component="lazarus"))
+        self.core.create_namespaced_event(settings.namespace, event)
+
+    def record_stage(self, run_id: str, stage: str, message: str) -> None:
+        """An Event on the run's ConfigMap for a recovery stage (`kubectl describe configmap` shows them)."""
+        reason = "".join(part.capitalize() for part in stage.split("_"))
+        self._event(run_id, reason, message)
+
+
+def environment_home() -> Path:
+    """The worker's LAZARUS_HOME on the shared volume (the Deployment sets it)."""
+    return Path(os.environ.get("LAZARUS_HOME", "/lazarus"))

@@ -1,0 +1,115 @@
+"""The kubelets of the emulated nodes, played on this machine, so that rank pods really run.
+
+Each pod bound to a live node runs as a local process group: its container's command
+(`python` is this interpreter) with its environment. The kubelet reports the pod's phase to
+the API, holds a finalizer on it while its process lives (so a deleted pod stays listed,
+terminating, until its containers are gone, as on a real cluster), and kills the process
+group when the pod is deleted. A node that dies takes its processes with it; its Ready
+condition turns Unknown and its pods are marked Failed, as the node controller would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+FINALIZER = "kubelet.test/containers"
+
+
+class FakeKubelet:
+    """Runs the pods of namespace `namespace` on this machine (see the module docstring)."""
+
+    def __init__(self, admin: k8s.CoreV1Api, namespace: str, logs: Path, interval: float = 0.05):
+        self.admin = admin
+        self.namespace = namespace
+        self.logs = logs
+        self.interval = interval
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.started: list[str] = []  # pod names, once per container start
+        self.dead: set[str] = set()
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fake-kubelet", daemon=True)
+
+    def start(self) -> FakeKubelet:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                with self._lock:
+                    self._sync()
+            except BaseException as error:  # surfaced by the test through `errors`
+                self.errors.append(error)
+
+    def _patch(self, name: str, body: dict) -> None:
+        with contextlib.suppress(ApiException):
+            self.admin.patch_namespaced_pod(name, self.namespace, body)
+
+    def _kill(self, name: str) -> None:
+        process = self.processes.pop(name, None)
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def _sync(self) -> None:
+        pods = {p.metadata.name: p for p in self.admin.list_namespaced_pod(self.namespace).items}
+        for name in [n for n in self.processes if n not in pods]:
+            self._kill(name)
+        for name, pod in pods.items():
+            if pod.spec.node_name in self.dead:
+                continue
+            phase = pod.status.phase if pod.status else None
+            if pod.metadata.deletion_timestamp:
+                self._kill(name)
+                self._patch(name, {"metadata": {"finalizers": None}})
+            elif name not in self.processes and phase in (None, "Pending"):
+                self._run(pod)
+            elif name in self.processes and self.processes[name].poll() is not None and phase == "Running":
+                code = self.processes[name].returncode
+                self._patch(name, {"status": {"phase": "Succeeded" if code == 0 else "Failed"}})
+
+    def _run(self, pod: k8s.V1Pod) -> None:
+        container = pod.spec.containers[0]
+        command = [sys.executable if part == "python" else part for part in container.command[:1]] + container.command[1:]
+        env = {**os.environ, **{e.name: e.value for e in container.env or []}}
+        with open(self.logs / f"{pod.metadata.name}.log", "ab") as log:
+            self.processes[pod.metadata.name] = subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started.append(pod.metadata.name)
+        self._patch(pod.metadata.name, {"metadata": {"finalizers": [FINALIZER]}, "status": {"phase": "Running"}})
+
+    def kill_node(self, node: str) -> None:
+        """The node dies: its processes end at once, its Ready turns Unknown, its pods fail."""
+        with self._lock:
+            self.dead.add(node)
+            pods = self.admin.list_namespaced_pod(self.namespace, field_selector=f"spec.nodeName={node}").items
+            for pod in pods:
+                self._kill(pod.metadata.name)
+            self.admin.patch_node(node, {"status": {"conditions": [
+                {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                 "message": "Kubelet stopped posting node status."}]}})
+            for pod in pods:
+                # The node controller marks them; nothing will run their finalizers on a dead node.
+                self._patch(pod.metadata.name, {"metadata": {"finalizers": None}, "status": {"phase": "Failed",
+                                                                                          "reason": "NodeLost"}})
+
+    def stop(self) -> None:
+        """Stop syncing and kill every process it started."""
+        self._stop.set()
+        self._thread.join(10)
+        with self._lock:
+            for name in list(self.processes):
+                self._kill(name)

@@ -1,0 +1,172 @@
+"""The Kubernetes backend against the emulator: claims, quarantine, rank pods, observation, drain."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from infra.kubernetes import (
+    QUARANTINE_LABEL,
+    QUARANTINE_TAINT,
+    RUN_LABEL,
+    SPARE_LABEL,
+    KubernetesCluster,
+    pod_name,
+    run_object_name,
+)
+from infra.runfiles import ClusterError
+from spec import Assignment, parse_spec
+from tests.k8s.conftest import add_node, set_ready
+
+
+def k8s_spec(home, active: int = 2, spares: int = 1, pool: str = "test"):
+    return parse_spec({
+        "name": "kube", "layout": {"dp": active}, "trainer": {"steps": 30, "checkpoint_every": 10},
+        "cluster": {"backend": "kubernetes", "active_nodes": active, "spare_nodes": spares,
+                    "kubernetes": {"namespace": "lz", "pool": pool, "mount_path": str(home), "image": "trainer:test"}},
+    })
+
+
+@pytest.fixture
+def pool(admin):
+    for i in range(3):
+        add_node(admin, f"worker-{i}", address=f"10.0.0.{i + 1}")
+    add_node(admin, "spare-0", spare=True, address="10.0.1.1")
+    add_node(admin, "elsewhere", pool="other")
+    return admin
+
+
+def launched(cluster: KubernetesCluster, run_id: str, spec) -> Assignment:
+    cluster.create(run_id, spec)
+    active = sorted(n.name for n in cluster.inventory(run_id).nodes if n.role == "active")
+    assignment = cluster.commit_assignment(run_id, Assignment(incarnation=0, nodes=active, layout=spec.layout,
+                                                              master_port=1))
+    cluster.start_ranks(run_id, 0, resume_step=0)
+    return assignment
+
+
+def test_a_run_claims_ordinary_nodes_first_and_sees_the_pools_spares(pool, backend_api, tmp_path):
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    spec = k8s_spec(tmp_path)
+    assignment = launched(cluster, "r1", spec)
+    assert assignment.nodes == ["worker-0", "worker-1"]
+    # Rank 0's node address and the spec's port: the pods use the host network.
+    assert (assignment.master_addr, assignment.master_port) == ("10.0.0.1", 29500)
+    roles = {n.name: n.role for n in cluster.inventory("r1").nodes}
+    assert roles == {"worker-0": "active", "worker-1": "active", "spare-0": "spare"}  # worker-2 is free, not a spare
+    assert (pool.read_node("worker-0").metadata.labels or {})[RUN_LABEL] == "r1"
+    # A second create (a retried launch) claims nothing more.
+    cluster.create("r1", spec)
+    assert sorted(n.metadata.name for n in pool.list_node(label_selector=f"{RUN_LABEL}=r1").items) == ["worker-0", "worker-1"]
+
+
+def test_not_enough_free_nodes_is_a_clear_error_and_claims_nothing(pool, backend_api, tmp_path):
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    with pytest.raises(ClusterError, match="pool 'test' has 4 free ready node"):
+        cluster.create("big", k8s_spec(tmp_path, active=5))
+    assert pool.list_node(label_selector=RUN_LABEL).items == []
+
+
+def test_two_runs_racing_for_one_spare_exactly_one_wins(pool, backend_api, tmp_path):
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    results = {}
+    start = threading.Barrier(2)
+
+    def claim(run_id: str) -> None:
+        start.wait()
+        results[run_id] = cluster._claim("spare-0", run_id, spare_only=True)
+
+    threads = [threading.Thread(target=claim, args=(run_id,)) for run_id in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results.values()) == [False, True]
+    winner = next(run_id for run_id, won in results.items() if won)
+    labels = pool.read_node("spare-0").metadata.labels
+    assert labels[RUN_LABEL] == winner and SPARE_LABEL not in labels
+
+
+def test_a_stale_claim_loses_to_a_newer_write(pool, backend_api, tmp_path):
+    # The claim's patch carries the version it read; a change in between (here the other run's
+    # claim) makes the API server refuse it, even though the node looked free when read.
+    node = pool.read_node("spare-0")
+    pool.patch_node("spare-0", {"metadata": {"labels": {RUN_LABEL: "other"}}})
+    from kubernetes.client.rest import ApiException
+
+    with pytest.raises(ApiException) as refused:
+        pool.patch_node("spare-0", {"metadata": {"labels": {RUN_LABEL: "mine"},
+                                                 "resourceVersion": node.metadata.resource_version}})
+    assert refused.value.status == 409
+    assert KubernetesCluster(tmp_path, backend_api)._claim("spare-0", "mine", spare_only=True) is False
+
+
+def test_quarantine_cordons_taints_labels_and_writes_events(pool, backend_api, emulator, tmp_path):
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    launched(cluster, "r1", k8s_spec(tmp_path))
+    cluster.quarantine("r1", ["worker-1"], "node_down: backend reports node worker-1 dead")
+    node = pool.read_node("worker-1")
+    assert node.spec.unschedulable is True
+    assert [(t.key, t.value, t.effect) for t in node.spec.taints] == [(QUARANTINE_TAINT, "r1", "NoSchedule")]
+    assert node.metadata.labels[QUARANTINE_LABEL] == "r1" and RUN_LABEL not in node.metadata.labels
+    assert {n.name: n.role for n in cluster.inventory("r1").nodes}["worker-1"] == "quarantined"
+    cluster.record_stage("r1", "drained", "stopped incarnation 0")
+    events = pool.list_namespaced_event("lz").items
+    assert {(e.involved_object.kind, e.involved_object.name, e.reason) for e in events} == {
+        ("Node", "worker-1", "Quarantined"), ("ConfigMap", run_object_name("r1"), "Drained")}
+    # Returned after repair: uncordoned, untainted, a hot spare of the pool.
+    cluster.return_node("r1", "worker-1")
+    node = pool.read_node("worker-1")
+    assert not node.spec.unschedulable and not node.spec.taints
+    assert node.metadata.labels[SPARE_LABEL] == "true" and QUARANTINE_LABEL not in node.metadata.labels
+
+
+def test_rank_pods_are_created_once_pinned_and_tolerate_a_dead_node_briefly(pool, backend_api, tmp_path):
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    launched(cluster, "r1", k8s_spec(tmp_path))
+    cluster.start_ranks("r1", 0, resume_step=0)  # retried: 409 on create is success
+    pods = pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=r1").items
+    assert sorted((p.metadata.name, p.spec.node_name) for p in pods) == [
+        (pod_name("r1", 0, 0), "worker-0"), (pod_name("r1", 0, 1), "worker-1")]
+    pod = next(p for p in pods if p.spec.node_name == "worker-1")
+    assert {(t.key, t.toleration_seconds) for t in pod.spec.tolerations} == {
+        ("node.kubernetes.io/not-ready", 10), ("node.kubernetes.io/unreachable", 10)}
+    env = {e.name: e.value for e in pod.spec.containers[0].env}
+    assert env["LAZARUS_RUN_DIR"] == f"{tmp_path}/runs/r1" and env["LAZARUS_NODE_INDEX"] == "1"
+    assert pod.spec.host_network and pod.spec.restart_policy == "Never"
+
+
+def test_a_node_that_is_not_ready_is_dead_and_drain_deletes_every_pod(pool, backend_api, tmp_path):
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    launched(cluster, "r1", k8s_spec(tmp_path))
+    set_ready(pool, "worker-1", "Unknown", when="2026-11-30T10:00:00Z")
+    observation = cluster.observe("r1", 0)
+    assert list(observation.dead_nodes) == ["worker-1"]
+    assert observation.dead_nodes["worker-1"].isoformat() == "2026-11-30T10:00:00+00:00"
+    assert cluster.stop_incarnation("r1", 0) == [0, 1]
+    assert pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=r1").items == []
+    assert cluster.stop_incarnation("r1", 0) == []  # again: nothing left, 404s are success
+    assert cluster.run_dir("r1").ended_file(0).exists()
+
+
+def test_replacing_claims_the_spare_exactly_once_and_releases_leftovers(pool, backend_api, tmp_path):
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    old = launched(cluster, "r1", k8s_spec(tmp_path))
+    cluster.quarantine("r1", ["worker-1"], "node_down")
+    proposal = old.model_copy(update={"incarnation": 1, "nodes": ["worker-0", "spare-0"]})
+    first = cluster.commit_assignment("r1", proposal, claims=["spare-0"])
+    again = cluster.commit_assignment("r1", proposal.model_copy(update={"master_port": 7}), claims=["spare-0"])
+    assert first == again and first.nodes == ["worker-0", "spare-0"]
+    assert [n.metadata.name for n in pool.list_node(label_selector=f"{RUN_LABEL}=r1").items] == ["worker-0", "spare-0"]
+    # Another run cannot take the spare now.
+    other = KubernetesCluster(tmp_path, backend_api)
+    other.create("r2", k8s_spec(tmp_path, active=1))
+    with pytest.raises(ClusterError, match="spare-0 is no longer a free spare"):
+        other.commit_assignment("r2", Assignment(incarnation=1, nodes=["spare-0"], layout=k8s_spec(tmp_path, 1).layout,
+                                                 master_port=1), claims=["spare-0"])
+    # A reshard onto fewer nodes gives the leftover back to the pool as a hot spare.
+    cluster.commit_assignment("r1", first.model_copy(update={"incarnation": 2, "nodes": ["spare-0"]}),
+                              releases=["worker-0"])
+    assert pool.read_node("worker-0").metadata.labels[SPARE_LABEL] == "true"
+    assert {n.name: n.role for n in cluster.inventory("r1").nodes}["worker-0"] == "spare"

@@ -1,0 +1,146 @@
+"""The TrainingRun workflow on a real Temporal dev server drives the Kubernetes backend against the
+emulator, with the fake kubelet running the real launcher and trainer in the rank pods."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from infra.kubernetes import QUARANTINE_TAINT, RUN_LABEL, KubernetesCluster, run_object_name
+from lazarus.client import start_run
+from lazarus.config import Settings
+from lazarus.worker import build_worker
+from spec import RunState, load_spec, parse_spec
+from tests.e2e.conftest import SMALL_SPEC, losses, trained_step
+from tests.k8s.conftest import add_node
+from tests.k8s.kubelet import FakeKubelet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def kubernetes_spec(home):
+    """The small end-to-end spec (dp4, 60 steps) on the kubernetes backend, run directories under `home`."""
+    data = load_spec(SMALL_SPEC).model_dump(mode="json")
+    data["cluster"] = {"backend": "kubernetes", "active_nodes": 4, "spare_nodes": 1,
+                       "kubernetes": {"namespace": "lz", "pool": "test", "mount_path": str(home), "image": "trainer:test",
+                                      "delete_grace_seconds": 1}}
+    return parse_spec(data)
+
+
+async def wait_until(condition, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        await asyncio.sleep(0.05)
+    return value
+
+
+async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(dev_env, admin, backend_api, reference_losses, tmp_path):
+    home = tmp_path / "volume"
+    for i in range(4):
+        add_node(admin, f"worker-{i}")
+    add_node(admin, "spare-0", spare=True)
+    kubelet = FakeKubelet(admin, "lz", tmp_path / "kubelet").start()
+    cluster = KubernetesCluster(home, backend_api)
+    spec = kubernetes_spec(home)
+    run_id = f"kube-{uuid.uuid4().hex[:6]}"
+    queue = f"k8s-{uuid.uuid4().hex[:8]}"
+    try:
+        async with build_worker(dev_env.client, queue, cluster):
+            handle = await start_run(dev_env.client, Settings(task_queue=queue, home=home), spec, run_id)
+            run = cluster.run_dir(run_id)
+            await wait_until(lambda: trained_step(run) >= 15, "the run to train 15 steps")
+            kubelet.kill_node("worker-2")
+            status = await asyncio.wait_for(handle.result(), 240)
+    finally:
+        kubelet.stop()
+    assert kubelet.errors == []
+    assert status.state == RunState.COMPLETED, status.reason
+    [incident] = status.incidents
+    assert incident.fault.kind == "node_down" and incident.fault.nodes == ["worker-2"]
+    assert incident.decision.action == "replace" and incident.new_assignment.nodes == [
+        "worker-0", "worker-1", "spare-0", "worker-3"]
+
+    # The lost node is cordoned, tainted and labelled with the run; the spare now belongs to it.
+    lost = admin.read_node("worker-2")
+    assert lost.spec.unschedulable and [t.key for t in lost.spec.taints] == [QUARANTINE_TAINT]
+    assert admin.read_node("spare-0").metadata.labels[RUN_LABEL] == run_id
+    # The next incarnation's pods landed on the spare and the survivors, one per node.
+    pods = admin.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}={run_id},lazarus.dev/incarnation=1").items
+    assert sorted(p.spec.node_name for p in pods) == ["spare-0", "worker-0", "worker-1", "worker-3"]
+    # An Event for each recovery stage on the run's ConfigMap, and one on the quarantined node.
+    events = admin.list_namespaced_event("lz").items
+    on_run = {e.reason for e in events if e.involved_object.name == run_object_name(run_id)}
+    assert {"FaultDetected", "Drained", "Rescheduled", "Replaced", "Resuming"} <= on_run
+    assert any(e.reason == "Quarantined" and e.involved_object.name == "worker-2" for e in events)
+
+    # What the trainer computed: every step, and the resumed steps bit for bit as without a fault.
+    trained = losses(cluster.run_dir(run_id))
+    assert sorted(trained) == list(range(1, spec.trainer.steps + 1))
+    assert trained == reference_losses
+
+
+def kubeconfig(path, url: str) -> str:
+    """A kubeconfig pointing at the emulator, for a worker running as its own process."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+        "users": [{"name": "test", "user": {"token": "test"}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}]}))
+    return str(path)
+
+
+async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and_one_claim(
+        dev_env, emulator, admin, workers, reference_losses, tmp_path):
+    from activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
+    from tests.e2e.test_recovery import lazarus_env
+
+    home = tmp_path / "volume"
+    for i in range(4):
+        add_node(admin, f"worker-{i}")
+    add_node(admin, "spare-0", spare=True)
+    add_node(admin, "spare-1", spare=True)
+    kubelet = FakeKubelet(admin, "lz", tmp_path / "kubelet").start()
+    queue = f"k8s-crash-{uuid.uuid4().hex[:6]}"
+    env = {**lazarus_env(dev_env, home, queue), "LAZARUS_BACKEND": "kubernetes",
+           "KUBECONFIG": kubeconfig(tmp_path / "kubeconfig", emulator.url)}
+    markers = tmp_path / "failpoints"
+    armed = lambda name: {**env, ENV_FAILPOINTS: name, ENV_FAILPOINT_DIR: str(markers)}  # noqa: E731
+    spec = kubernetes_spec(home)
+    run_id = f"kube-crash-{uuid.uuid4().hex[:6]}"
+    run = KubernetesCluster(home, admin.api_client).run_dir(run_id)
+    try:
+        first = workers(armed("drain.after_quarantine"), tmp_path / "worker-1.log")
+        handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
+        await wait_until(lambda: trained_step(run) >= 15, "the run to train 15 steps")
+        kubelet.kill_node("worker-2")
+        marker = await wait_until(lambda: (markers / "drain.after_quarantine").exists(), "the worker to reach drain", 60)
+        assert marker and admin.read_node("worker-2").spec.unschedulable
+        first.kill()
+        second = workers(armed("resume.after_launch"), tmp_path / "worker-2.log")
+        await wait_until(lambda: (markers / "resume.after_launch").exists(), "the second worker to reach resume", 90)
+        second.kill()
+        workers(env, tmp_path / "worker-3.log")
+        status = await asyncio.wait_for(handle.result(), 240)
+    finally:
+        kubelet.stop()
+    assert kubelet.errors == []
+    assert status.state == RunState.COMPLETED, status.reason
+    [incident] = status.incidents
+    assert incident.new_assignment.incarnation == 1 and run.incarnations() == [0, 1]
+    # One claim: of the two spares exactly one joined the run, the other is still free.
+    claimed = sorted(n.metadata.name for n in admin.list_node(label_selector=f"{RUN_LABEL}={run_id}").items)
+    assert claimed == sorted(incident.new_assignment.nodes) and len({"spare-0", "spare-1"} & set(claimed)) == 1
+    # No duplicate pods: each node of incarnation 1 ran its pod once, and each rank started once.
+    second_round = [name for name in kubelet.started if f"-{run_id}-1-" in name]
+    assert sorted(second_round) == sorted(set(second_round)) and len(second_round) == 4
+    for rank in range(spec.layout.world_size):
+        starts = [line for line in run.log_file(1, rank).read_text().splitlines()
+                  if line.startswith("lazarus trainer: rank")]
+        assert len(starts) == 1, f"rank {rank} of incarnation 1 was started {len(starts)} times"
+    assert losses(run) == reference_losses
