@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -93,6 +95,10 @@ async def split(client, run_id: str, incident, spans: list) -> dict:
             "overhead_pct": 100 * (wf_task + dispatch) / mttr, "hops": hops, "resume_started": inside["resume"].started}
 
 
+def _kill_node(home: str, run_id: str, node: str) -> list[int]:
+    return LocalCluster(home).kill_node(run_id, node)
+
+
 async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -> list[dict]:
     spec = load_spec(spec_path)
     kill_at = kill_at or default_kill_step(spec)
@@ -102,6 +108,7 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
                                                     dev_server_extra_args=DYNAMIC_CONFIG)
     rows, splits = [], []
     metrics = Metrics()
+    chaos = None
     try:
         with tempfile.TemporaryDirectory() as home:
             settings = Settings(address=env.client.service_client.config.target_host, home=Path(home),
@@ -113,10 +120,19 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
                 if not quiet:
                     print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+            # The chaos monkey kills from a process of its own (started once, before any run), so its
+            # waiting for the node's processes to die takes nothing from the worker's event loop.
+            chaos = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(chaos, sorted, [])
+
+            async def kill(run_id: str, node: str) -> list[int]:
+                return await loop.run_in_executor(chaos, _kill_node, home, run_id, node)
+
             async with build_worker(env.client, settings.task_queue, cluster, metrics=metrics):
                 for i in range(kills):
                     say(f"run {i + 1}/{kills}: kill a node at step {kill_at}")
-                    final = await drive_run(env.client, settings, cluster, spec, f"bench-{i}", kill_at, say)
+                    final = await drive_run(env.client, settings, cluster, spec, f"bench-{i}", kill_at, say, kill)
                     if final.state != RunState.COMPLETED or len(final.incidents) != 1:
                         raise SystemExit(f"bench: run {i + 1} ended {final.state.value} with "
                                          f"{len(final.incidents)} incident(s): {final.reason}")
@@ -126,6 +142,8 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
                                                    parts.pop("resume_started"))
                     splits.append(parts)
     finally:
+        if chaos is not None:
+            chaos.shutdown()
         await env.shutdown()
     return rows, splits
 

@@ -64,10 +64,11 @@ async def ensure_server(settings: Settings, say) -> None:
 
 
 async def drive_run(client, settings: Settings, cluster: LocalCluster, spec: RunSpec, run_id: str,
-                    kill_at: int | None, say) -> RunStatus:
+                    kill_at: int | None, say, kill=None) -> RunStatus:
     """Start a run (a worker must serve settings.task_queue), follow it, kill a node at `kill_at`.
 
-    Returns the final status; a failed run's status carries its reason.
+    `kill(run_id, node)` (async, returns the pids killed) does the killing; by default
+    cluster.kill_node in a thread. Returns the final status; a failed run's status carries its reason.
     """
     run = cluster.run_dir(run_id)
     handle = await start_run(client, settings, spec, run_id)
@@ -86,8 +87,8 @@ async def drive_run(client, settings: Settings, cluster: LocalCluster, spec: Run
         last_step = step
         if not killed and status.state == RunState.TRAINING and step >= kill_at and status.assignment:
             node = status.assignment.nodes[len(status.assignment.nodes) // 2]
-            # In a thread: the worker shares this event loop, and the chaos is not the controller's work.
-            pids = await asyncio.to_thread(cluster.kill_node, run_id, node)
+            # Not on this event loop: the worker shares it, and the chaos is not the controller's work.
+            pids = await (kill(run_id, node) if kill else asyncio.to_thread(cluster.kill_node, run_id, node))
             say(f"chaos: killed {node} at step {step} (SIGKILL to pid {', '.join(map(str, pids))})")
             killed = True
         await asyncio.wait([result], timeout=0.05)
