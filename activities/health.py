@@ -9,7 +9,6 @@ from infra.local import Observation, RankObservation
 from spec.records import FaultReport
 from spec.run import RecoveryPolicy
 
-
 PROGRAM_ERROR_SETTLE_SECONDS = 2.0
 """How long after the first rank of a fresh run fails before its first step the others get to
 fail the same way (then it is the program's fault); past it, the first one's node is blamed."""

@@ -21,7 +21,8 @@ from temporalio.exceptions import ApplicationError
 from activities.failpoints import Failpoints
 from activities.health import judge
 from activities.metrics import Metrics, Span
-from infra.local import ClusterError, LocalCluster, free_port
+from infra.local import free_port
+from infra.runfiles import ClusterError, RunFiles
 from spec.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
 from spec.stages import (
     DetectInput,
@@ -73,7 +74,7 @@ def _permanent(error: Exception, kind: str) -> ApplicationError:
 class RecoveryActivities:
     """launch, detect, drain, reschedule, replace_or_reshard and resume, over one backend."""
 
-    def __init__(self, cluster: LocalCluster, failpoints: Failpoints | None = None, metrics: Metrics | None = None):
+    def __init__(self, cluster: RunFiles, failpoints: Failpoints | None = None, metrics: Metrics | None = None):
         self.cluster = cluster
         self.failpoints = failpoints or Failpoints()
         self.metrics = metrics or Metrics()
@@ -106,6 +107,8 @@ class RecoveryActivities:
 
     async def _note(self, run_id: str, stage: str, message: str) -> None:
         """Record the stage where the cluster's tools show it (an Event on Kubernetes); never fails the stage."""
+        if not self.cluster.records_stages:
+            return
         try:
             await asyncio.to_thread(self.cluster.record_stage, run_id, stage, message)
         except Exception as error:  # noqa: BLE001 - the audit trail of record is the workflow history

@@ -20,21 +20,27 @@ Printed:
 from __future__ import annotations
 
 import argparse
-import logging
 import asyncio
 import json
+import logging
 import random
 import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from infra.local import LocalCluster, Observation, RankObservation, free_port
-from infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, quiet_runtime, temporal_cli
+from infra.temporal_server import (
+    DYNAMIC_CONFIG,
+    output_to_stderr,
+    quiet_runtime,
+    temporal_cli,
+)
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
 from lazarus.worker import build_worker
@@ -105,8 +111,6 @@ class SimulatedCluster(LocalCluster):
         return list(range(self.assignment(run_id, incarnation).layout.world_size))
 
     def kill_node(self, run_id: str, node: str) -> list[int]:
-        from datetime import datetime, timezone
-
         self.update_nodes(run_id, {node: {"healthy": False, "died_at": datetime.now(timezone.utc), "note": "killed"}})
         return []
 

@@ -20,9 +20,7 @@ both win: the loser's patch gets 409 Conflict.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import os
 import time
 import uuid
 from datetime import datetime, timezone
@@ -32,10 +30,7 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from infra.local import Observation, RankObservation
-from infra.runfiles import (
-    ClusterError,
-    RunFiles,  # noqa: I001
-)
+from infra.runfiles import ClusterError, RunFiles
 from spec.contract import (
     ENV_INCARNATION,
     ENV_NODE,
@@ -99,6 +94,7 @@ class KubernetesCluster(RunFiles):
     """Runs' nodes as pods on a Kubernetes cluster, with run directories under `home` (the shared volume)."""
 
     backend = "kubernetes"
+    records_stages = True
 
     def __init__(self, home: str | Path, api: k8s.ApiClient | None = None):
         super().__init__(home)
@@ -159,10 +155,9 @@ class KubernetesCluster(RunFiles):
         """Record the run (directory, spec, ConfigMap) and claim its active nodes from the pool, once."""
         run = self.write_spec(run_id, spec)
         settings = spec.cluster.kubernetes
-        with contextlib.suppress(ApiException):
-            self._create_ignoring_conflict(lambda: self.core.create_namespaced_config_map(settings.namespace, k8s.V1ConfigMap(
-                metadata=k8s.V1ObjectMeta(name=run_object_name(run_id), labels={RUN_LABEL: run_id}),
-                data={"spec.json": spec.model_dump_json()})))
+        self._create_ignoring_conflict(lambda: self.core.create_namespaced_config_map(settings.namespace, k8s.V1ConfigMap(
+            metadata=k8s.V1ObjectMeta(name=run_object_name(run_id), labels={RUN_LABEL: run_id}),
+            data={"spec.json": spec.model_dump_json()})))
         pool = self._pool(settings)
         mine = [n for n in pool if (n.metadata.labels or {}).get(RUN_LABEL) == run_id]
         # Spares last: a run takes ordinary free nodes first and leaves the hot spares for recoveries.
@@ -199,19 +194,24 @@ class KubernetesCluster(RunFiles):
             records.append(NodeRecord(name=node.metadata.name, role=role, healthy=ready, died_at=since, note=note))
         return Inventory(nodes=records)
 
+    def _read_node(self, name: str) -> k8s.V1Node:
+        try:
+            return self.core.read_node(name)
+        except ApiException as error:
+            if error.status == 404:
+                raise ClusterError(f"no node {name!r} in the cluster") from None
+            raise
+
+    @staticmethod
+    def _other_taints(node: k8s.V1Node) -> list[dict]:
+        """The node's taints but Lazarus's quarantine, as a patch carries them (the list is replaced whole)."""
+        return [{k: v for k, v in taint.to_dict().items() if v is not None and k != "time_added"}
+                for taint in (node.spec.taints if node.spec and node.spec.taints else []) if taint.key != QUARANTINE_TAINT]
+
     def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
         """Cordon and taint the nodes, label them with the run and annotate why; an Event on each."""
         for name in nodes:
-            try:
-                node = self.core.read_node(name)
-            except ApiException as error:
-                if error.status == 404:
-                    raise ClusterError(f"no node {name!r} in the cluster") from None
-                raise
-            taints = [t.to_dict() for t in (node.spec.taints if node.spec and node.spec.taints else [])
-                      if t.key != QUARANTINE_TAINT]
-            taints = [{k: v for k, v in t.items() if v is not None and k != "time_added"} for t in taints]
-            taints.append({"key": QUARANTINE_TAINT, "value": run_id, "effect": "NoSchedule"})
+            taints = [*self._other_taints(self._read_node(name)), {"key": QUARANTINE_TAINT, "value": run_id, "effect": "NoSchedule"}]
             self.core.patch_node(name, {
                 "spec": {"unschedulable": True, "taints": taints},
                 "metadata": {"labels": {QUARANTINE_LABEL: run_id, RUN_LABEL: None},
@@ -220,14 +220,7 @@ class KubernetesCluster(RunFiles):
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node goes back to the pool as a hot spare: uncordoned, untainted, unlabelled."""
-        try:
-            current = self.core.read_node(node)
-        except ApiException as error:
-            if error.status == 404:
-                raise ClusterError(f"no node {node!r} in the cluster") from None
-            raise
-        taints = [{k: v for k, v in t.to_dict().items() if v is not None and k != "time_added"}
-                  for t in (current.spec.taints if current.spec and current.spec.taints else []) if t.key != QUARANTINE_TAINT]
+        taints = self._other_taints(self._read_node(node))
         self.core.patch_node(node, {"spec": {"unschedulable": False, "taints": taints or None},
                                     "metadata": {"labels": {QUARANTINE_LABEL: None, SPARE_LABEL: "true"},
                                                  "annotations": {REASON_ANNOTATION: None}}})
@@ -404,8 +397,3 @@ class KubernetesCluster(RunFiles):
         """An Event on the run's ConfigMap for a recovery stage (`kubectl describe configmap` shows them)."""
         reason = "".join(part.capitalize() for part in stage.split("_"))
         self._event(run_id, reason, message)
-
-
-def environment_home() -> Path:
-    """The worker's LAZARUS_HOME on the shared volume (the Deployment sets it)."""
-    return Path(os.environ.get("LAZARUS_HOME", "/lazarus"))

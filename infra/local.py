@@ -113,9 +113,7 @@ class LocalCluster(RunFiles):
         run.root.mkdir(parents=True, exist_ok=True)
         with self._inventory_lock(run):
             if run.spec_file.exists():
-                if RunSpec.model_validate_json(run.spec_file.read_text()) != spec:
-                    raise ClusterError(f"run directory {run.root} belongs to another run with a different spec")
-                return run
+                return self.write_spec(run_id, spec)  # checks that it is the same spec
             names = [f"node-{i}" for i in range(spec.cluster.active_nodes + spec.cluster.spare_nodes)]
             inventory = Inventory(nodes=[
                 NodeRecord(name=name, role="active" if i < spec.cluster.active_nodes else "spare")
@@ -123,8 +121,7 @@ class LocalCluster(RunFiles):
             ])
             write_json_atomic(run.inventory_file, inventory.model_dump(mode="json"))
             # The spec is written last: its presence means the run directory is complete.
-            write_json_atomic(run.spec_file, spec.model_dump(mode="json"))
-        return run
+            return self.write_spec(run_id, spec)
 
     @contextlib.contextmanager
     def _inventory_lock(self, run: RunDir):
@@ -207,8 +204,7 @@ class LocalCluster(RunFiles):
         if assignment is None:
             raise ClusterError(f"incarnation {incarnation} of run {run_id!r} has no assignment")
         record = self.record_launch(run_id, incarnation, resume_step, skipped)
-
-        spec = RunSpec.model_validate_json(run.spec_file.read_text())
+        spec = self.spec(run_id)
         if spec.cluster.warm_standby:
             self._start_warm(run, run_id, spec, assignment, record["resume_step"])
             return record
@@ -251,7 +247,7 @@ class LocalCluster(RunFiles):
     def ensure_standbys(self, run_id: str) -> None:
         """Give every healthy node of the run (active or spare) a warm standby, if the spec asks for them."""
         run = self._existing(run_id)
-        spec = RunSpec.model_validate_json(run.spec_file.read_text())
+        spec = self.spec(run_id)
         if spec.cluster.warm_standby:
             for node in self.inventory(run_id).nodes:
                 if node.healthy and node.role != "quarantined":
@@ -266,7 +262,6 @@ class LocalCluster(RunFiles):
         launcher finds the node lock taken or the ranks ended, and starts nothing.
         """
         incarnation = assignment.incarnation
-        started = {node: self._ensure_standby(run, run_id, spec, node) for node in assignment.nodes}
         self.ensure_standbys(run_id)  # the spares too, so that they are warm before they are needed
         # O_RDWR keeps the FIFO's buffer alive until the standby opens it, even if it has not yet.
         writers = {}
@@ -284,9 +279,8 @@ class LocalCluster(RunFiles):
                         del writers[index]  # its launcher runs (or already ran)
                         os.close(fd)
                         continue
-                    child = started[node]
-                    alive = lock_is_held(run.standby(node) / "lock") or (child is not None and child.poll() is None)
-                    if not alive or time.monotonic() > deadline:
+                    # The standby holds its lock from the moment it is started (_ensure_standby).
+                    if not lock_is_held(run.standby(node) / "lock") or time.monotonic() > deadline:
                         del writers[index]
                         os.close(fd)
                         self._spawn_launcher(run, run_id, incarnation, index, node,
@@ -314,13 +308,6 @@ class LocalCluster(RunFiles):
                 if time.monotonic() > deadline:
                     raise ClusterError(f"standby of {home.name} is still alive {timeout:.0f} s after SIGKILL")
                 time.sleep(0.005)
-        # A standby started by this object but killed before it took its lock.
-        for key, child in list(self._children.items()):
-            if key[0] == run.root.name and key[1] == "standby" and (nodes is None or key[2] in nodes):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-                del self._children[key]
 
     def release_standbys(self, run_id: str) -> None:
         """Stop the run's warm standbys (it has ended: they would only wait for their idle exit)."""

@@ -22,8 +22,12 @@ class RunFiles:
 
     backend = "files"
 
+    records_stages = False
+    """Whether record_stage writes anywhere (so callers can skip the call)."""
+
     def __init__(self, home: str | Path):
         self.home = Path(home).resolve()
+        self._specs: dict[str, RunSpec] = {}  # a run's spec never changes once written (write_spec)
 
     def run_dir(self, run_id: str) -> RunDir:
         """The run's directory (it may not exist yet)."""
@@ -36,8 +40,10 @@ class RunFiles:
         return run
 
     def spec(self, run_id: str) -> RunSpec:
-        """The run's spec as recorded at launch."""
-        return RunSpec.model_validate_json(self._existing(run_id).spec_file.read_text())
+        """The run's spec as recorded at launch (read once per run)."""
+        if run_id not in self._specs:
+            self._specs[run_id] = RunSpec.model_validate_json(self._existing(run_id).spec_file.read_text())
+        return self._specs[run_id]
 
     def write_spec(self, run_id: str, spec: RunSpec) -> RunDir:
         """Create the run directory with its spec; a second call finds it and checks the spec is the same."""

@@ -14,10 +14,9 @@ from temporalio.worker import Worker
 from activities.failpoints import Failpoints
 from activities.metrics import Metrics
 from activities.recovery import RecoveryActivities
-from infra.local import LocalCluster
+from infra.runfiles import RunFiles
 from spec.records import RunState
 from workflows.training_run import TrainingRun
-
 
 MAX_CONCURRENT_ACTIVITIES = 2000
 """Activities one worker runs at once. Every training run holds one (its detect, a long watch
@@ -25,9 +24,9 @@ that sleeps between looks), so this bounds the runs a worker can watch; the SDK'
 100 would leave run 101 unwatched."""
 
 
-def build_worker(client: Client, task_queue: str, cluster: LocalCluster, failpoints: Failpoints | None = None,
+def build_worker(client: Client, task_queue: str, cluster: RunFiles, failpoints: Failpoints | None = None,
                  metrics: Metrics | None = None) -> Worker:
-    """A worker that runs TrainingRun and the activities over `cluster`."""
+    """A worker that runs TrainingRun and the activities over `cluster` (LocalCluster or KubernetesCluster)."""
     stages = RecoveryActivities(cluster, failpoints, metrics)
     return Worker(
         client,

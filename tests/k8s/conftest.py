@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from kubernetes import client as k8s
 
+from tests.e2e.conftest import reference, reference_losses, workers  # noqa: F401 - shared with the local e2e tests
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
+from tests.k8s.kubelet import FakeKubelet
 
 USED: set[tuple[str, str, str]] = set()
 """Every (verb, API group, resource) the backend used against an emulator in this test session."""
@@ -68,4 +70,16 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if item not in last] + last
 
 
-from tests.e2e.conftest import reference, reference_losses, workers  # noqa: E402,F401 - shared with the local e2e tests
+@pytest.fixture
+def training_pool(admin, tmp_path):
+    """Nodes worker-0..3 and spares spare-0..1 of pool `test`, their pods run by a fake kubelet
+    (namespace lz); yields the kubelet, stopped (its processes killed) at teardown."""
+    for i in range(4):
+        add_node(admin, f"worker-{i}")
+    for i in range(2):
+        add_node(admin, f"spare-{i}", spare=True)
+    kubelet = FakeKubelet(admin, "lz", tmp_path / "kubelet").start()
+    try:
+        yield kubelet
+    finally:
+        kubelet.stop()

@@ -9,14 +9,17 @@ import uuid
 
 import pytest
 
-from infra.kubernetes import QUARANTINE_TAINT, RUN_LABEL, KubernetesCluster, run_object_name
+from infra.kubernetes import (
+    QUARANTINE_TAINT,
+    RUN_LABEL,
+    KubernetesCluster,
+    run_object_name,
+)
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.worker import build_worker
 from spec import RunState, load_spec, parse_spec
 from tests.e2e.conftest import SMALL_SPEC, losses, trained_step
-from tests.k8s.conftest import add_node
-from tests.k8s.kubelet import FakeKubelet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -38,28 +41,29 @@ async def wait_until(condition, what: str, timeout: float = 120.0):
     return value
 
 
-async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(dev_env, admin, backend_api, reference_losses, tmp_path):
+def completed_incident(kubelet, status):
+    """The one incident of a run that completed, with the kubelet having run cleanly."""
+    assert kubelet.errors == []
+    assert status.state == RunState.COMPLETED, status.reason
+    [incident] = status.incidents
+    return incident
+
+
+async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(dev_env, admin, backend_api, training_pool,
+                                                                  reference_losses, tmp_path):
     home = tmp_path / "volume"
-    for i in range(4):
-        add_node(admin, f"worker-{i}")
-    add_node(admin, "spare-0", spare=True)
-    kubelet = FakeKubelet(admin, "lz", tmp_path / "kubelet").start()
+    kubelet = training_pool
     cluster = KubernetesCluster(home, backend_api)
     spec = kubernetes_spec(home)
     run_id = f"kube-{uuid.uuid4().hex[:6]}"
     queue = f"k8s-{uuid.uuid4().hex[:8]}"
-    try:
-        async with build_worker(dev_env.client, queue, cluster):
-            handle = await start_run(dev_env.client, Settings(task_queue=queue, home=home), spec, run_id)
-            run = cluster.run_dir(run_id)
-            await wait_until(lambda: trained_step(run) >= 15, "the run to train 15 steps")
-            kubelet.kill_node("worker-2")
-            status = await asyncio.wait_for(handle.result(), 240)
-    finally:
-        kubelet.stop()
-    assert kubelet.errors == []
-    assert status.state == RunState.COMPLETED, status.reason
-    [incident] = status.incidents
+    async with build_worker(dev_env.client, queue, cluster):
+        handle = await start_run(dev_env.client, Settings(task_queue=queue, home=home), spec, run_id)
+        run = cluster.run_dir(run_id)
+        await wait_until(lambda: trained_step(run) >= 15, "the run to train 15 steps")
+        kubelet.kill_node("worker-2")
+        status = await asyncio.wait_for(handle.result(), 240)
+    incident = completed_incident(kubelet, status)
     assert incident.fault.kind == "node_down" and incident.fault.nodes == ["worker-2"]
     assert incident.decision.action == "replace" and incident.new_assignment.nodes == [
         "worker-0", "worker-1", "spare-0", "worker-3"]
@@ -96,16 +100,12 @@ def kubeconfig(path, url: str) -> str:
 
 
 async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and_one_claim(
-        dev_env, emulator, admin, workers, reference_losses, tmp_path):
+        dev_env, emulator, admin, training_pool, workers, reference_losses, tmp_path):
     from activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
     from tests.e2e.test_recovery import lazarus_env
 
     home = tmp_path / "volume"
-    for i in range(4):
-        add_node(admin, f"worker-{i}")
-    add_node(admin, "spare-0", spare=True)
-    add_node(admin, "spare-1", spare=True)
-    kubelet = FakeKubelet(admin, "lz", tmp_path / "kubelet").start()
+    kubelet = training_pool
     queue = f"k8s-crash-{uuid.uuid4().hex[:6]}"
     env = {**lazarus_env(dev_env, home, queue), "LAZARUS_BACKEND": "kubernetes",
            "KUBECONFIG": kubeconfig(tmp_path / "kubeconfig", emulator.url)}
@@ -114,24 +114,19 @@ async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and
     spec = kubernetes_spec(home)
     run_id = f"kube-crash-{uuid.uuid4().hex[:6]}"
     run = KubernetesCluster(home, admin.api_client).run_dir(run_id)
-    try:
-        first = workers(armed("drain.after_quarantine"), tmp_path / "worker-1.log")
-        handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
-        await wait_until(lambda: trained_step(run) >= 15, "the run to train 15 steps")
-        kubelet.kill_node("worker-2")
-        marker = await wait_until(lambda: (markers / "drain.after_quarantine").exists(), "the worker to reach drain", 60)
-        assert marker and admin.read_node("worker-2").spec.unschedulable
-        first.kill()
-        second = workers(armed("resume.after_launch"), tmp_path / "worker-2.log")
-        await wait_until(lambda: (markers / "resume.after_launch").exists(), "the second worker to reach resume", 90)
-        second.kill()
-        workers(env, tmp_path / "worker-3.log")
-        status = await asyncio.wait_for(handle.result(), 240)
-    finally:
-        kubelet.stop()
-    assert kubelet.errors == []
-    assert status.state == RunState.COMPLETED, status.reason
-    [incident] = status.incidents
+    first = workers(armed("drain.after_quarantine"), tmp_path / "worker-1.log")
+    handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
+    await wait_until(lambda: trained_step(run) >= 15, "the run to train 15 steps")
+    kubelet.kill_node("worker-2")
+    await wait_until(lambda: (markers / "drain.after_quarantine").exists(), "the worker to reach drain", 60)
+    assert admin.read_node("worker-2").spec.unschedulable  # the crash lands after the quarantine
+    first.kill()
+    second = workers(armed("resume.after_launch"), tmp_path / "worker-2.log")
+    await wait_until(lambda: (markers / "resume.after_launch").exists(), "the second worker to reach resume", 90)
+    second.kill()
+    workers(env, tmp_path / "worker-3.log")
+    status = await asyncio.wait_for(handle.result(), 240)
+    incident = completed_incident(kubelet, status)
     assert incident.new_assignment.incarnation == 1 and run.incarnations() == [0, 1]
     # One claim: of the two spares exactly one joined the run, the other is still free.
     claimed = sorted(n.metadata.name for n in admin.list_node(label_selector=f"{RUN_LABEL}={run_id}").items)
