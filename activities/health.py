@@ -13,6 +13,22 @@ PROGRAM_ERROR_SETTLE_SECONDS = 2.0
 """How long after the first rank of a fresh run fails before its first step the others get to
 fail the same way (then it is the program's fault); past it, the first one's node is blamed."""
 
+PEER_LOSS_SETTLE_SECONDS = 2.0
+"""How long after the first rank reports a lost peer the silent ranks get to report how they
+ended (a live launcher writes its ranks' records within milliseconds) before their node is
+blamed as dead, though the backend does not know it yet."""
+
+PEER_LOST_ERRORS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                    "remote process exited", "connection refused", "socket closed")
+"""Parts of the errors gloo and NCCL raise in a rank whose peer went away: the rank that
+raised one is a witness of a fault elsewhere, not its cause."""
+
+
+def lost_a_peer(exit_record: dict) -> bool:
+    """Whether a rank's exit record says it ended because a peer went away."""
+    error = (exit_record.get("error") or "").lower()
+    return any(part in error for part in PEER_LOST_ERRORS)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -37,14 +53,27 @@ def _ended(rank: RankObservation) -> str:
     return f"rank {rank.rank} on {rank.node} exited with code {rank.exit['code']}{error}"
 
 
+def _silent_nodes(ranks: list[RankObservation], since: float) -> set[str]:
+    """Nodes whose every rank looks alive to the backend yet has neither an exit record nor a
+    heartbeat since `since`."""
+    by_node: dict[str, list[RankObservation]] = {}
+    for r in ranks:
+        by_node.setdefault(r.node, []).append(r)
+    return {node for node, on_node in by_node.items()
+            if all(r.launched and r.alive and r.exit is None and (r.heartbeat is None or r.heartbeat["time"] <= since)
+                   for r in on_node)}
+
+
 def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float, total_steps: int) -> Verdict:
     """Decide what an observation shows.
 
     `last_poll` is when the incarnation was last seen healthy: a rank found dead now
     died after it, so that is the fault's time (MTTR errs long by at most one interval).
     Blame, in order: nodes the backend saw die; ranks gone without an exit record (a
-    kill); the earliest rank that exited with an error (its peers fail after it); the
-    rank with the oldest heartbeat once heartbeats are stale. Every rank gone with code 0
+    kill); nodes gone silent while every rank that failed lost a peer (a node whose death
+    the backend has not learnt yet: its ranks cannot report, the survivors can); the
+    earliest rank that exited with an error (its peers fail after it); the rank with the
+    oldest heartbeat once heartbeats are stale. Every rank gone with code 0
     is completion at the last step, and a stop (on request) before it.
     """
     ranks = observation.ranks
@@ -98,6 +127,16 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
             return Verdict(step)
     if failed:
         first = failed[0]
+        if all(lost_a_peer(r.exit) for r in failed):
+            silent_nodes = _silent_nodes(ranks, since=first.exit["time"])
+            if silent_nodes:
+                if now - first.exit["time"] < PEER_LOSS_SETTLE_SECONDS:
+                    return Verdict(step)
+                silent = [r for r in ranks if r.node in silent_nodes]
+                return fault("node_down", silent, first.exit["time"],
+                             f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
+                             f"while its peers lost their connections to it; first: {_ended(first)}",
+                             sorted(silent_nodes))
         return fault("rank_exit", [first], first.exit["time"], _ended(first))
 
     # Ended only once every process is gone too (the exit record is written just before a rank

@@ -102,7 +102,7 @@ class RecoveryActivities:
         assignment = await asyncio.to_thread(self.cluster.commit_assignment, request.run_id, Assignment(
             incarnation=0, nodes=active, layout=request.spec.layout, master_port=free_port(),
         ))
-        await asyncio.to_thread(self.cluster.start_ranks, request.run_id, 0, 0)
+        await asyncio.to_thread(self.cluster.start_ranks, request.run_id, 0, 0, None, request.spec.recovery)
         return LaunchResult(run_dir=str(run.root), assignment=assignment)
 
     async def _note(self, run_id: str, stage: str, message: str) -> None:
@@ -213,7 +213,7 @@ class RecoveryActivities:
         if newest >= request.total_steps:
             await asyncio.to_thread(self.cluster.release_standbys, run_id)
             return ResumeResult(resumed_from_step=newest, skipped_checkpoints=skipped, completed=True)
-        launch = await asyncio.to_thread(self.cluster.start_ranks, run_id, incarnation, newest, skipped)
+        launch = await asyncio.to_thread(self.cluster.start_ranks, run_id, incarnation, newest, skipped, request.policy)
         resumed_from = launch["resume_step"]
         skipped = {int(step): why for step, why in launch.get("skipped", {}).items()}
         await self.failpoints.reach("resume.after_launch")

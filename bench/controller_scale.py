@@ -65,7 +65,7 @@ class SimulatedCluster(LocalCluster):
         self._stopped: set[tuple[str, int]] = set()
         self._specs: dict[str, RunSpec] = {}
 
-    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped=None) -> dict:
+    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped=None, policy=None) -> dict:
         run = self._existing(run_id)
         launch_file = run.incarnation(incarnation) / "launch.json"
         record = read_json(launch_file)

@@ -7,7 +7,8 @@ which one they drive. What lives where:
   a node (`lazarus.dev/run=<run id>`), which nodes are hot spares (`lazarus.dev/spare=true`),
   quarantine (spec.unschedulable, a `lazarus.dev/quarantined` NoSchedule taint, a label naming
   the run and an annotation with the reason), node health (the Ready condition), the rank pods
-  and an Event per recovery stage on the run's ConfigMap;
+  and an Event per recovery stage on the run's ConfigMap; node and pod changes reach the runs
+  through two watch streams per worker (infra/informer.py), one of the pool, one of the namespace;
 - the shared volume (a ReadWriteMany claim the pods and the worker mount): the run directory
   of spec/contract.py with its assignments, launch records, heartbeats, exits and checkpoints.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -29,6 +31,7 @@ from pathlib import Path
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from infra.informer import Informer
 from infra.local import Observation, RankObservation
 from infra.runfiles import ClusterError, RunFiles
 from spec.contract import (
@@ -41,7 +44,7 @@ from spec.contract import (
     read_json,
 )
 from spec.records import Assignment, Inventory, NodeRecord
-from spec.run import KubernetesSettings, RunSpec
+from spec.run import KubernetesSettings, RecoveryPolicy, RunSpec
 
 POOL_LABEL = "lazarus.dev/pool"
 RUN_LABEL = "lazarus.dev/run"
@@ -107,6 +110,18 @@ class KubernetesCluster(RunFiles):
                 config.load_kube_config()
             api = k8s.ApiClient()
         self.core = k8s.CoreV1Api(api)
+        self._informers: dict[tuple[str, str], Informer] = {}
+        self._lock = threading.Lock()
+        self._changes: dict[str, int] = {}  # per run: node or pod events that call for a look
+        self._seen: dict[str, int] = {}  # per run: the count its last wait_for_exit returned at
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+
+    def close(self) -> None:
+        """Stop the watches (the worker calls this on shutdown)."""
+        with self._lock:
+            informers, self._informers = list(self._informers.values()), {}
+        for informer in informers:
+            informer.stop()
 
     def _settings(self, run_id: str) -> KubernetesSettings:
         return self.spec(run_id).cluster.kubernetes
@@ -148,6 +163,50 @@ class KubernetesCluster(RunFiles):
         node = self.core.read_node(node_name)
         if (node.metadata.labels or {}).get(RUN_LABEL) == run_id:
             self.core.patch_node(node_name, {"metadata": {"labels": {RUN_LABEL: None, SPARE_LABEL: "true"}}})
+
+    # --- watches ---------------------------------------------------------------------------
+
+    def _informer(self, kind: str, scope: str) -> Informer:
+        """The watch of the pool's nodes (kind "nodes", scope the pool) or of the rank pods of a
+        namespace (kind "pods", scope the namespace), started on first use and shared by every run."""
+        with self._lock:
+            informer = self._informers.get((kind, scope))
+            if informer is None:
+                if kind == "nodes":
+                    informer = Informer(self.core.list_node, f"nodes-{scope}", self._node_event,
+                                        label_selector=f"{POOL_LABEL}={scope}")
+                else:
+                    informer = Informer(self.core.list_namespaced_pod, f"pods-{scope}", self._pod_event,
+                                        namespace=scope, label_selector=RUN_LABEL)
+                self._informers[(kind, scope)] = informer.start()
+            return informer
+
+    def _node_event(self, kind: str, node: k8s.V1Node) -> None:
+        if kind == "DELETED" or not _ready(node)[0]:
+            self._changed((node.metadata.labels or {}).get(RUN_LABEL))
+
+    def _pod_event(self, kind: str, pod: k8s.V1Pod) -> None:
+        if kind == "DELETED" or not self._running(pod):
+            self._changed((pod.metadata.labels or {}).get(RUN_LABEL))
+
+    def _changed(self, run_id: str | None) -> None:
+        """Count an event that calls for a look at the run, and wake its waiters (from an informer's thread)."""
+        if run_id is None:
+            return
+        with self._lock:
+            self._changes[run_id] = self._changes.get(run_id, 0) + 1
+            waiters = list(self._waiters.get(run_id, ()))
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    def _pool_nodes(self, settings: KubernetesSettings) -> dict[str, k8s.V1Node]:
+        """The pool's nodes by name: from the watch (wait_for_exit starts it) while it is synced, else from a list."""
+        with self._lock:
+            informer = self._informers.get(("nodes", settings.pool))
+        cached = informer.objects() if informer is not None else None
+        if cached is not None:
+            return cached
+        return {n.metadata.name: n for n in self._pool(settings)}
 
     # --- run state -----------------------------------------------------------------------
 
@@ -260,8 +319,10 @@ class KubernetesCluster(RunFiles):
             if error.status != 409:  # already there: an earlier attempt created it
                 raise
 
-    def rank_pod(self, run_id: str, spec: RunSpec, assignment: Assignment, index: int, resume_step: int) -> k8s.V1Pod:
-        """The pod of node `index`: its launcher with the contract's environment, pinned to the node."""
+    def rank_pod(self, run_id: str, spec: RunSpec, assignment: Assignment, index: int, resume_step: int,
+                 policy: RecoveryPolicy | None = None) -> k8s.V1Pod:
+        """The pod of node `index`: its launcher with the contract's environment, pinned to the node;
+        its tolerations from `policy` (the one in force), else from the spec's."""
         settings = spec.cluster.kubernetes
         run_dir = f"{settings.mount_path.rstrip('/')}/runs/{run_id}"
         resources = {"cpu": settings.cpu, "memory": settings.memory}
@@ -270,7 +331,7 @@ class KubernetesCluster(RunFiles):
         env = {ENV_RUN_DIR: run_dir, ENV_INCARNATION: str(assignment.incarnation), ENV_NODE: assignment.nodes[index],
                ENV_NODE_INDEX: str(index), ENV_RESUME_STEP: str(resume_step)}
         tolerations = [k8s.V1Toleration(key=key, operator="Exists", effect="NoExecute",
-                                        toleration_seconds=settings.not_ready_toleration_seconds)
+                                        toleration_seconds=(policy or spec.recovery).not_ready_toleration_seconds)
                        for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
         return k8s.V1Pod(
             metadata=k8s.V1ObjectMeta(
@@ -288,7 +349,8 @@ class KubernetesCluster(RunFiles):
                 volumes=[k8s.V1Volume(name="runs", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
                     claim_name=settings.volume_claim))]))
 
-    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None) -> dict:
+    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None,
+                    policy: RecoveryPolicy | None = None) -> dict:
         """Create the incarnation's pods (one per node) unless they exist; returns the launch record in force."""
         assignment = self.assignment(run_id, incarnation)
         if assignment is None:
@@ -296,7 +358,7 @@ class KubernetesCluster(RunFiles):
         record = self.record_launch(run_id, incarnation, resume_step, skipped)
         spec = self.spec(run_id)
         for index in range(len(assignment.nodes)):
-            pod = self.rank_pod(run_id, spec, assignment, index, record["resume_step"])
+            pod = self.rank_pod(run_id, spec, assignment, index, record["resume_step"], policy)
             self._create_ignoring_conflict(lambda pod=pod: self.core.create_namespaced_pod(spec.cluster.kubernetes.namespace, pod))
         return record
 
@@ -317,7 +379,7 @@ class KubernetesCluster(RunFiles):
         if assignment is None:
             raise ClusterError(f"incarnation {incarnation} of run {run_id!r} has no assignment")
         launch = read_json(run.incarnation(incarnation) / "launch.json") or {}
-        nodes = {n.metadata.name: n for n in self._pool(self._settings(run_id))}
+        nodes = self._pool_nodes(self._settings(run_id))
         dead = {}
         for name in assignment.nodes:
             ready, since = _ready(nodes[name]) if name in nodes else (False, None)
@@ -338,22 +400,49 @@ class KubernetesCluster(RunFiles):
         return observation
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
-        """The API server pushes no process exits to us cheaply; the next look comes after `timeout`."""
-        await asyncio.sleep(timeout)
-        return False
+        """Wait up to `timeout` seconds for the watch to report one of the run's nodes not ready or
+        gone, or one of its pods ended or deleted; True if it did (at once if one came since the
+        last wait returned, while the caller was looking)."""
+        settings = self._settings(run_id)
+        self._informer("nodes", settings.pool)
+        self._informer("pods", settings.namespace)
+        loop, woken = asyncio.get_running_loop(), asyncio.Event()
+        with self._lock:
+            if self._changes.get(run_id, 0) > self._seen.get(run_id, 0):
+                self._seen[run_id] = self._changes[run_id]
+                return True
+            self._waiters.setdefault(run_id, []).append((loop, woken))
+        try:
+            await asyncio.wait_for(woken.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            with self._lock:
+                self._waiters[run_id].remove((loop, woken))
+                if not self._waiters[run_id]:
+                    del self._waiters[run_id]
+                self._seen[run_id] = self._changes.get(run_id, 0)
 
     def stop_incarnation(self, run_id: str, incarnation: int, timeout: float = 60.0) -> list[int]:
-        """Delete the incarnation's pods (with the spec's grace; at once on a node that is not ready,
-        whose kubelet cannot confirm) and wait until the API server has none left; returns the ranks
-        whose pods were running."""
+        """Delete the incarnation's pods and wait until the API server has none left; returns the
+        ranks whose pods were running.
+
+        Pods get the spec's grace, but none on a node that is not ready or that this run
+        quarantined: their kubelet is dead or suspect and would never confirm, and the node is
+        cordoned and out of the run either way.
+        """
         run = self._existing(run_id)
         run.ended_file(incarnation).parent.mkdir(parents=True, exist_ok=True)
         run.ended_file(incarnation).touch()
         settings = self._settings(run_id)
         assignment = self.assignment(run_id, incarnation)
         observation = self.observe(run_id, incarnation)
+        # A fresh list, not the watch: the quarantine drain wrote a moment ago must be seen.
+        lost = set(observation.dead_nodes) | {n.metadata.name for n in self._pool(settings)
+                                              if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == run_id}
         for index, pod in self._pods(run_id, incarnation).items():
-            grace = 0 if assignment.nodes[index] in observation.dead_nodes else settings.delete_grace_seconds
+            grace = 0 if assignment.nodes[index] in lost else settings.delete_grace_seconds
             try:
                 self.core.delete_namespaced_pod(pod.metadata.name, settings.namespace, grace_period_seconds=grace)
             except ApiException as error:

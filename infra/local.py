@@ -40,7 +40,7 @@ from spec.contract import (
     write_json_atomic,
 )
 from spec.records import Assignment, Inventory, NodeRecord
-from spec.run import RunSpec
+from spec.run import RecoveryPolicy, RunSpec
 
 __all__ = ["ClusterError", "LocalCluster", "Observation", "RankObservation", "free_port"]
 
@@ -192,8 +192,10 @@ class LocalCluster(RunFiles):
 
     # --- rank processes --------------------------------------------------------------
 
-    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None) -> dict:
+    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None,
+                    policy: RecoveryPolicy | None = None) -> dict:
         """Start every rank of an incarnation that is not running; returns the launch record in force.
+        (`policy`, the recovery policy in force, shapes Kubernetes pods; local processes need none of it.)
 
         The record ({resume_step, skipped, launched_at}) is written by the first launch, so
         a retried launch restores the same checkpoint as the ranks the first attempt may

@@ -138,5 +138,8 @@ class RunFiles:
             shutil.rmtree(run.checkpoint(step), ignore_errors=True)
         return partial
 
+    def close(self) -> None:
+        """Release what the backend holds for its lifetime (the Kubernetes backend's watches); nothing here."""
+
     def record_stage(self, run_id: str, stage: str, message: str) -> None:
         """Note a recovery stage where the cluster's own tools show it (Kubernetes: an Event); here nothing."""

@@ -205,7 +205,10 @@ async def _worker(args, settings: Settings) -> int:
     print(f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} at {settings.address}, "
           f"runs under {settings.home.resolve() / 'runs'}"
           + (f", metrics on http://127.0.0.1:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
-    await serve(worker, counter)
+    try:
+        await serve(worker, counter)
+    finally:
+        cluster.close()
     return 0
 
 

@@ -81,9 +81,6 @@ class KubernetesSettings(Strict):
     volume_claim: str = Field("lazarus-runs", description=(
         "ReadWriteMany PersistentVolumeClaim holding run directories (heartbeats, checkpoints); the worker mounts it too."))
     mount_path: str = Field("/lazarus", description="Where the pods and the worker mount volume_claim; LAZARUS_HOME there.")
-    not_ready_toleration_seconds: int = Field(10, ge=0, description=(
-        "How long a rank pod stays bound to a node that is not ready or unreachable before Kubernetes "
-        "evicts it (seconds; Kubernetes' default is 300)."))
     delete_grace_seconds: int = Field(5, ge=0, description="Grace period when drain deletes an incarnation's pods (seconds).")
     master_port: int = Field(29500, ge=1024, le=65535, description="Port of rank 0's rendezvous store on its node (pods use the host network).")
 
@@ -155,6 +152,9 @@ class RecoveryPolicy(Strict):
     history_limit_events: int = Field(10000, ge=100, description="The workflow continues as new once its history has this many events, or when Temporal suggests it (events).")
     max_incidents: int = Field(20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents).")
     save_grace_seconds: float = Field(1.0, ge=0, description="Drain waits this long for a checkpoint being written at the fault to commit before discarding it (seconds).")
+    not_ready_toleration_seconds: int = Field(10, ge=0, description=(
+        "Kubernetes backend: how long a rank pod stays bound to a node that is not ready or unreachable "
+        "before Kubernetes evicts it, its pods' tolerations (seconds; Kubernetes' default is 300)."))
     stages: StagePolicies = Field(default_factory=StagePolicies, description="Per-stage timeouts and retry policies.")
 
     @model_validator(mode="after")

@@ -39,6 +39,24 @@ def backend_api(emulator):
 
 
 @pytest.fixture
+def clusters(backend_api):
+    """Make KubernetesCluster(home) on the backend's client; each is closed (its watches stopped) at teardown."""
+    from infra.kubernetes import KubernetesCluster
+
+    made = []
+
+    def make(home):
+        made.append(KubernetesCluster(home, backend_api))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.close()
+
+
+@pytest.fixture
 def admin(emulator):
     """The test's own client: it plays the cluster's administrator and its kubelets."""
     return k8s.CoreV1Api(api_client(emulator.url, "test-admin"))
@@ -68,6 +86,30 @@ def pytest_collection_modifyitems(config, items):
     """The RBAC comparison needs every other test's calls first: move it to the end."""
     last = [item for item in items if item.name == "test_rbac_grants_exactly_what_the_backend_used"]
     items[:] = [item for item in items if item not in last] + last
+
+
+@pytest.fixture
+def confirming_kubelet(admin):
+    """The part of a live kubelet that runs no processes: it confirms the graceful deletion of any
+    pod of namespace lz on a node not in the returned set (add a node to it to make it dead)."""
+    import threading
+
+    dead: set[str] = set()
+    stop = threading.Event()
+
+    def confirm():
+        while not stop.wait(0.05):
+            for pod in admin.list_namespaced_pod("lz").items:
+                if pod.metadata.deletion_timestamp and pod.spec.node_name not in dead:
+                    admin.delete_namespaced_pod(pod.metadata.name, "lz", grace_period_seconds=0)
+
+    thread = threading.Thread(target=confirm, name="confirming-kubelet", daemon=True)
+    thread.start()
+    try:
+        yield dead
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 @pytest.fixture

@@ -3,14 +3,18 @@ extended with what Lazarus's backend relies on and kmock 0.8 lacks.
 
 Added: label and field selectors on list and watch; `metadata.resourceVersion` on every write,
 checked as a precondition when a patch carries one (409 Conflict on a stale version, as the
-real API server does); `uid` and `creationTimestamp` on create; the pods/eviction
-subresource (the pod is deleted); and a record of every (verb, resource) requested, in RBAC's
+real API server does); `uid` and `creationTimestamp` on create; graceful deletion of pods as
+the API server does it (a pod bound to a node and not yet ended only gets a
+deletionTimestamp, and goes when its kubelet confirms with a delete of grace 0; a delete of
+grace 0, of an unbound pod or of an ended one removes it at once); the pods/eviction
+subresource (the pod is deleted); a count of the backend's requests; and a record of every (verb, resource) requested, in RBAC's
 terms, so a test can compare what the backend used with what the manifests grant.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import itertools
 import re
@@ -108,6 +112,7 @@ class ClusterEmulator(KubernetesEmulator):
                                            ("v1/events", "Event", True), ("v1/configmaps", "ConfigMap", True)):
             self.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced)
         self.used: set[tuple[str, str, str]] = set()  # (verb, API group, resource[/subresource])
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()  # (verb, resource) of the backend
         self._versions = itertools.count(1)
         self._write_lock = asyncio.Lock()
 
@@ -125,6 +130,11 @@ class ClusterEmulator(KubernetesEmulator):
         verb = _VERBS.get(request.action)
         if verb and recording:
             self.used.add((verb, group, plural + (f"/{request.subresource}" if request.subresource else "")))
+            self.calls[(verb, plural)] += 1
+        if request.action == enums.action.DELETE and plural == "pods" and request.name is not None:
+            graceful = await self._delete_gracefully(request)
+            if graceful is not None:
+                return graceful
         if request.action not in (enums.action.CREATE, enums.action.UPDATE):
             return await super()._handle(request)
         # Check and write under one lock: two patches racing with the same resourceVersion
@@ -155,6 +165,28 @@ class ClusterEmulator(KubernetesEmulator):
         return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                           "reason": "Conflict", "code": 409, "message": message}, status=409)
 
+    async def _delete_gracefully(self, request):
+        """Mark a running pod terminating instead of deleting it, unless the delete is forced;
+        None when the delete should go through at once."""
+        import aiohttp.web
+
+        options = request.data if isinstance(request.data, dict) else {}
+        grace = request.params.get("gracePeriodSeconds", options.get("gracePeriodSeconds"))
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            stored = self._objects[key] if key in self._objects else None
+            if stored is None or stored.deleted or (grace is not None and int(grace) == 0):
+                return None
+            raw = stored.raw
+            if not (raw.get("spec") or {}).get("nodeName") or (raw.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                return None
+            if not raw["metadata"].get("deletionTimestamp"):
+                now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                stored.patch({"metadata": {"deletionTimestamp": now, "resourceVersion": str(next(self._versions)),
+                                           "deletionGracePeriodSeconds": int(grace) if grace is not None else 30}})
+                await self._buses[request.resource].put({"type": "MODIFIED", "object": stored.raw})
+            return aiohttp.web.json_response(stored.raw)
+
     async def _evict(self, request):
         import aiohttp.web
 
@@ -177,8 +209,17 @@ class ClusterEmulator(KubernetesEmulator):
 
     async def _serve_watch(self, request):
         async for event in super()._serve_watch(request):
-            if not isinstance(event, dict) or selected(request, event.get("object") or {}):
+            if not isinstance(event, dict) or event.get("type") == "ERROR" or selected(request, event.get("object") or {}):
                 yield event
+
+    async def expire_watches(self, plural: str) -> None:
+        """Send every open watch of `plural` a 410 Gone, as an API server does when it no longer
+        holds the resourceVersion a watch follows (the client must list again)."""
+        for resource, bus in list(self._buses.items()):
+            if resource.plural == plural:
+                await bus.put({"type": "ERROR", "object": {
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired", "code": 410,
+                    "message": "too old resource version"}})
 
 
 class EmulatorThread:

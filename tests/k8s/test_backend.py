@@ -132,15 +132,21 @@ def test_rank_pods_are_created_once_pinned_and_tolerate_a_dead_node_briefly(pool
     pod = next(p for p in pods if p.spec.node_name == "worker-1")
     assert {(t.key, t.toleration_seconds) for t in pod.spec.tolerations} == {
         ("node.kubernetes.io/not-ready", 10), ("node.kubernetes.io/unreachable", 10)}
+    # The policy in force (an operator's set_policy) shapes the next incarnation's pods.
+    spec = cluster.spec("r1")
+    later = cluster.rank_pod("r1", spec, cluster.assignment("r1", 0), 1, 0,
+                             spec.recovery.model_copy(update={"not_ready_toleration_seconds": 30}))
+    assert {t.toleration_seconds for t in later.spec.tolerations} == {30}
     env = {e.name: e.value for e in pod.spec.containers[0].env}
     assert env["LAZARUS_RUN_DIR"] == f"{tmp_path}/runs/r1" and env["LAZARUS_NODE_INDEX"] == "1"
     assert pod.spec.host_network and pod.spec.restart_policy == "Never"
 
 
-def test_a_node_that_is_not_ready_is_dead_and_drain_deletes_every_pod(pool, backend_api, tmp_path):
+def test_a_node_that_is_not_ready_is_dead_and_drain_deletes_every_pod(pool, backend_api, confirming_kubelet, tmp_path):
     cluster = KubernetesCluster(tmp_path, backend_api)
     launched(cluster, "r1", k8s_spec(tmp_path))
     set_ready(pool, "worker-1", "Unknown", when="2026-11-30T10:00:00Z")
+    confirming_kubelet.add("worker-1")  # its kubelet is gone: only a delete of grace 0 removes its pod
     observation = cluster.observe("r1", 0)
     assert list(observation.dead_nodes) == ["worker-1"]
     assert observation.dead_nodes["worker-1"].isoformat() == "2026-11-30T10:00:00+00:00"

@@ -9,12 +9,7 @@ import uuid
 
 import pytest
 
-from infra.kubernetes import (
-    QUARANTINE_TAINT,
-    RUN_LABEL,
-    KubernetesCluster,
-    run_object_name,
-)
+from infra.kubernetes import QUARANTINE_TAINT, RUN_LABEL, KubernetesCluster, run_object_name
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.worker import build_worker
@@ -49,11 +44,14 @@ def completed_incident(kubelet, status):
     return incident
 
 
-async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(dev_env, admin, backend_api, training_pool,
-                                                                  reference_losses, tmp_path):
+@pytest.mark.parametrize("api_learns", [True, False], ids=["api-learns-first", "survivors-report-first"])
+async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(dev_env, admin, clusters, training_pool,
+                                                                  reference_losses, tmp_path, api_learns):
+    # api_learns=False: the API server still shows the node Ready and its pod Running (as within
+    # Kubernetes' 40 s node-monitor grace); the survivors' lost-peer errors must blame it.
     home = tmp_path / "volume"
     kubelet = training_pool
-    cluster = KubernetesCluster(home, backend_api)
+    cluster = clusters(home)
     spec = kubernetes_spec(home)
     run_id = f"kube-{uuid.uuid4().hex[:6]}"
     queue = f"k8s-{uuid.uuid4().hex[:8]}"
@@ -61,10 +59,11 @@ async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(dev_env, admin
         handle = await start_run(dev_env.client, Settings(task_queue=queue, home=home), spec, run_id)
         run = cluster.run_dir(run_id)
         await wait_until(lambda: trained_step(run) >= 15, "the run to train 15 steps")
-        kubelet.kill_node("worker-2")
+        kubelet.kill_node("worker-2", api_learns=api_learns)
         status = await asyncio.wait_for(handle.result(), 240)
     incident = completed_incident(kubelet, status)
-    assert incident.fault.kind == "node_down" and incident.fault.nodes == ["worker-2"]
+    assert incident.fault.kind == "node_down" and incident.fault.nodes == ["worker-2"], incident.fault.reason
+    assert ("went silent" in incident.fault.reason) == (not api_learns)
     assert incident.decision.action == "replace" and incident.new_assignment.nodes == [
         "worker-0", "worker-1", "spare-0", "worker-3"]
 

@@ -111,3 +111,33 @@ def test_every_rank_failing_before_its_first_step_is_a_program_error():
     assert judge(one, POLICY, NOW, NOW - 0.1, 40).fault is None
     # ...past that, it is that rank's node, recovered as usual.
     assert judge(one, POLICY, NOW + 5, NOW + 4.9, 40).fault.kind == "rank_exit"
+
+
+def test_a_node_gone_silent_while_its_peers_lost_it_is_blamed_once_they_had_time_to_report():
+    # Rank 2's node died; the backend does not know it yet (its pod still looks alive), so only
+    # the survivors' errors arrive: each lost its connection to a peer.
+    lost = lambda at: {"code": 1, "time": at, "step": 7,  # noqa: E731
+                       "error": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.3]:7090"}
+    ranks = (rank(0, alive=False, exit=lost(NOW - 0.5)), rank(1, alive=False, exit=lost(NOW - 0.4)),
+             rank(2, beat_age=0.8))
+    early = judge(observe(*ranks), POLICY, NOW, NOW - 0.1, 40)
+    assert early.fault is None  # within the settle time the silent rank may still report
+    verdict = judge(observe(*ranks), POLICY, NOW + 2, NOW - 0.1, 40)
+    assert verdict.fault.kind == "node_down" and verdict.fault.nodes == ["node-2"]
+    assert verdict.fault.occurred_at.timestamp() == NOW - 0.5 and "went silent" in verdict.fault.reason
+
+
+def test_a_rank_that_failed_on_its_own_is_blamed_though_its_peers_are_silent():
+    # With NCCL the peers of a crashed rank block in the collective rather than exit: silent,
+    # but the first error is not a lost peer, so its rank is the cause.
+    crash = {"code": 1, "time": NOW - 3, "step": 7, "error": "RuntimeError: CUDA error: an illegal memory access"}
+    verdict = judge(observe(rank(0, alive=False, exit=crash), rank(1, beat_age=3.5), rank(2, beat_age=3.5)),
+                    POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-0"]
+
+
+def test_a_peer_that_reports_after_the_first_loss_is_not_silent():
+    lost = {"code": 1, "time": NOW - 3, "step": 7, "error": "Connection reset by peer"}
+    later = {"code": 1, "time": NOW - 2.9, "step": 7, "error": "Connection reset by peer"}
+    verdict = judge(observe(rank(0, alive=False, exit=lost), rank(1, alive=False, exit=later)), POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-0"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from infra.local import LocalCluster
 from spec import Assignment, parse_spec
 from spec.contract import lock_is_held, read_json
+from tests.waiting import wait_until
 from trainer.standby import warm_entry
 
 # A rank that reports what it found and exits with a code of its choosing: it imports nothing,
@@ -25,14 +25,6 @@ with open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w") as out:
                "ppid": os.getppid(), "world": os.environ["WORLD_SIZE"], "name": __name__}, out)
 sys.exit(int(sys.argv[1]) + rank)
 '''
-
-
-def wait_until(condition, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.01)
-    return value
 
 
 @pytest.fixture
