@@ -41,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="cluster the activities drive: local rank processes, or pods through the Kubernetes API "
                              "(in-cluster service account, else ~/.kube/config) (default: LAZARUS_BACKEND, else local)")
     worker.add_argument("--metrics-port", type=int, default=int(os.environ.get("LAZARUS_METRICS_PORT", "0")) or None,
-                        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: LAZARUS_METRICS_PORT, else off)")
+                        help="serve Prometheus metrics on ADDRESS:PORT/metrics (default: LAZARUS_METRICS_PORT, else off)")
+    worker.add_argument("--metrics-address", default=os.environ.get("LAZARUS_METRICS_ADDRESS", "127.0.0.1"),
+                        help="address the metrics server binds: 0.0.0.0 in a pod, so that Prometheus can scrape it "
+                             "(default: LAZARUS_METRICS_ADDRESS, else 127.0.0.1)")
 
     run = commands.add_parser("run", help="start, list, watch, steer and report runs")
     run_commands = run.add_subparsers(dest="run_command", required=True, metavar="ACTION")
@@ -198,13 +201,14 @@ async def _worker(args, settings: Settings) -> int:
     counter = None
     if args.metrics_port:
         try:
-            serve_metrics(args.metrics_port, metrics)
+            serve_metrics(args.metrics_port, metrics, args.metrics_address)
         except OSError as error:
-            raise UserError(f"--metrics-port {args.metrics_port}: {error.strerror}") from None
+            raise UserError(f"--metrics-port {args.metrics_port} on {args.metrics_address}: "
+                            f"{error.strerror or error}") from None
         counter = asyncio.ensure_future(count_runs_by_state(client, metrics))
     print(f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} at {settings.address}, "
           f"runs under {settings.home.resolve() / 'runs'}"
-          + (f", metrics on http://127.0.0.1:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
+          + (f", metrics on http://{args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
     try:
         await serve(worker, counter)
     finally:

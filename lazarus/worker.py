@@ -56,9 +56,9 @@ async def count_runs_by_state(client: Client, metrics: Metrics, every: float = 1
         await asyncio.sleep(every)
 
 
-def serve_metrics(port: int, metrics: Metrics):
-    """Serve /metrics on 127.0.0.1:port (Prometheus text format); returns the server (shutdown() stops it)."""
-    server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+def serve_metrics(port: int, metrics: Metrics, address: str = "127.0.0.1"):
+    """Serve /metrics on address:port (Prometheus text format); returns the server (shutdown() stops it)."""
+    server, _ = start_http_server(port, addr=address, registry=metrics.registry)
     return server
 
 

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 
 from kubernetes import client as k8s
@@ -105,8 +106,9 @@ class FakeKubelet:
             self.dead.add(node)
             pods = self.admin.list_namespaced_pod(self.namespace, field_selector=f"spec.nodeName={node}").items
             if api_learns:
+                now = datetime.now(timezone.utc).isoformat()
                 self.admin.patch_node(node, {"status": {"conditions": [
-                    {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                    {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown", "lastTransitionTime": now,
                      "message": "Kubelet stopped posting node status."}]}})
                 for pod in pods:
                     self._patch(pod.metadata.name, {"status": {"phase": "Failed", "reason": "NodeLost"}})

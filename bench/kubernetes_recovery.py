@@ -1,0 +1,142 @@
+"""Recovery cost on the Kubernetes backend, against the API emulator with the fake kubelet.
+
+    .venv/bin/python bench/kubernetes_recovery.py [--kills 3] [--json]
+
+Needs the test extra (kmock): `make test` installs it. Each kill is its own run of the demo
+spec (4 active nodes and 1 hot spare of a pool of 5, one rank pod per node) on a private Temporal
+dev server, one in-process worker with the Kubernetes backend, and a fresh emulator whose
+fake kubelet runs every pod's launcher as a local process (tests/k8s/). Two scenarios:
+
+  api-learns-first        the node's Ready turns Unknown and its pods Failed before its
+                          processes die (a node problem detector, a short node-monitor grace)
+  survivors-report-first  the processes die and the API server still shows the node Ready
+                          (Kubernetes' default 40 s grace): blame comes from the survivors'
+                          lost-peer errors and the dead node's silence, after a 2 s settle
+
+Stage times are those the workflow records (as in bench/recovery.py). Pods start cold (no
+warm standby on Kubernetes: each pod imports torch), and the emulator's API calls are HTTP
+round trips on this machine, so resume is the figure that differs most from the local backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ and tests/ are not installed packages
+
+from kubernetes import client as k8s
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from bench.recovery import COLUMNS, row
+from infra.kubernetes import KubernetesCluster
+from infra.local import free_port
+from infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
+from lazarus.config import Settings
+from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
+from lazarus.worker import build_worker
+from spec import RunState, load_spec, parse_spec
+from tests.k8s.conftest import add_node, api_client
+from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
+from tests.k8s.kubelet import FakeKubelet
+
+SCENARIOS = {"api-learns-first": True, "survivors-report-first": False}
+
+
+def kubernetes_spec(home: Path):
+    """The demo spec on the kubernetes backend (pool `bench`, namespace lz, volume at `home`)."""
+    data = load_spec(DEFAULT_SPEC).model_dump(mode="json")
+    data["cluster"] = {**data["cluster"], "backend": "kubernetes", "kubernetes": {
+        "namespace": "lz", "pool": "bench", "mount_path": str(home), "image": "trainer:bench", "delete_grace_seconds": 1}}
+    return parse_spec(data)
+
+
+async def one_kill(client, home: Path, run_id: str, api_learns: bool, say) -> dict:
+    emulator = EmulatorThread().start()
+    kubelet = cluster = None
+    try:
+        admin = k8s.CoreV1Api(api_client(emulator.url, "bench-admin"))
+        for i in range(4):
+            add_node(admin, f"worker-{i}", pool="bench")
+        add_node(admin, "spare-0", pool="bench", spare=True)
+        kubelet = FakeKubelet(admin, "lz", home / "kubelet" / run_id).start()
+        cluster = KubernetesCluster(home, api_client(emulator.url, BACKEND_USER_AGENT))
+        spec = kubernetes_spec(home)
+        settings = Settings(address=client.service_client.config.target_host, home=home, task_queue=f"k8s-{run_id}")
+
+        async def kill(_run_id: str, node: str) -> list[int]:
+            pids = [p.pid for name, p in kubelet.processes.items()
+                    if admin.read_namespaced_pod(name, "lz").spec.node_name == node]
+            await asyncio.to_thread(kubelet.kill_node, node, api_learns)
+            return pids
+
+        async with build_worker(client, settings.task_queue, cluster):
+            final = await drive_run(client, settings, cluster, spec, run_id, default_kill_step(spec), say, kill)
+        if kubelet.errors:
+            raise SystemExit(f"bench: the fake kubelet failed: {kubelet.errors[0]!r}")
+        if final.state != RunState.COMPLETED or len(final.incidents) != 1:
+            raise SystemExit(f"bench: {run_id} ended {final.state.value} with {len(final.incidents)} incident(s): "
+                             f"{final.reason}")
+        incident = final.incidents[0]
+        return {**row(incident), "blamed": ",".join(incident.fault.nodes), "kind": incident.fault.kind}
+    finally:
+        if cluster is not None:
+            cluster.close()
+        if kubelet is not None:
+            kubelet.stop()
+        emulator.stop()
+
+
+async def bench(kills: int, quiet: bool) -> dict[str, list[dict]]:
+    with output_to_stderr():
+        env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
+                                                    data_converter=pydantic_data_converter, port=free_port(),
+                                                    dev_server_extra_args=DYNAMIC_CONFIG)
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        if not quiet:
+            print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    rows: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            for name, api_learns in SCENARIOS.items():
+                for i in range(kills):
+                    say(f"{name} {i + 1}/{kills}")
+                    rows[name].append(await one_kill(env.client, Path(folder), f"k8s-{name[:3]}-{i}", api_learns, say))
+    finally:
+        await env.shutdown()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=3, help="runs per scenario, one node killed in each (default 3)")
+    parser.add_argument("--json", action="store_true", help="print per-run rows and medians as JSON")
+    args = parser.parse_args()
+    if args.kills < 1:
+        parser.error("--kills must be at least 1")
+    rows = asyncio.run(bench(args.kills, quiet=args.json))
+    medians = {name: {c: statistics.median(r[c] for r in runs) for c in COLUMNS} for name, runs in rows.items()}
+    if args.json:
+        print(json.dumps({"runs": rows, "median": medians}, indent=2))
+        return
+    widths = {c: max(len(c), 6) + 2 for c in COLUMNS}
+    for name, runs in rows.items():
+        print(f"\nKubernetes (emulated), {name}: {len(runs)} kill(s) of worker-2, hot spare (seconds)")
+        print("run     " + "".join(f"{c:>{widths[c]}}" for c in COLUMNS) + "  blamed")
+        for i, r in enumerate(runs, 1):
+            print(f"{i:<8}" + "".join(f"{r[c]:>{widths[c]}.2f}" for c in COLUMNS) + f"  {r['blamed']} ({r['kind']})")
+        print("median  " + "".join(f"{medians[name][c]:>{widths[c]}.2f}" for c in COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
