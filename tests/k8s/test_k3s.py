@@ -3,12 +3,15 @@ engine answers. Skipped with the reason otherwise; the emulator tests cover the 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from kubernetes import client as k8s
 from kubernetes import config
 
 from infra.kubernetes import QUARANTINE_TAINT, RUN_LABEL, KubernetesCluster
 from tests.k8s.test_backend import k8s_spec
+from tests.waiting import wait_until
 
 
 def docker_engine() -> str | None:
@@ -39,16 +42,24 @@ def test_claim_quarantine_pods_and_return_on_k3s(k3s_api, tmp_path):
     core.patch_node(node.metadata.name, {"metadata": {"labels": {"lazarus.dev/pool": "test"}}})
     core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name="lz")))
     cluster = KubernetesCluster(tmp_path, k3s_api)
-    spec = k8s_spec(tmp_path, active=1, spares=0)
-    cluster.create("k3s", spec)
-    assert core.read_node(node.metadata.name).metadata.labels[RUN_LABEL] == "k3s"
-    from spec import Assignment
+    try:
+        spec = k8s_spec(tmp_path, active=1, spares=0)
+        cluster.create("k3s", spec)
+        assert core.read_node(node.metadata.name).metadata.labels[RUN_LABEL] == "k3s"
+        from spec import Assignment
 
-    cluster.commit_assignment("k3s", Assignment(incarnation=0, nodes=[node.metadata.name], layout=spec.layout, master_port=1))
-    cluster.start_ranks("k3s", 0, resume_step=0)
-    assert len(core.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=k3s").items) == 1
-    cluster.stop_incarnation("k3s", 0)
-    cluster.quarantine("k3s", [node.metadata.name], "test")
-    assert QUARANTINE_TAINT in [t.key for t in core.read_node(node.metadata.name).spec.taints]
-    cluster.return_node("k3s", node.metadata.name)
-    assert not core.read_node(node.metadata.name).spec.unschedulable
+        cluster.commit_assignment("k3s", Assignment(incarnation=0, nodes=[node.metadata.name], layout=spec.layout,
+                                                    master_port=1))
+        cluster.start_ranks("k3s", 0, resume_step=0)
+        assert len(core.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=k3s").items) == 1
+        # The watches: started by a first wait, then the pod's deletion wakes the run.
+        asyncio.run(cluster.wait_for_exit("k3s", 0, 0.1))
+        wait_until(lambda: cluster._informer("pods", "lz").synced, "the pod watch to sync")
+        cluster.stop_incarnation("k3s", 0)
+        assert asyncio.run(cluster.wait_for_exit("k3s", 0, 30)) is True
+        cluster.quarantine("k3s", [node.metadata.name], "test")
+        assert QUARANTINE_TAINT in [t.key for t in core.read_node(node.metadata.name).spec.taints]
+        cluster.return_node("k3s", node.metadata.name)
+        assert not core.read_node(node.metadata.name).spec.unschedulable
+    finally:
+        cluster.close()
