@@ -19,7 +19,7 @@ ended (a live launcher writes its ranks' records within milliseconds) before the
 blamed as dead, though the backend does not know it yet."""
 
 PEER_LOST_ERRORS = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                    "remote process exited", "connection refused", "socket closed")
+                    "remote process exited", "ncclremoteerror", "connection refused", "socket closed")
 """Parts of the errors gloo and NCCL raise in a rank whose peer went away: the rank that
 raised one is a witness of a fault elsewhere, not its cause."""
 
