@@ -200,7 +200,9 @@ class KubernetesCluster(RunFiles):
             loop.call_soon_threadsafe(event.set)
 
     def _pool_nodes(self, settings: KubernetesSettings) -> dict[str, k8s.V1Node]:
-        """The pool's nodes by name: from the watch (wait_for_exit starts it) while it is synced, else from a list."""
+        """The pool's nodes by name: from the watch (wait_for_exit starts it) while it is synced, else from a list.
+        A look at a run reads no list once its watches run: a hundred runs looking every second
+        would otherwise cost the API server two hundred lists a second."""
         with self._lock:
             informer = self._informers.get(("nodes", settings.pool))
         cached = informer.objects() if informer is not None else None
@@ -362,8 +364,19 @@ class KubernetesCluster(RunFiles):
             self._create_ignoring_conflict(lambda pod=pod: self.core.create_namespaced_pod(spec.cluster.kubernetes.namespace, pod))
         return record
 
-    def _pods(self, run_id: str, incarnation: int) -> dict[int, k8s.V1Pod]:
-        pods = self.core.list_namespaced_pod(self._settings(run_id).namespace,
+    def _pods(self, run_id: str, incarnation: int, watched: bool = False) -> dict[int, k8s.V1Pod]:
+        """The incarnation's pods by node index: from the watch if `watched` and it is synced, else
+        from a list (drain's deletions and its wait for them use a list: the API server's word)."""
+        namespace = self._settings(run_id).namespace
+        if watched:
+            with self._lock:
+                informer = self._informers.get(("pods", namespace))
+            cached = informer.objects() if informer is not None else None
+            if cached is not None:
+                mine = {RUN_LABEL: run_id, INCARNATION_LABEL: str(incarnation)}
+                return {int(p.metadata.labels[NODE_INDEX_LABEL]): p for p in cached.values()
+                        if all(p.metadata.labels.get(k) == v for k, v in mine.items())}
+        pods = self.core.list_namespaced_pod(namespace,
                                              label_selector=f"{RUN_LABEL}={run_id},{INCARNATION_LABEL}={incarnation}").items
         return {int(p.metadata.labels[NODE_INDEX_LABEL]): p for p in pods}
 
@@ -385,7 +398,7 @@ class KubernetesCluster(RunFiles):
             ready, since = _ready(nodes[name]) if name in nodes else (False, None)
             if not ready:
                 dead[name] = since or datetime.now(timezone.utc)
-        pods = self._pods(run_id, incarnation)
+        pods = self._pods(run_id, incarnation, watched=True)
         observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead)
         observation.launchers_alive = sum(self._running(p) for p in pods.values())
         layout = assignment.layout
@@ -457,7 +470,7 @@ class KubernetesCluster(RunFiles):
 
     def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
         """As the local backend's: give a checkpoint being written `grace` seconds to commit while pods run."""
-        return self.wait_for_commit(run_id, grace, lambda: any(self._running(p) for p in self._pods(run_id, incarnation).values()))
+        return self.wait_for_commit(run_id, grace, lambda: any(self._running(p) for p in self._pods(run_id, incarnation, watched=True).values()))
 
     # --- what the local backend does with processes, which pods do not need ----------------
 

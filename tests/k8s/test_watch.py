@@ -75,10 +75,11 @@ def test_a_run_is_woken_by_its_nodes_and_pods_and_reads_node_health_from_the_wat
         assert await cluster.wait_for_exit("r1", 0, 0.2) is False
         wait_until(lambda: cluster._informer("nodes", "test").synced and cluster._informer("pods", "lz").synced,
                    "the watches to sync")
-        # Node health comes from the watch now: looking costs the API server no list of nodes.
-        lists = emulator.emulator.calls[("list", "nodes")]
-        assert cluster.observe("r1", 0).dead_nodes == {}
-        assert emulator.emulator.calls[("list", "nodes")] == lists
+        # Node health and pods come from the watches now: looking costs the API server no list.
+        lists = (emulator.emulator.calls[("list", "nodes")], emulator.emulator.calls[("list", "pods")])
+        observation = cluster.observe("r1", 0)
+        assert observation.dead_nodes == {} and observation.launchers_alive == 2
+        assert (emulator.emulator.calls[("list", "nodes")], emulator.emulator.calls[("list", "pods")]) == lists
 
         # A node of another run (here: of none) turning Unknown does not wake r1.
         await asyncio.to_thread(set_ready, pool, "worker-2", "Unknown")
@@ -90,7 +91,7 @@ def test_a_run_is_woken_by_its_nodes_and_pods_and_reads_node_health_from_the_wat
         await asyncio.to_thread(set_ready, pool, "worker-1", "Unknown")
         assert await waiting is True
         assert list(cluster.observe("r1", 0).dead_nodes) == ["worker-1"]
-        assert emulator.emulator.calls[("list", "nodes")] == lists
+        assert (emulator.emulator.calls[("list", "nodes")], emulator.emulator.calls[("list", "pods")]) == lists
 
         # An event that came while nobody waited wakes the next wait at once.
         set_ready(pool, "worker-1", "True")
