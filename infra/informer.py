@@ -34,6 +34,8 @@ class Informer:
 
     `on_event(kind, obj)` runs in the informer's thread for every ADDED, MODIFIED and DELETED
     event, and for every object of each (re)list as "ADDED"; it must be quick and must not block.
+    What vanished while the stream was down leaves the cache with the next list, without a
+    DELETED call: the callers' next look (every heartbeat interval) finds it gone.
     """
 
     def __init__(self, list_objects: Callable, name: str, on_event: Callable[[str, object], None],

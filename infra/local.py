@@ -195,11 +195,11 @@ class LocalCluster(RunFiles):
     def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None,
                     policy: RecoveryPolicy | None = None) -> dict:
         """Start every rank of an incarnation that is not running; returns the launch record in force.
-        (`policy`, the recovery policy in force, shapes Kubernetes pods; local processes need none of it.)
 
         The record ({resume_step, skipped, launched_at}) is written by the first launch, so
         a retried launch restores the same checkpoint as the ranks the first attempt may
-        have started, and reports the same skipped checkpoints.
+        have started, and reports the same skipped checkpoints. `policy` (the recovery policy
+        in force) shapes Kubernetes pods; local processes need none of it.
         """
         run = self._existing(run_id)
         assignment = self.assignment(run_id, incarnation)
