@@ -71,7 +71,8 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
     died after it, so that is the fault's time (MTTR errs long by at most one interval).
     Blame, in order: nodes the backend saw die; ranks gone without an exit record (a
     kill); nodes gone silent while every rank that failed lost a peer (a node whose death
-    the backend has not learnt yet: its ranks cannot report, the survivors can); the
+    the backend has not learnt yet: its ranks cannot report, the survivors can; of several
+    silent nodes, those whose address the errors name); the
     earliest rank that exited with an error (its peers fail after it); the rank with the
     oldest heartbeat once heartbeats are stale. Every rank gone with code 0
     is completion at the last step, and a stop (on request) before it.
@@ -129,6 +130,12 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
         first = failed[0]
         if all(lost_a_peer(r.exit) for r in failed):
             silent_nodes = _silent_nodes(ranks, since=first.exit["time"])
+            # Where the errors name the lost peer's address (gloo does), a silent node they name is
+            # the dead one; one they do not name is a survivor slow to notice.
+            named = {node for node, address in observation.node_addresses.items()
+                     if any(f"[{address}]" in (r.exit.get("error") or "") for r in failed)}
+            if silent_nodes & named:
+                silent_nodes &= named
             if silent_nodes:
                 if now - first.exit["time"] < PEER_LOSS_SETTLE_SECONDS:
                     return Verdict(step)

@@ -83,6 +83,13 @@ def run_object_name(run_id: str) -> str:
     return object_name("lazarus-run", run_id)
 
 
+def _address(node: k8s.V1Node) -> str | None:
+    """The node's InternalIP (else its Hostname): rank pods use the host network, so this is the
+    address their peers dial, and the one gloo names when a connection to it breaks."""
+    addresses = {a.type: a.address for a in (node.status.addresses if node.status and node.status.addresses else [])}
+    return addresses.get("InternalIP", addresses.get("Hostname"))
+
+
 def _ready(node: k8s.V1Node) -> tuple[bool, datetime | None]:
     """Ready condition: (True, None) when Ready, else (False, when it stopped being Ready)."""
     for condition in (node.status.conditions if node.status and node.status.conditions else []):
@@ -299,9 +306,8 @@ class KubernetesCluster(RunFiles):
                 raise ClusterError(f"node {', '.join(taken)} is no longer a free spare")
             settings = self._settings(run_id)
             first = self.core.read_node(assignment.nodes[0])
-            addresses = {a.type: a.address for a in (first.status.addresses if first.status and first.status.addresses else [])}
             proposal = assignment.model_copy(update={
-                "master_addr": addresses.get("InternalIP", addresses.get("Hostname", assignment.nodes[0])),
+                "master_addr": _address(first) or assignment.nodes[0],
                 "master_port": settings.master_port})
             recorded = self.record_assignment(run_id, proposal)
         for node in recorded.nodes:  # completes an attempt that crashed between its writes
@@ -393,13 +399,16 @@ class KubernetesCluster(RunFiles):
             raise ClusterError(f"incarnation {incarnation} of run {run_id!r} has no assignment")
         launch = read_json(run.incarnation(incarnation) / "launch.json") or {}
         nodes = self._pool_nodes(self._settings(run_id))
-        dead = {}
+        dead, addresses = {}, {}
         for name in assignment.nodes:
             ready, since = _ready(nodes[name]) if name in nodes else (False, None)
             if not ready:
                 dead[name] = since or datetime.now(timezone.utc)
+            if name in nodes:
+                addresses[name] = _address(nodes[name]) or ""
         pods = self._pods(run_id, incarnation, watched=True)
-        observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead)
+        observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead,
+                                  node_addresses={n: a for n, a in addresses.items() if a})
         observation.launchers_alive = sum(self._running(p) for p in pods.values())
         layout = assignment.layout
         for rank in range(layout.world_size):

@@ -68,6 +68,7 @@ class Observation:
     ranks: list[RankObservation] = field(default_factory=list)
     dead_nodes: dict[str, datetime] = field(default_factory=dict)
     launchers_alive: int = 0
+    node_addresses: dict[str, str] = field(default_factory=dict)  # node -> the address its ranks' peers dial, where known
 
 
 @dataclass

@@ -18,9 +18,9 @@ def rank(r, step=7, alive=True, exit=None, beat_age=0.5, phase="training"):
                            exit=exit)
 
 
-def observe(*ranks, dead=None, incarnation=2):
+def observe(*ranks, dead=None, incarnation=2, addresses=None):
     return Observation(incarnation=incarnation, launched_at=NOW - 100, resume_step=0, ranks=list(ranks),
-                       dead_nodes=dead or {})
+                       dead_nodes=dead or {}, node_addresses=addresses or {})
 
 
 def test_healthy_ranks_report_the_slowest_step():
@@ -141,3 +141,16 @@ def test_a_peer_that_reports_after_the_first_loss_is_not_silent():
     later = {"code": 1, "time": NOW - 2.9, "step": 7, "error": "Connection reset by peer"}
     verdict = judge(observe(rank(0, alive=False, exit=lost), rank(1, alive=False, exit=later)), POLICY, NOW, NOW - 0.1, 40)
     assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-0"]
+
+
+def test_of_two_silent_nodes_the_one_the_errors_name_is_blamed():
+    # node-3 is a survivor slow to notice; the survivors that failed name node-2's address.
+    lost = {"code": 1, "time": NOW - 3, "step": 7,
+            "error": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:7090. This is typically..."}
+    ranks = (rank(0, alive=False, exit=lost), rank(1, alive=False, exit=lost), rank(2, beat_age=3.5), rank(3, beat_age=3.5))
+    addresses = {f"node-{i}": f"10.0.0.{i}" for i in range(4)}
+    verdict = judge(observe(*ranks, addresses=addresses), POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.fault.kind == "node_down" and verdict.fault.nodes == ["node-2"]
+    # Without addresses (or errors that name none) both silent nodes are suspects.
+    verdict = judge(observe(*ranks), POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.fault.nodes == ["node-2", "node-3"]
