@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 ENV_RUN_DIR = "LAZARUS_RUN_DIR"
@@ -187,6 +188,22 @@ def checkpoint_manifest(folder: Path) -> dict[str, dict]:
     """Size and SHA-256 of every file of a checkpoint folder (the commit marker's `files`)."""
     return {path.name: {"size": path.stat().st_size, "sha256": file_sha256(path)}
             for path in sorted(folder.iterdir()) if path.is_file() and path.name != COMMIT_MARKER}
+
+
+def commit_checkpoint(run: RunDir, step: int, incarnation: int) -> bool:
+    """Write checkpoint `step`'s commit marker (its manifest), last; False, writing nothing, when
+    the controller has ended `incarnation`.
+
+    That is the fence for a rank the controller gave up on (a node cut off from the API server
+    but not from the volume): its late commit must not make a stale checkpoint count, nor its
+    purge of older ones touch what the next incarnation restores.
+    """
+    if run.ended_file(incarnation).exists():
+        return False
+    folder = run.checkpoint(step)
+    write_json_atomic(folder / COMMIT_MARKER, {"step": step, "incarnation": incarnation, "time": time.time(),
+                                               "files": checkpoint_manifest(folder)})
+    return True
 
 
 def file_sha256(path: Path) -> str:

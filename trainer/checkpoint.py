@@ -11,17 +11,20 @@ file) as the `COMMITTED` marker, atomically, last. A folder without it is never 
 from __future__ import annotations
 
 import shutil
+import sys
 import threading
-import time
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
-from spec.contract import COMMIT_MARKER, RunDir, checkpoint_manifest, write_json_atomic
-
+from spec.contract import RunDir, commit_checkpoint
 
 # Optimizer state keyed by parameter name (`state.blocks.3.qkv.weight.exp_avg`, and the same
 # for param_groups): each pipeline stage then has keys of its own. Unflattened, every stage
@@ -84,11 +87,10 @@ class Checkpointer:
     def _commit(self, step: int) -> None:
         if self.rank != 0:
             return
-        folder = self.run.checkpoint(step)
-        write_json_atomic(folder / COMMIT_MARKER, {
-            "step": step, "incarnation": self.incarnation, "time": time.time(),
-            "files": checkpoint_manifest(folder),
-        })
+        if not commit_checkpoint(self.run, step, self.incarnation):
+            print(f"lazarus trainer: incarnation {self.incarnation} was ended by the controller; "
+                  f"checkpoint of step {step} not committed, none purged", file=sys.stderr, flush=True)
+            return
         self._purge()
 
     def _purge(self) -> None:

@@ -25,17 +25,17 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
 from spec.contract import (
-    COMMIT_MARKER,
     ENV_INCARNATION,
     ENV_NODE,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     RunDir,
-    checkpoint_manifest,
+    commit_checkpoint,
     write_json_atomic,
 )
 from spec.records import Assignment
@@ -115,9 +115,9 @@ class TrainingSession:
         """
         if self.rank != 0:
             return
-        folder = self.run.checkpoint(step)
-        write_json_atomic(folder / COMMIT_MARKER, {"step": step, "incarnation": self.incarnation, "time": time.time(),
-                                                   "files": checkpoint_manifest(folder)})
+        if not commit_checkpoint(self.run, step, self.incarnation):
+            print(f"lazarus trainer: incarnation {self.incarnation} was ended by the controller; "
+                  f"checkpoint of step {step} not committed", file=sys.stderr, flush=True)
 
     def heartbeat(self, step: int, phase: str = "training") -> None:
         """Tell the controller this rank completed `step` (call after every optimizer step)."""

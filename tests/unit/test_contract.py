@@ -1,8 +1,8 @@
-"""Which checkpoint may be loaded: complete, intact, newest; the rest skipped with the reason."""
+"""Which checkpoint may be loaded: complete, intact, newest; the rest skipped with the reason; commits fenced by incarnation."""
 
 from __future__ import annotations
 
-from spec.contract import COMMIT_MARKER, RunDir, checkpoint_manifest, write_json_atomic
+from spec.contract import COMMIT_MARKER, RunDir, checkpoint_manifest, commit_checkpoint, write_json_atomic
 
 
 def checkpoint(run: RunDir, step: int, commit: bool = True) -> None:
@@ -51,3 +51,16 @@ def test_altered_and_missing_files_are_corrupt(tmp_path):
     step, skipped = run.newest_checkpoint()
     assert step == 10
     assert skipped == {30: "corrupt: __0_0.distcp does not match its SHA-256", 20: "corrupt: __0_0.distcp is missing"}
+
+
+def test_a_commit_from_an_incarnation_the_controller_ended_does_not_count(tmp_path):
+    run = RunDir(tmp_path)
+    checkpoint(run, 10)
+    checkpoint(run, 20, commit=False)  # written by incarnation 0, which the controller then ended
+    run.ended_file(0).parent.mkdir(parents=True)
+    run.ended_file(0).touch()
+    assert commit_checkpoint(run, 20, incarnation=0) is False
+    assert run.newest_checkpoint() == (10, {20: "incomplete (no commit marker)"})
+    # The next incarnation's commit counts.
+    assert commit_checkpoint(run, 20, incarnation=1) is True
+    assert run.newest_checkpoint() == (20, {})
