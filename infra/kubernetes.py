@@ -206,13 +206,17 @@ class KubernetesCluster(RunFiles):
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
-    def _pool_nodes(self, settings: KubernetesSettings) -> dict[str, k8s.V1Node]:
-        """The pool's nodes by name: from the watch (wait_for_exit starts it) while it is synced, else from a list.
-        A look at a run reads no list once its watches run: a hundred runs looking every second
-        would otherwise cost the API server two hundred lists a second."""
+    def _watched(self, kind: str, scope: str) -> dict | None:
+        """The cache of a running, synced watch (wait_for_exit starts them), else None: a look at a
+        run then reads no list, where a hundred runs looking every second would otherwise cost
+        the API server two hundred lists a second."""
         with self._lock:
-            informer = self._informers.get(("nodes", settings.pool))
-        cached = informer.objects() if informer is not None else None
+            informer = self._informers.get((kind, scope))
+        return informer.objects() if informer is not None else None
+
+    def _pool_nodes(self, settings: KubernetesSettings) -> dict[str, k8s.V1Node]:
+        """The pool's nodes by name: from the watch while it is synced, else from a list."""
+        cached = self._watched("nodes", settings.pool)
         if cached is not None:
             return cached
         return {n.metadata.name: n for n in self._pool(settings)}
@@ -375,9 +379,7 @@ class KubernetesCluster(RunFiles):
         from a list (drain's deletions and its wait for them use a list: the API server's word)."""
         namespace = self._settings(run_id).namespace
         if watched:
-            with self._lock:
-                informer = self._informers.get(("pods", namespace))
-            cached = informer.objects() if informer is not None else None
+            cached = self._watched("pods", namespace)
             if cached is not None:
                 mine = {RUN_LABEL: run_id, INCARNATION_LABEL: str(incarnation)}
                 return {int(p.metadata.labels[NODE_INDEX_LABEL]): p for p in cached.values()
@@ -404,11 +406,11 @@ class KubernetesCluster(RunFiles):
             ready, since = _ready(nodes[name]) if name in nodes else (False, None)
             if not ready:
                 dead[name] = since or datetime.now(timezone.utc)
-            if name in nodes:
-                addresses[name] = _address(nodes[name]) or ""
+            if name in nodes and (address := _address(nodes[name])):
+                addresses[name] = address
         pods = self._pods(run_id, incarnation, watched=True)
         observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead,
-                                  node_addresses={n: a for n, a in addresses.items() if a})
+                                  node_addresses=addresses)
         observation.launchers_alive = sum(self._running(p) for p in pods.values())
         layout = assignment.layout
         for rank in range(layout.world_size):

@@ -89,27 +89,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def confirming_kubelet(admin):
-    """The part of a live kubelet that runs no processes: it confirms the graceful deletion of any
-    pod of namespace lz on a node not in the returned set (add a node to it to make it dead)."""
-    import threading
-
-    dead: set[str] = set()
-    stop = threading.Event()
-
-    def confirm():
-        while not stop.wait(0.05):
-            for pod in admin.list_namespaced_pod("lz").items:
-                if pod.metadata.deletion_timestamp and pod.spec.node_name not in dead:
-                    admin.delete_namespaced_pod(pod.metadata.name, "lz", grace_period_seconds=0)
-
-    thread = threading.Thread(target=confirm, name="confirming-kubelet", daemon=True)
-    thread.start()
+def confirming_kubelet(admin, tmp_path):
+    """The fake kubelet of namespace lz without containers: it confirms the graceful deletion of
+    pods on nodes not in its `dead` set (add a node to make its kubelet gone)."""
+    kubelet = FakeKubelet(admin, "lz", tmp_path / "kubelet", run_containers=False).start()
     try:
-        yield dead
+        yield kubelet
     finally:
-        stop.set()
-        thread.join(10)
+        kubelet.stop()
 
 
 @pytest.fixture

@@ -6,9 +6,10 @@ checked as a precondition when a patch carries one (409 Conflict on a stale vers
 real API server does); `uid` and `creationTimestamp` on create; graceful deletion of pods as
 the API server does it (a pod bound to a node and not yet ended only gets a
 deletionTimestamp, and goes when its kubelet confirms with a delete of grace 0; a delete of
-grace 0, of an unbound pod or of an ended one removes it at once); the pods/eviction
-subresource (the pod is deleted); a count of the backend's requests; and a record of every (verb, resource) requested, in RBAC's
-terms, so a test can compare what the backend used with what the manifests grant.
+grace 0, of an unbound pod or of an ended one removes it at once); watch expiry (410 Gone);
+the pods/eviction subresource (the pod is deleted); a count of the backend's requests; and a
+record of every (verb, resource) requested, in RBAC's terms, so a test can compare what the
+backend used with what the manifests grant.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def test_a_node_that_is_not_ready_is_dead_and_drain_deletes_every_pod(pool, back
     cluster = KubernetesCluster(tmp_path, backend_api)
     launched(cluster, "r1", k8s_spec(tmp_path))
     set_ready(pool, "worker-1", "Unknown", when="2026-11-30T10:00:00Z")
-    confirming_kubelet.add("worker-1")  # its kubelet is gone: only a delete of grace 0 removes its pod
+    confirming_kubelet.dead.add("worker-1")  # its kubelet is gone: only a delete of grace 0 removes its pod
     observation = cluster.observe("r1", 0)
     assert list(observation.dead_nodes) == ["worker-1"]
     assert observation.dead_nodes["worker-1"].isoformat() == "2026-11-30T10:00:00+00:00"

@@ -9,7 +9,12 @@ import uuid
 
 import pytest
 
-from infra.kubernetes import QUARANTINE_TAINT, RUN_LABEL, KubernetesCluster, run_object_name
+from infra.kubernetes import (
+    QUARANTINE_TAINT,
+    RUN_LABEL,
+    KubernetesCluster,
+    run_object_name,
+)
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.worker import build_worker

@@ -112,7 +112,7 @@ def test_drain_deletes_pods_on_a_quarantined_node_without_waiting_for_its_dead_k
     launched(cluster, "r1", k8s_spec(tmp_path, spares=0))
     for index in (0, 1):
         pool.patch_namespaced_pod(pod_name("r1", 0, index), "lz", {"status": {"phase": "Running"}})
-    confirming_kubelet.add("worker-1")
+    confirming_kubelet.dead.add("worker-1")
     cluster.quarantine("r1", ["worker-1"], "node_down: went silent")
     assert cluster.stop_incarnation("r1", 0, timeout=20) == [0, 1]
     assert pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=r1").items == []
