@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from infra.local import Observation, RankObservation
-from spec.records import FaultReport
-from spec.run import RecoveryPolicy
+from lazarus.infra.local import Observation, RankObservation
+from lazarus.schema.records import FaultReport
+from lazarus.schema.run import RecoveryPolicy
 
 PROGRAM_ERROR_SETTLE_SECONDS = 2.0
 """How long after the first rank of a fresh run fails before its first step the others get to

@@ -18,13 +18,13 @@ from datetime import datetime, timezone
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.failpoints import Failpoints
-from activities.health import judge
-from activities.metrics import Metrics, Span
-from infra.local import free_port
-from infra.runfiles import ClusterError, RunFiles
-from spec.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
-from spec.stages import (
+from lazarus.activities.failpoints import Failpoints
+from lazarus.activities.health import judge
+from lazarus.activities.metrics import Metrics, Span
+from lazarus.infra.local import free_port
+from lazarus.infra.runfiles import ClusterError, RunFiles
+from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
+from lazarus.schema.stages import (
     DetectInput,
     DrainInput,
     DrainResult,

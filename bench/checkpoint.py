@@ -31,16 +31,16 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from infra.local import free_port  # noqa: E402
-from spec import load_spec  # noqa: E402
-from spec.contract import COMMIT_MARKER, RunDir  # noqa: E402
-from trainer import checkpoint  # noqa: E402
-from trainer.train import Trainer  # noqa: E402
+from lazarus.infra.local import free_port  # noqa: E402
+from lazarus.schema import load_spec  # noqa: E402
+from lazarus.schema.contract import COMMIT_MARKER, RunDir  # noqa: E402
+from lazarus.trainer import checkpoint  # noqa: E402
+from lazarus.trainer.train import Trainer  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, settings_json: str, layout_json: str, saves: int, gap: int,
           folder: str) -> None:
-    from spec import Layout, TrainerSettings
+    from lazarus.schema import Layout, TrainerSettings
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)

@@ -34,8 +34,8 @@ from pathlib import Path
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from infra.local import LocalCluster, Observation, RankObservation, free_port
-from infra.temporal_server import (
+from lazarus.infra.local import LocalCluster, Observation, RankObservation, free_port
+from lazarus.infra.temporal_server import (
     DYNAMIC_CONFIG,
     output_to_stderr,
     quiet_runtime,
@@ -44,9 +44,9 @@ from infra.temporal_server import (
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
 from lazarus.worker import build_worker
-from spec import RunState, parse_spec
-from spec.contract import read_json, write_json_atomic
-from spec.run import RunSpec
+from lazarus.schema import RunState, parse_spec
+from lazarus.schema.contract import read_json, write_json_atomic
+from lazarus.schema.run import RunSpec
 
 
 class SimulatedCluster(LocalCluster):

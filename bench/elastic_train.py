@@ -3,7 +3,7 @@ data, global batch and checkpoint interval.
 
 Rank 0 appends one JSON line per step to --step-log: {"step", "time", "world", "restart"},
 where restart is TORCHELASTIC_RESTART_COUNT (torchrun's restart round; Lazarus's incarnation).
-Under Lazarus it uses trainer.session for checkpoints and heartbeats; under torchrun it keeps
+Under Lazarus it uses lazarus.session for checkpoints and heartbeats; under torchrun it keeps
 its own checkpoints in --checkpoint-dir (rank 0 writes, renames into place when complete).
 """
 
@@ -43,7 +43,7 @@ def main() -> None:
     torch.set_num_threads(1)
     session = None
     if "LAZARUS_RUN_DIR" in os.environ:
-        from trainer.session import TrainingSession
+        from lazarus.session import TrainingSession
 
         session = TrainingSession.from_environ()
         session.wait_for_store()

@@ -36,13 +36,13 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from bench.recovery import COLUMNS, row
-from infra.kubernetes import KubernetesCluster
-from infra.local import free_port
-from infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
+from lazarus.infra.kubernetes import KubernetesCluster
+from lazarus.infra.local import free_port
+from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.worker import build_worker
-from spec import RunState, load_spec, parse_spec
+from lazarus.schema import RunState, load_spec, parse_spec
 from tests.k8s.conftest import add_node, api_client
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
 from tests.k8s.kubelet import FakeKubelet

@@ -36,14 +36,14 @@ from pathlib import Path
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from activities.metrics import Metrics
-from infra.local import LocalCluster, free_port
-from infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
+from lazarus.activities.metrics import Metrics
+from lazarus.infra.local import LocalCluster, free_port
+from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.worker import build_worker
-from spec import STAGES, RunState, load_spec
-from spec.contract import read_json
+from lazarus.schema import STAGES, RunState, load_spec
+from lazarus.schema.contract import read_json
 
 COLUMNS = [*STAGES, "MTTR", "lost_steps"]
 SPLIT = ["detect", "work", "wf_task", "dispatch", "overhead_pct"]

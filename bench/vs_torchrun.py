@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from infra.local import LocalCluster, free_port  # noqa: E402
+from lazarus.infra.local import LocalCluster, free_port  # noqa: E402
 
 SCRIPT = ROOT / "bench" / "elastic_train.py"
 CHECKPOINT_EVERY = 20
@@ -158,11 +158,11 @@ async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder:
     from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.testing import WorkflowEnvironment
 
-    from infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, quiet_runtime, temporal_cli
+    from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, quiet_runtime, temporal_cli
     from lazarus.client import start_run
     from lazarus.config import Settings
     from lazarus.worker import build_worker
-    from spec import parse_spec
+    from lazarus.schema import parse_spec
 
     with output_to_stderr():
         env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),

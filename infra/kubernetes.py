@@ -10,7 +10,7 @@ which one they drive. What lives where:
   and an Event per recovery stage on the run's ConfigMap; node and pod changes reach the runs
   through two watch streams per worker (infra/informer.py), one of the pool, one of the namespace;
 - the shared volume (a ReadWriteMany claim the pods and the worker mount): the run directory
-  of spec/contract.py with its assignments, launch records, heartbeats, exits and checkpoints.
+  of schema/contract.py with its assignments, launch records, heartbeats, exits and checkpoints.
 
 Every name derives from (run, incarnation, node index), so a retried activity finds what an
 earlier attempt did: a 409 on create and a 404 on delete are success. A spare is claimed by a
@@ -31,10 +31,10 @@ from pathlib import Path
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from infra.informer import Informer
-from infra.local import Observation, RankObservation
-from infra.runfiles import ClusterError, RunFiles
-from spec.contract import (
+from lazarus.infra.informer import Informer
+from lazarus.infra.local import Observation, RankObservation
+from lazarus.infra.runfiles import ClusterError, RunFiles
+from lazarus.schema.contract import (
     ENV_INCARNATION,
     ENV_NODE,
     ENV_NODE_INDEX,
@@ -43,8 +43,8 @@ from spec.contract import (
     RunDir,
     read_json,
 )
-from spec.records import Assignment, Inventory, NodeRecord
-from spec.run import KubernetesSettings, RecoveryPolicy, RunSpec
+from lazarus.schema.records import Assignment, Inventory, NodeRecord
+from lazarus.schema.run import KubernetesSettings, RecoveryPolicy, RunSpec
 
 POOL_LABEL = "lazarus.dev/pool"
 RUN_LABEL = "lazarus.dev/run"
@@ -354,7 +354,7 @@ class KubernetesCluster(RunFiles):
                 dns_policy="ClusterFirstWithHostNet", automount_service_account_token=False,
                 termination_grace_period_seconds=settings.delete_grace_seconds, tolerations=tolerations,
                 containers=[k8s.V1Container(
-                    name="launcher", image=settings.image, command=["python", "-m", "trainer.launcher"],
+                    name="launcher", image=settings.image, command=["python", "-m", "lazarus.trainer.launcher"],
                     env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
                     resources=k8s.V1ResourceRequirements(requests=resources, limits=resources),
                     volume_mounts=[k8s.V1VolumeMount(name="runs", mount_path=settings.mount_path)])],

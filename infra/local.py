@@ -1,6 +1,6 @@
 """The local backend: each node is a group of rank processes on this machine.
 
-Everything a restarted worker needs lives in the run directory (spec/contract.py):
+Everything a restarted worker needs lives in the run directory (schema/contract.py):
 the inventory, each incarnation's assignment, and per rank a lock file and a pid file.
 A rank process holds an exclusive flock on its lock file for its whole life (the launcher
 hands it a locked descriptor), so "is rank R of incarnation K alive?" is answered by the
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from infra.runfiles import ClusterError, RunFiles
-from spec.contract import (
+from lazarus.infra.runfiles import ClusterError, RunFiles
+from lazarus.schema.contract import (
     ENV_INCARNATION,
     ENV_NODE,
     ENV_NODE_INDEX,
@@ -39,8 +39,8 @@ from spec.contract import (
     take_lock,
     write_json_atomic,
 )
-from spec.records import Assignment, Inventory, NodeRecord
-from spec.run import RecoveryPolicy, RunSpec
+from lazarus.schema.records import Assignment, Inventory, NodeRecord
+from lazarus.schema.run import RecoveryPolicy, RunSpec
 
 __all__ = ["ClusterError", "LocalCluster", "Observation", "RankObservation", "free_port"]
 
@@ -238,7 +238,7 @@ class LocalCluster(RunFiles):
                    ENV_STANDBY_LOCK_FD: str(fd)}
             env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
             with open(home / "log", "ab") as log:
-                child = subprocess.Popen([self.python, "-m", "trainer.standby"], env=env, stdin=subprocess.DEVNULL,
+                child = subprocess.Popen([self.python, "-m", "lazarus.trainer.standby"], env=env, stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,))
             self._children[(run_id, "standby", node)] = child
             write_json_atomic(home / "pid", {"pid": child.pid, "pgid": child.pid,
@@ -325,7 +325,7 @@ class LocalCluster(RunFiles):
             log_path = run.incarnation(incarnation) / "nodes" / f"{index}.log"
             with open(log_path, "ab") as log:
                 child = subprocess.Popen(
-                    [self.python, "-m", "trainer.launcher"], env=env, stdin=subprocess.DEVNULL,
+                    [self.python, "-m", "lazarus.trainer.launcher"], env=env, stdin=subprocess.DEVNULL,
                     stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,),
                     # Own session: a node outlives a crashed worker, as a real one would.
                     start_new_session=True,

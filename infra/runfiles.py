@@ -1,4 +1,4 @@
-"""What every backend keeps in the run directory (spec/contract.py), whoever runs the ranks:
+"""What every backend keeps in the run directory (schema/contract.py), whoever runs the ranks:
 the spec, each incarnation's assignment and launch record, logs and checkpoints."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import shutil
 import time
 from pathlib import Path
 
-from spec.contract import COMMIT_MARKER, RunDir, read_json, write_json_atomic
-from spec.records import Assignment
-from spec.run import RunSpec
+from lazarus.schema.contract import COMMIT_MARKER, RunDir, read_json, write_json_atomic
+from lazarus.schema.records import Assignment
+from lazarus.schema.run import RunSpec
 
 
 class ClusterError(RuntimeError):

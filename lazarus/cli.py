@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         "simulate", help="Monte Carlo planner: what elasticity costs a large cluster, per recovery policy",
         description="Simulate a long run on a large cluster under each recovery policy: ETTR, goodput, "
                     "lost GPU-hours by cause, the best checkpoint interval and the spares needed.")
-    simulate.add_argument("scenario", nargs="?", metavar="SCENARIO.yaml", help="scenario file (see spec/scenario.py)")
+    simulate.add_argument("scenario", nargs="?", metavar="SCENARIO.yaml", help="scenario file (see schema/scenario.py)")
     simulate.add_argument("--preset", help="a built-in scenario: llama3-405b, human-vs-automatic")
     simulate.add_argument("--costs", metavar="FILE", help="stage costs measured on real runs: `lazarus run status --json` "
                                                           "output (one status or a list)")
@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(path: str):
-    from spec.load import SpecError, load_spec
+    from lazarus.schema.load import SpecError, load_spec
 
     try:
         return load_spec(path)
@@ -146,7 +146,7 @@ async def _client(settings: Settings):
 
 
 def _server(args, settings: Settings) -> int:
-    from infra.temporal_server import ServerError, dev_server_command, port_answers, split_address, start_detached, stop_detached
+    from lazarus.infra.temporal_server import ServerError, dev_server_command, port_answers, split_address, start_detached, stop_detached
 
     if args.stop:
         pid = stop_detached(settings.home)
@@ -181,15 +181,15 @@ def _server(args, settings: Settings) -> int:
 
 
 async def _worker(args, settings: Settings) -> int:
-    from activities.failpoints import Failpoints
-    from activities.metrics import Metrics
-    from infra.local import LocalCluster
+    from lazarus.activities.failpoints import Failpoints
+    from lazarus.activities.metrics import Metrics
+    from lazarus.infra.local import LocalCluster
     from lazarus.worker import build_worker, count_runs_by_state, serve, serve_metrics
 
     client = await _client(settings)
     metrics = Metrics()
     if args.backend == "kubernetes":
-        from infra.kubernetes import KubernetesCluster
+        from lazarus.infra.kubernetes import KubernetesCluster
 
         try:
             cluster = KubernetesCluster(settings.home)
@@ -223,7 +223,7 @@ async def _run(args, settings: Settings) -> int:
     from lazarus.client import run_status, start_run
 
     if args.run_command == "start":
-        from activities.recovery import missing_command
+        from lazarus.activities.recovery import missing_command
 
         spec = _load(args.spec)
         if missing_command(spec.trainer.command):
@@ -238,7 +238,7 @@ async def _run(args, settings: Settings) -> int:
         return 0
 
     if args.run_command == "logs":
-        from infra.local import LocalCluster
+        from lazarus.infra.local import LocalCluster
         from lazarus.logs import LogsError, select, show
 
         run = LocalCluster(settings.home).run_dir(args.run_id)
@@ -319,8 +319,8 @@ async def _update(client, args) -> int:
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError
 
-    from spec.stages import OperatorRequest
-    from workflows.training_run import TrainingRun
+    from lazarus.schema.stages import OperatorRequest
+    from lazarus.workflows.training_run import TrainingRun
 
     request = OperatorRequest(
         reason=getattr(args, "reason", ""), node=getattr(args, "node", None), dp=getattr(args, "dp", None),
@@ -383,7 +383,7 @@ async def _watch(current) -> int:
 
 
 def _chaos(args, settings: Settings) -> int:
-    from infra.local import ClusterError, LocalCluster
+    from lazarus.infra.local import ClusterError, LocalCluster
 
     cluster = LocalCluster(settings.home)
     try:
@@ -426,7 +426,7 @@ async def _demo(args, settings: Settings) -> int:
 
     spec = _load(args.spec or DEFAULT_SPEC)
     if args.spares is not None:
-        from spec.load import SpecError, parse_spec
+        from lazarus.schema.load import SpecError, parse_spec
 
         data = spec.model_dump(mode="json")
         data["cluster"]["spare_nodes"] = args.spares

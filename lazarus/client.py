@@ -10,11 +10,11 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 
-from infra.temporal_server import SEARCH_ATTRIBUTES
+from lazarus.infra.temporal_server import SEARCH_ATTRIBUTES
 from lazarus.config import Settings
-from spec.records import RunStart, RunState, RunStatus
-from spec.run import RunSpec
-from workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
+from lazarus.schema.records import RunStart, RunState, RunStatus
+from lazarus.schema.run import RunSpec
+from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 
 
 async def connect(settings: Settings) -> Client:

@@ -13,15 +13,15 @@ from pathlib import Path
 
 from temporalio.client import WorkflowFailureError
 
-from infra.local import LocalCluster
-from infra.temporal_server import port_answers, split_address, start_detached
+from lazarus.infra.local import LocalCluster
+from lazarus.infra.temporal_server import port_answers, split_address, start_detached
 from lazarus.client import connect, run_status, start_run
 from lazarus.config import Settings
 from lazarus.report import stage_table
 from lazarus.worker import build_worker
-from spec.contract import RunDir
-from spec.records import RunState, RunStatus
-from spec.run import RunSpec
+from lazarus.schema.contract import RunDir
+from lazarus.schema.records import RunState, RunStatus
+from lazarus.schema.run import RunSpec
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 

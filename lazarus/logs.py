@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec.contract import RunDir
-from spec.records import Assignment
+from lazarus.schema.contract import RunDir
+from lazarus.schema.records import Assignment
 
 
 class LogsError(ValueError):

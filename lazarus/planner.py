@@ -7,7 +7,7 @@ Model, per repetition, in wall-clock seconds:
   nodes in use (failures during a recovery are not modelled). A fault loses the training since
   the last complete checkpoint, then costs its recovery: each stage's cost (a hang is noticed
   after the staleness threshold instead of the crash detector's time), or a person's restart.
-- The decision after a fault is the workflow's own policy, `workflows.policy.plan_recovery`,
+- The decision after a fault is the workflow's own policy, `lazarus.workflows.policy.plan_recovery`,
   called on an inventory of the scenario's shape: a hot spare if one is free (the failed node
   goes to repair and comes back as a spare after `repair_hours`), else reshard to the largest
   dp that fits (the broken replica's healthy nodes join the pool), else wait for a repair.
@@ -28,10 +28,10 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from spec.layout import Layout
-from spec.records import Assignment, Inventory, NodeRecord
-from spec.scenario import Fixed, LogNormal, Measured, Scenario, Uniform
-from workflows.policy import plan_recovery
+from lazarus.schema.layout import Layout
+from lazarus.schema.records import Assignment, Inventory, NodeRecord
+from lazarus.schema.scenario import Fixed, LogNormal, Measured, Scenario, Uniform
+from lazarus.workflows.policy import plan_recovery
 
 CAUSES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume", "human", "waiting_for_capacity",
           "recomputed_steps", "checkpoint_stalls", "below_target_dp", "idle_spares")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from spec.records import STAGES, Incident, RunStatus
+from lazarus.schema.records import STAGES, Incident, RunStatus
 
 STAGE_COLORS = {"detect": "#d62728", "drain": "#ff7f0e", "reschedule": "#bcbd22",
                 "replace_or_reshard": "#9467bd", "resume": "#1f77b4"}

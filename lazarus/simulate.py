@@ -15,8 +15,8 @@ from lazarus.planner import (
     smallest_spares,
     young_daly_minutes,
 )
-from spec.load import SpecError, load_spec
-from spec.scenario import Measured, Scenario
+from lazarus.schema.load import SpecError, load_spec
+from lazarus.schema.scenario import Measured, Scenario
 
 PRESETS = Path(__file__).resolve().parent / "scenarios"
 

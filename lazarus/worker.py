@@ -11,12 +11,12 @@ from prometheus_client import start_http_server
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.failpoints import Failpoints
-from activities.metrics import Metrics
-from activities.recovery import RecoveryActivities
-from infra.runfiles import RunFiles
-from spec.records import RunState
-from workflows.training_run import TrainingRun
+from lazarus.activities.failpoints import Failpoints
+from lazarus.activities.metrics import Metrics
+from lazarus.activities.recovery import RecoveryActivities
+from lazarus.infra.runfiles import RunFiles
+from lazarus.schema.records import RunState
+from lazarus.workflows.training_run import TrainingRun
 
 MAX_CONCURRENT_ACTIVITIES = 2000
 """Activities one worker runs at once. Every training run holds one (its detect, a long watch

@@ -7,9 +7,9 @@ from hypothesis import settings
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from infra.local import free_port
-from infra.temporal_server import DYNAMIC_CONFIG, temporal_cli, test_server
-from workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE
+from lazarus.infra.local import free_port
+from lazarus.infra.temporal_server import DYNAMIC_CONFIG, temporal_cli, test_server
+from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE
 
 
 # Property tests check invariants, not speed: no per-example deadline on a loaded 2-core machine.

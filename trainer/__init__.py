@@ -1,1 +1,1 @@
-"""The PyTorch workload: a small GPT trained data-parallel over gloo, speaking the contract of spec/contract.py."""
+"""The PyTorch workload: a small GPT trained data-parallel over gloo, speaking the contract of schema/contract.py."""

@@ -1,3 +1,3 @@
-from trainer.train import main
+from lazarus.trainer.train import main
 
 main()

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from spec.contract import RunDir, commit_checkpoint
+from lazarus.schema.contract import RunDir, commit_checkpoint
 
 # Optimizer state keyed by parameter name (`state.blocks.3.qkv.weight.exp_avg`, and the same
 # for param_groups): each pipeline stage then has keys of its own. Unflattened, every stage

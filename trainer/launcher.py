@@ -1,7 +1,7 @@
 """One node's launcher: starts the node's ranks of an incarnation with torchrun's environment,
 and records how each one ended.
 
-Run by the backend as `python -m trainer.launcher` with LAZARUS_RUN_DIR, LAZARUS_INCARNATION,
+Run by the backend as `python -m lazarus.trainer.launcher` with LAZARUS_RUN_DIR, LAZARUS_INCARNATION,
 LAZARUS_NODE, LAZARUS_NODE_INDEX and LAZARUS_RESUME_STEP set (trainer/CONTRACT.md).
 
 Why not torchrun as the per-node launcher: its agent imports torch before it starts a rank
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from spec.contract import (
+from lazarus.schema.contract import (
     ENV_FAIL_AT,
     ENV_INCARNATION,
     ENV_NODE,
@@ -36,8 +36,8 @@ from spec.contract import (
     take_lock,
     write_json_atomic,
 )
-from spec.records import Assignment
-from spec.run import BUILT_IN_TRAINER, RunSpec
+from lazarus.schema.records import Assignment
+from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 
 
 NODE_NICENESS = 5
@@ -168,7 +168,7 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
 
 
 def main() -> None:
-    """Entry point: `python -m trainer.launcher`."""
+    """Entry point: `python -m lazarus.trainer.launcher`."""
     missing = [name for name in (ENV_RUN_DIR, ENV_INCARNATION, ENV_NODE, ENV_NODE_INDEX) if name not in os.environ]
     if missing:
         raise SystemExit(f"lazarus launcher: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")

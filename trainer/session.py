@@ -1,6 +1,6 @@
 """The helper a training script imports to be recoverable under Lazarus (torch only; no controller).
 
-    from trainer.session import TrainingSession
+    from lazarus.session import TrainingSession
 
     session = TrainingSession.from_environ()
     if session.resume_step:                        # restore what you saved at that step
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from spec.contract import (
+from lazarus.schema.contract import (
     ENV_INCARNATION,
     ENV_NODE,
     ENV_RESUME_STEP,
@@ -38,8 +38,8 @@ from spec.contract import (
     commit_checkpoint,
     write_json_atomic,
 )
-from spec.records import Assignment
-from spec.run import RunSpec
+from lazarus.schema.records import Assignment
+from lazarus.schema.run import RunSpec
 
 
 class TrainingSession:

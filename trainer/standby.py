@@ -1,7 +1,7 @@
 """A node's warm standby: an interpreter with torch and the trainer already imported, waiting
 for orders to start the node's ranks of an incarnation.
 
-Run by the local backend as `python -m trainer.standby` with LAZARUS_RUN_DIR and LAZARUS_NODE
+Run by the local backend as `python -m lazarus.trainer.standby` with LAZARUS_RUN_DIR and LAZARUS_NODE
 set, one per node of a run (active nodes and hot spares alike), in its own session. A cold
 start pays a new interpreter and `import torch` (two to three seconds on a loaded 2-core
 node) on every recovery; here that is paid once, before any fault. An order is one JSON line
@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 
-from spec.contract import (
+from lazarus.schema.contract import (
     ENV_INCARNATION,
     ENV_NODE,
     ENV_NODE_INDEX,
@@ -44,7 +44,7 @@ from spec.contract import (
     take_lock,
     write_json_atomic,
 )
-from spec.run import BUILT_IN_TRAINER, RunSpec
+from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 
 IDLE_EXIT_SECONDS = 30.0
 """How long a standby waits with no live launcher in its run before it exits (seconds)."""
@@ -52,7 +52,7 @@ IDLE_EXIT_SECONDS = 30.0
 # What the built-in trainer imports before its first step; torch.distributed.checkpoint also
 # brings in the compiler stack that the optimizer would otherwise import at its first step.
 _BUILT_IN_IMPORTS = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.pipelining",
-                     "trainer.train", "trainer.model", "trainer.checkpoint", "trainer.data"]
+                     "lazarus.trainer.train", "lazarus.trainer.model", "lazarus.trainer.checkpoint", "lazarus.trainer.data"]
 # A user's script: what a typical DDP/FSDP script reaches before its first step (DDP's
 # constructor alone imports the compiler stack: more than a second here).
 _ANY_PYTHON_IMPORTS = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.checkpoint",
@@ -147,7 +147,7 @@ def _run_in_place(command: list[str], env: dict) -> int:
 
 
 def fork_starter(private_fds: list[int]):
-    """A `start_rank` for trainer.launcher.launch_node that forks this warm process.
+    """A `start_rank` for lazarus.trainer.launcher.launch_node that forks this warm process.
 
     `private_fds` are descriptors of the launcher that a rank must not inherit (its node
     lock: a rank holding it would keep the node's launcher looking alive).
@@ -191,7 +191,7 @@ def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
-        from trainer.launcher import launch_node
+        from lazarus.trainer.launcher import launch_node
 
         node_lock = take_lock(run.node_lock_file(incarnation, index))
         if node_lock is None:
@@ -271,7 +271,7 @@ def serve(run: RunDir, node: str) -> int:
 
 
 def main() -> None:
-    """Entry point: `python -m trainer.standby`."""
+    """Entry point: `python -m lazarus.trainer.standby`."""
     missing = [name for name in (ENV_RUN_DIR, ENV_NODE) if name not in os.environ]
     if missing:
         raise SystemExit(f"lazarus standby: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")

@@ -1,8 +1,8 @@
 """The built-in training program: one rank of a dp x pp GPT run (contract: trainer/CONTRACT.md).
 
-Run as `python -m trainer` by the node launcher (trainer/launcher.py), with torchrun's
+Run as `python -m lazarus.trainer` by the node launcher (trainer/launcher.py), with torchrun's
 environment plus LAZARUS_RUN_DIR, LAZARUS_INCARNATION, LAZARUS_NODE and LAZARUS_RESUME_STEP.
-It uses trainer.session for the contract, as a user's script would.
+It uses lazarus.session for the contract, as a user's script would.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import time
 import traceback
 from datetime import timedelta
 
-from spec.contract import ENV_FAIL_AT, write_json_atomic
-from spec.layout import Layout
-from spec.run import RunSpec, TrainerSettings
-from trainer.session import TrainingSession
+from lazarus.schema.contract import ENV_FAIL_AT, write_json_atomic
+from lazarus.schema.layout import Layout
+from lazarus.schema.run import RunSpec, TrainerSettings
+from lazarus.trainer.session import TrainingSession
 
 
 def maybe_fail(point: str, step: int, environ=os.environ) -> None:
@@ -55,8 +55,8 @@ class Trainer:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from trainer.data import share
-        from trainer.model import build_stage
+        from lazarus.trainer.data import share
+        from lazarus.trainer.model import build_stage
 
         self.torch, self.dist = torch, dist
         self.settings, self.layout = settings, layout
@@ -109,7 +109,7 @@ class Trainer:
         and whether any rank asked to stop after this step; the request rides on the step's
         own collectives, so every rank learns it at the same step.
         """
-        from trainer.data import batch
+        from lazarus.trainer.data import batch
 
         torch, dist = self.torch, self.dist
         inputs, targets = batch(self.settings.seed, first_sample, self.offsets,
@@ -156,7 +156,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     import torch
     import torch.distributed as dist
 
-    from trainer import checkpoint
+    from lazarus.trainer import checkpoint
 
     run = session.run
     spec = RunSpec.model_validate_json(run.spec_file.read_text())

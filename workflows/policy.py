@@ -6,8 +6,8 @@ Capacity is counted in model replicas, not nodes: a lost node takes down every r
 
 from __future__ import annotations
 
-from spec.layout import Layout
-from spec.records import Assignment, Decision, Inventory
+from lazarus.schema.layout import Layout
+from lazarus.schema.records import Assignment, Decision, Inventory
 
 
 def nodes_for(layout: Layout, dp: int) -> int | None:

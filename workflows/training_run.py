@@ -21,8 +21,8 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from activities.recovery import RecoveryActivities
-    from spec.records import (
+    from lazarus.activities.recovery import RecoveryActivities
+    from lazarus.schema.records import (
         Decision,
         DetectResult,
         FaultReport,
@@ -34,8 +34,8 @@ with workflow.unsafe.imports_passed_through():
         RunStatus,
         StageRecord,
     )
-    from spec.run import RecoveryPolicy, StagePolicy
-    from spec.stages import (
+    from lazarus.schema.run import RecoveryPolicy, StagePolicy
+    from lazarus.schema.stages import (
         DetectInput,
         DrainInput,
         FaultSignal,
@@ -48,7 +48,7 @@ with workflow.unsafe.imports_passed_through():
         ReturnNodeInput,
         StopInput,
     )
-    from workflows.policy import nodes_for, plan_operator_reshard, plan_recovery
+    from lazarus.workflows.policy import nodes_for, plan_operator_reshard, plan_recovery
 
 
 RESHARD_PATCH = "reshard-without-spare"

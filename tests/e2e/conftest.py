@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.local import LocalCluster
-from spec import Assignment, RunSpec, load_spec
-from spec.contract import RunDir
+from lazarus.infra.local import LocalCluster
+from lazarus.schema import Assignment, RunSpec, load_spec
+from lazarus.schema.contract import RunDir
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 SMALL_SPEC = SPECS / "small.yaml"
@@ -119,7 +119,7 @@ def reference_losses(reference) -> dict[int, float]:
 
 
 def _port() -> int:
-    from infra.local import free_port
+    from lazarus.infra.local import free_port
 
     return free_port()
 

@@ -8,16 +8,16 @@ import uuid
 
 import pytest
 
-from activities.metrics import Metrics
-from infra.local import LocalCluster, free_port
+from lazarus.activities.metrics import Metrics
+from lazarus.infra.local import LocalCluster, free_port
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.report import plot_timeline, summarize
 from lazarus.worker import build_worker, serve_metrics
-from spec import RunState, load_spec
-from spec.stages import OperatorRequest
+from lazarus.schema import RunState, load_spec
+from lazarus.schema.stages import OperatorRequest
 from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for
-from workflows.training_run import TrainingRun
+from lazarus.workflows.training_run import TrainingRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
-from infra.local import LocalCluster
+from lazarus.activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
+from lazarus.infra.local import LocalCluster
 from lazarus.client import start_run
 from lazarus.config import Settings
-from spec import STAGES, RunState, RunStatus, load_spec
-from spec.contract import RunDir, read_json
+from lazarus.schema import STAGES, RunState, RunStatus, load_spec
+from lazarus.schema.contract import RunDir, read_json
 
 from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for
 

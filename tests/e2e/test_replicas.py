@@ -7,12 +7,12 @@ import uuid
 
 import pytest
 
-from infra.local import LocalCluster
+from lazarus.infra.local import LocalCluster
 from lazarus.config import Settings
 from lazarus.demo import drive_run
 from lazarus.worker import build_worker
-from spec import RunSpec, RunState, RunStatus, load_spec, parse_spec
-from spec.contract import RunDir
+from lazarus.schema import RunSpec, RunState, RunStatus, load_spec, parse_spec
+from lazarus.schema.contract import RunDir
 
 from tests.e2e.conftest import SMALL_PP_SPEC, SMALL_SPEC, losses
 

@@ -8,11 +8,11 @@ import uuid
 
 import pytest
 
-from infra.local import LocalCluster
+from lazarus.infra.local import LocalCluster
 from lazarus.config import Settings
 from lazarus.demo import drive_run
 from lazarus.worker import build_worker
-from spec import RunState, load_spec, parse_spec
+from lazarus.schema import RunState, load_spec, parse_spec
 from tests.e2e.conftest import USER_DDP_SPEC, losses, with_absolute_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -6,7 +6,7 @@ histories beside the old ones, which keep replaying the unpatched branch:
 
   *_v1.json          recorded before the operator's updates existed; kept to replay old runs.
   no_spare.json      recorded before resharding existed (waits, then fails); replays the
-                     branch of workflows.training_run.RESHARD_PATCH that is not patched.
+                     branch of lazarus.workflows.training_run.RESHARD_PATCH that is not patched.
   hot_spare.json     a node killed, a spare takes its place.
   reshard.json       dp2 x pp2 without a spare: reshard to dp1.
   no_capacity.json   no spare and min_dp = dp: waits, then fails (recorded before escalation
@@ -28,16 +28,16 @@ from pathlib import Path
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from infra.local import LocalCluster, free_port
-from infra.temporal_server import temporal_cli
+from lazarus.infra.local import LocalCluster, free_port
+from lazarus.infra.temporal_server import temporal_cli
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.demo import run_demo
 from lazarus.worker import build_worker
-from spec import RunState, load_spec, parse_spec
-from spec.stages import OperatorRequest
+from lazarus.schema import RunState, load_spec, parse_spec
+from lazarus.schema.stages import OperatorRequest
 from tests.e2e.conftest import trained_step, wait_for
-from workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
+from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 
 HERE = Path(__file__).resolve().parent
 SMALL = HERE.parent / "specs" / "small.yaml"

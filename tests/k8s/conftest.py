@@ -41,7 +41,7 @@ def backend_api(emulator):
 @pytest.fixture
 def clusters(backend_api):
     """Make KubernetesCluster(home) on the backend's client; each is closed (its watches stopped) at teardown."""
-    from infra.kubernetes import KubernetesCluster
+    from lazarus.infra.kubernetes import KubernetesCluster
 
     made = []
 

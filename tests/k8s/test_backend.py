@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from infra.kubernetes import (
+from lazarus.infra.kubernetes import (
     QUARANTINE_LABEL,
     QUARANTINE_TAINT,
     RUN_LABEL,
@@ -15,8 +15,8 @@ from infra.kubernetes import (
     pod_name,
     run_object_name,
 )
-from infra.runfiles import ClusterError
-from spec import Assignment, parse_spec
+from lazarus.infra.runfiles import ClusterError
+from lazarus.schema import Assignment, parse_spec
 from tests.k8s.conftest import add_node, set_ready
 
 

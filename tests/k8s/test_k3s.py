@@ -9,7 +9,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config
 
-from infra.kubernetes import QUARANTINE_TAINT, RUN_LABEL, KubernetesCluster
+from lazarus.infra.kubernetes import QUARANTINE_TAINT, RUN_LABEL, KubernetesCluster
 from tests.k8s.test_backend import k8s_spec
 from tests.waiting import wait_until
 
@@ -46,7 +46,7 @@ def test_claim_quarantine_pods_and_return_on_k3s(k3s_api, tmp_path):
         spec = k8s_spec(tmp_path, active=1, spares=0)
         cluster.create("k3s", spec)
         assert core.read_node(node.metadata.name).metadata.labels[RUN_LABEL] == "k3s"
-        from spec import Assignment
+        from lazarus.schema import Assignment
 
         cluster.commit_assignment("k3s", Assignment(incarnation=0, nodes=[node.metadata.name], layout=spec.layout,
                                                     master_port=1))

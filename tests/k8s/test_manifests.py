@@ -9,7 +9,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from spec import load_spec
+from lazarus.schema import load_spec
 from tests.k8s.conftest import USED
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "infra" / "k8s"

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from infra.kubernetes import (
+from lazarus.infra.kubernetes import (
     QUARANTINE_TAINT,
     RUN_LABEL,
     KubernetesCluster,
@@ -18,7 +18,7 @@ from infra.kubernetes import (
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.worker import build_worker
-from spec import RunState, load_spec, parse_spec
+from lazarus.schema import RunState, load_spec, parse_spec
 from tests.e2e.conftest import SMALL_SPEC, losses, trained_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -105,7 +105,7 @@ def kubeconfig(path, url: str) -> str:
 
 async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and_one_claim(
         dev_env, emulator, admin, training_pool, workers, reference_losses, tmp_path):
-    from activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
+    from lazarus.activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
     from tests.e2e.test_recovery import lazarus_env
 
     home = tmp_path / "volume"

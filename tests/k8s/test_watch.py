@@ -10,8 +10,8 @@ import time
 import pytest
 from kubernetes.client.rest import ApiException
 
-from infra.informer import Informer
-from infra.kubernetes import RUN_LABEL, pod_name
+from lazarus.infra.informer import Informer
+from lazarus.infra.kubernetes import RUN_LABEL, pod_name
 from tests.k8s.conftest import add_node, set_ready
 from tests.k8s.test_backend import k8s_spec, launched
 from tests.waiting import wait_until

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spec import Layout, TrainerSettings
-from spec.contract import RunDir
-from trainer import checkpoint
-from trainer.train import Trainer
+from lazarus.schema import Layout, TrainerSettings
+from lazarus.schema.contract import RunDir
+from lazarus.trainer import checkpoint
+from lazarus.trainer.train import Trainer
 
 SETTINGS = TrainerSettings(steps=3, global_batch=12, seq_len=16, d_model=32, n_layers=2, n_heads=2,
                            checkpoint_every=3)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
-from infra.local import free_port
+from lazarus.infra.local import free_port
 from tests.unit.reshard_ranks import SETTINGS, STEPS, run_rank
 
 pytestmark = pytest.mark.timeout(180)

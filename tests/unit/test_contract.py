@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spec.contract import COMMIT_MARKER, RunDir, checkpoint_manifest, commit_checkpoint, write_json_atomic
+from lazarus.schema.contract import COMMIT_MARKER, RunDir, checkpoint_manifest, commit_checkpoint, write_json_atomic
 
 
 def checkpoint(run: RunDir, step: int, commit: bool = True) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from activities.health import judge
-from infra.local import Observation, RankObservation
-from spec import RecoveryPolicy
+from lazarus.activities.health import judge
+from lazarus.infra.local import Observation, RankObservation
+from lazarus.schema import RecoveryPolicy
 
 POLICY = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=60)
 NOW = 1_000_000.0

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from infra.local import ClusterError, LocalCluster
-from spec import Assignment, parse_spec
-from spec.contract import read_json
+from lazarus.infra.local import ClusterError, LocalCluster
+from lazarus.schema import Assignment, parse_spec
+from lazarus.schema.contract import read_json
 
 SLEEPER = ["python", "-c", "import time; time.sleep(600)"]
 

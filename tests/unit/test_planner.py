@@ -11,7 +11,7 @@ import pytest
 
 from lazarus.planner import PolicyTable, analytic_ettr, run_policy
 from lazarus.simulate import measured_costs
-from spec.scenario import Measured, Scenario
+from lazarus.schema.scenario import Measured, Scenario
 
 
 def closed_form_scenario(**changes) -> Scenario:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec import Assignment, Inventory, Layout, NodeRecord
-from workflows.policy import nodes_for, plan_recovery
+from lazarus.schema import Assignment, Inventory, Layout, NodeRecord
+from lazarus.workflows.policy import nodes_for, plan_recovery
 
 
 def world(layout: Layout, spares: int, dead_spares: int = 0) -> tuple[Inventory, Assignment]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec import RunSpec, SpecError, load_spec, parse_spec
+from lazarus.schema import RunSpec, SpecError, load_spec, parse_spec
 
 
 def refuse(data: dict) -> str:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.local import LocalCluster
-from spec import Assignment, parse_spec
-from spec.contract import lock_is_held, read_json
+from lazarus.infra.local import LocalCluster
+from lazarus.schema import Assignment, parse_spec
+from lazarus.schema.contract import lock_is_held, read_json
 from tests.waiting import wait_until
-from trainer.standby import warm_entry
+from lazarus.trainer.standby import warm_entry
 
 # A rank that reports what it found and exits with a code of its choosing: it imports nothing,
 # so `torch` in sys.modules shows that the standby's imports came with the fork.
@@ -51,7 +51,7 @@ def start(cluster: LocalCluster, tmp_path: Path, warm: bool = True) -> Path:
 
 
 def test_warm_entry_runs_python_modules_and_scripts_in_place():
-    assert warm_entry(["python", "-m", "trainer", "--x"]) == ("module", "trainer", ["trainer", "--x"])
+    assert warm_entry(["python", "-m", "lazarus.trainer", "--x"]) == ("module", "lazarus.trainer", ["lazarus.trainer", "--x"])
     assert warm_entry(["python", "train.py", "a"]) == ("path", "train.py", ["train.py", "a"])
     assert warm_entry([sys.executable, "train.py"]) == ("path", "train.py", ["train.py"])
     assert warm_entry(["python", "-c", "pass"]) is None  # exec'd: a flag we do not interpret

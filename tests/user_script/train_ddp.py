@@ -1,4 +1,4 @@
-"""A plain torchrun DDP training script, as a user writes one, made recoverable with trainer.session.
+"""A plain torchrun DDP training script, as a user writes one, made recoverable with lazarus.session.
 
 Under torchrun alone it would read RANK/WORLD_SIZE/MASTER_* and train; under Lazarus the same
 environment is set by the node launcher, and the session tells it where to resume from.
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.session import TrainingSession
+from lazarus.session import TrainingSession
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

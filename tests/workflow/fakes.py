@@ -10,7 +10,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from spec import (
+from lazarus.schema import (
     Assignment,
     DetectResult,
     FaultReport,
@@ -21,7 +21,7 @@ from spec import (
     RunStatus,
     parse_spec,
 )
-from spec.stages import (
+from lazarus.schema.stages import (
     DetectInput,
     DrainInput,
     DrainResult,
@@ -35,7 +35,7 @@ from spec.stages import (
     StopInput,
     StopResult,
 )
-from workflows.training_run import TrainingRun
+from lazarus.workflows.training_run import TrainingRun
 
 ACTIVE = ["node-0", "node-1", "node-2", "node-3"]
 

@@ -11,10 +11,10 @@ from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from spec import RunStart, RunState, RunStatus
-from spec.stages import OperatorRequest
+from lazarus.schema import RunStart, RunState, RunStatus
+from lazarus.schema.stages import OperatorRequest
 from tests.workflow.fakes import FakeStages, fault, make_spec
-from workflows.training_run import TrainingRun
+from lazarus.workflows.training_run import TrainingRun
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,8 +12,8 @@ from temporalio import workflow
 from temporalio.worker import Replayer
 from temporalio.workflow import NondeterminismError
 
-from spec import RunStart, RunStatus
-from workflows.training_run import TrainingRun
+from lazarus.schema import RunStart, RunStatus
+from lazarus.workflows.training_run import TrainingRun
 
 HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.json"))
 

@@ -10,10 +10,10 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from spec import RunStart, RunState
-from spec.stages import FaultSignal, OperatorRequest
+from lazarus.schema import RunStart, RunState
+from lazarus.schema.stages import FaultSignal, OperatorRequest
 from tests.workflow.fakes import FakeStages, fault, make_spec, run_workflow
-from workflows.training_run import TrainingRun
+from lazarus.workflows.training_run import TrainingRun
 
 
 async def test_stages_run_in_order_and_the_incident_is_recorded(time_skipping_env):
@@ -148,8 +148,8 @@ async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
     from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.testing import WorkflowEnvironment
 
-    from infra.local import free_port
-    from infra.temporal_server import temporal_cli
+    from lazarus.infra.local import free_port
+    from lazarus.infra.temporal_server import temporal_cli
 
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_cli(), data_converter=pydantic_data_converter, port=free_port(),

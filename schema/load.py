@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from spec.run import RunSpec
+from lazarus.schema.run import RunSpec
 
 
 class SpecError(ValueError):

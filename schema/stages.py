@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from spec.records import Assignment, Decision, FaultReport, Record
-from spec.run import RecoveryPolicy, RunSpec
+from lazarus.schema.records import Assignment, Decision, FaultReport, Record
+from lazarus.schema.run import RecoveryPolicy, RunSpec
 
 
 class LaunchInput(Record):

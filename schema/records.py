@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spec.layout import Layout
-from spec.run import RecoveryPolicy, RunSpec
+from lazarus.schema.layout import Layout
+from lazarus.schema.run import RecoveryPolicy, RunSpec
 
 STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
 """The recovery stages, in order; also the Temporal activity type names."""

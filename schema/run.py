@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spec.layout import Layout
+from lazarus.schema.layout import Layout
 
 
 class Strict(BaseModel):
@@ -19,7 +19,7 @@ CONTRACT_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 """Variables the launcher sets for every rank (trainer/CONTRACT.md); trainer.env may not override them."""
 
-BUILT_IN_TRAINER = ["python", "-m", "trainer"]
+BUILT_IN_TRAINER = ["python", "-m", "lazarus.trainer"]
 """The default trainer.command: the built-in GPT trainer (`python` is the worker's interpreter)."""
 
 
@@ -27,7 +27,7 @@ class TrainerSettings(Strict):
     """What each rank runs, and the built-in GPT trainer's model, schedule and checkpointing.
 
     `command` may name any torchrun-ready script; it then reads `steps` and `checkpoint_every`
-    (through trainer.session) and the model fields are unused.
+    (through lazarus.session) and the model fields are unused.
     """
 
     command: list[str] = Field(default_factory=lambda: list(BUILT_IN_TRAINER), min_length=1,

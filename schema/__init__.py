@@ -1,8 +1,8 @@
 """The language of a run: what a user writes and what the system records (pydantic only)."""
 
-from spec.layout import Layout
-from spec.load import SpecError, load_spec, parse_spec
-from spec.records import (
+from lazarus.schema.layout import Layout
+from lazarus.schema.load import SpecError, load_spec, parse_spec
+from lazarus.schema.records import (
     STAGES,
     Assignment,
     Decision,
@@ -17,7 +17,7 @@ from spec.records import (
     RunStatus,
     StageRecord,
 )
-from spec.run import ClusterSpec, FaultInjection, RecoveryPolicy, RunSpec, StagePolicies, StagePolicy, TrainerSettings
+from lazarus.schema.run import ClusterSpec, FaultInjection, RecoveryPolicy, RunSpec, StagePolicies, StagePolicy, TrainerSettings
 
 __all__ = [
     "STAGES",
