@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from lazarus.infra.local import Observation, RankObservation
 from lazarus.schema.records import FaultReport
@@ -18,8 +18,15 @@ PEER_LOSS_SETTLE_SECONDS = 2.0
 ended (a live launcher writes its ranks' records within milliseconds) before their node is
 blamed as dead, though the backend does not know it yet."""
 
-PEER_LOST_ERRORS = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                    "remote process exited", "ncclremoteerror", "connection refused", "socket closed")
+PEER_LOST_ERRORS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+    "ncclremoteerror",
+    "connection refused",
+    "socket closed",
+)
 """Parts of the errors gloo and NCCL raise in a rank whose peer went away: the rank that
 raised one is a witness of a fault elsewhere, not its cause."""
 
@@ -41,7 +48,7 @@ class Verdict:
 
 
 def _at(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, timezone.utc)
+    return datetime.fromtimestamp(seconds, UTC)
 
 
 def _ended(rank: RankObservation) -> str:
@@ -59,9 +66,14 @@ def _silent_nodes(ranks: list[RankObservation], since: float) -> set[str]:
     by_node: dict[str, list[RankObservation]] = {}
     for r in ranks:
         by_node.setdefault(r.node, []).append(r)
-    return {node for node, on_node in by_node.items()
-            if all(r.launched and r.alive and r.exit is None and (r.heartbeat is None or r.heartbeat["time"] <= since)
-                   for r in on_node)}
+    return {
+        node
+        for node, on_node in by_node.items()
+        if all(
+            r.launched and r.alive and r.exit is None and (r.heartbeat is None or r.heartbeat["time"] <= since)
+            for r in on_node
+        )
+    }
 
 
 def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float, total_steps: int) -> Verdict:
@@ -86,20 +98,23 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
         beats = [r.heartbeat["time"] for r in blamed if r.heartbeat]
         first = blamed[0] if blamed else None
         ended = first.exit if first and first.exit else {}
-        return Verdict(step, FaultReport(
-            kind=kind,
-            nodes=sorted(set(nodes or (r.node for r in blamed))),
-            incarnation=incarnation,
-            occurred_at=_at(occurred),
-            detected_at=_at(now),
-            step=max(steps, default=step),
-            last_heartbeat_at=_at(max(beats)) if beats else None,
-            reason=reason,
-            rank=first.rank if first else None,
-            exit_code=ended.get("code") if ended and not ended.get("signal") else None,
-            signal=ended.get("signal"),
-            error=ended.get("error", ""),
-        ))
+        return Verdict(
+            step,
+            FaultReport(
+                kind=kind,
+                nodes=sorted(set(nodes or (r.node for r in blamed))),
+                incarnation=incarnation,
+                occurred_at=_at(occurred),
+                detected_at=_at(now),
+                step=max(steps, default=step),
+                last_heartbeat_at=_at(max(beats)) if beats else None,
+                reason=reason,
+                rank=first.rank if first else None,
+                exit_code=ended.get("code") if ended and not ended.get("signal") else None,
+                signal=ended.get("signal"),
+                error=ended.get("error", ""),
+            ),
+        )
 
     if observation.dead_nodes:
         nodes = sorted(observation.dead_nodes)
@@ -111,8 +126,10 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
     # write one. Judge it on the next look, when the record says how it ended.
     gone = [r for r in ranks if r.launched and not r.alive and (r.exit is not None or not r.launcher_alive)]
     killed = [r for r in gone if r.exit is None or r.exit.get("signal")]
-    failed = sorted((r for r in gone if r.exit is not None and not r.exit.get("signal") and r.exit["code"] != 0),
-                    key=lambda r: r.exit["time"])
+    failed = sorted(
+        (r for r in gone if r.exit is not None and not r.exit.get("signal") and r.exit["code"] != 0),
+        key=lambda r: r.exit["time"],
+    )
     if killed:
         return fault("rank_exit", killed, last_poll, "; ".join(_ended(r) for r in killed))
     trained = any(r.heartbeat and r.heartbeat.get("first_step_at") for r in ranks)
@@ -122,8 +139,12 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
         # a moment of the first, it is the program (a bad flag, a missing file), not a node.
         first = failed[0]
         if all(r.exit is not None and not r.alive for r in ranks):
-            return fault("program_error", [first], first.exit["time"],
-                         f"every rank ended before training a step; first: {_ended(first)}")
+            return fault(
+                "program_error",
+                [first],
+                first.exit["time"],
+                f"every rank ended before training a step; first: {_ended(first)}",
+            )
         if now - first.exit["time"] < PROGRAM_ERROR_SETTLE_SECONDS:
             return Verdict(step)
     if failed:
@@ -132,29 +153,43 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
             silent_nodes = _silent_nodes(ranks, since=first.exit["time"])
             # Where the errors name the lost peer's address (gloo does), a silent node they name is
             # the dead one; one they do not name is a survivor slow to notice.
-            named = {node for node, address in observation.node_addresses.items()
-                     if any(f"[{address}]" in (r.exit.get("error") or "") for r in failed)}
+            named = {
+                node
+                for node, address in observation.node_addresses.items()
+                if any(f"[{address}]" in (r.exit.get("error") or "") for r in failed)
+            }
             if silent_nodes & named:
                 silent_nodes &= named
             if silent_nodes:
                 if now - first.exit["time"] < PEER_LOSS_SETTLE_SECONDS:
                     return Verdict(step)
                 silent = [r for r in ranks if r.node in silent_nodes]
-                return fault("node_down", silent, first.exit["time"],
-                             f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
-                             f"while its peers lost their connections to it; first: {_ended(first)}",
-                             sorted(silent_nodes))
+                return fault(
+                    "node_down",
+                    silent,
+                    first.exit["time"],
+                    f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
+                    f"while its peers lost their connections to it; first: {_ended(first)}",
+                    sorted(silent_nodes),
+                )
         return fault("rank_exit", [first], first.exit["time"], _ended(first))
 
     # Ended only once every process is gone too (the exit record is written just before a rank
     # exits, and each node's launcher outlives its ranks by a moment).
-    if ranks and not observation.launchers_alive and all(
-            r.exit is not None and r.exit["code"] == 0 and not r.alive for r in ranks):
+    if (
+        ranks
+        and not observation.launchers_alive
+        and all(r.exit is not None and r.exit["code"] == 0 and not r.alive for r in ranks)
+    ):
         last = min(r.exit["step"] for r in ranks)
         if fresh and last < total_steps and not trained:
-            return fault("program_error", ranks, max(r.exit["time"] for r in ranks),
-                         f"every rank exited with code 0 at step {last} without training a step "
-                         f"(trainer.steps is {total_steps})")
+            return fault(
+                "program_error",
+                ranks,
+                max(r.exit["time"] for r in ranks),
+                f"every rank exited with code 0 at step {last} without training a step "
+                f"(trainer.steps is {total_steps})",
+            )
         return Verdict(last, completed=last >= total_steps, stopped=last < total_steps)
 
     stale = []
@@ -173,7 +208,9 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
         def lag(item):
             rank, age = item
             return (rank.heartbeat["step"] if rank.heartbeat else -1, -age)
+
         culprit, age = min(stale, key=lag)
-        return fault("hang", [culprit], now - age,
-                     f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s")
+        return fault(
+            "hang", [culprit], now - age, f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s"
+        )
     return Verdict(step)

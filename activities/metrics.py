@@ -28,13 +28,23 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.stage_seconds = Histogram(
-            "lazarus_stage_seconds", "Duration of a recovery stage's successful activity attempt (detect: fault to report).",
-            ["stage"], buckets=BUCKETS, registry=self.registry)
+            "lazarus_stage_seconds",
+            "Duration of a recovery stage's successful activity attempt (detect: fault to report).",
+            ["stage"],
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
         self.incidents = Counter(
-            "lazarus_incidents", "Recoveries by the fault that started them and the decision taken.",
-            ["kind", "decision"], registry=self.registry)
+            "lazarus_incidents",
+            "Recoveries by the fault that started them and the decision taken.",
+            ["kind", "decision"],
+            registry=self.registry,
+        )
         self.runs = Gauge(
-            "lazarus_runs", "TrainingRun workflows by state (from the LazarusState search attribute).",
-            ["state"], registry=self.registry)
+            "lazarus_runs",
+            "TrainingRun workflows by state (from the LazarusState search attribute).",
+            ["state"],
+            registry=self.registry,
+        )
         # The newest attempts, for benchmarks that split a recovery into work and orchestration.
         self.spans: deque[Span] = deque(maxlen=10_000)

@@ -13,7 +13,7 @@ import functools
 import re
 import shutil
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -42,6 +42,7 @@ from lazarus.schema.stages import (
 
 def timed(stage: str):
     """Record the duration of each successful attempt in the stage histogram, and its span."""
+
     def wrap(method):
         @functools.wraps(method)
         async def run(self, request):
@@ -51,7 +52,9 @@ def timed(stage: str):
             info = activity.info()
             self.metrics.spans.append(Span(info.workflow_id, stage, info.attempt, wall, time.time()))
             return result
+
         return run
+
     return wrap
 
 
@@ -79,7 +82,6 @@ class RecoveryActivities:
         self.failpoints = failpoints or Failpoints()
         self.metrics = metrics or Metrics()
 
-
     @activity.defn(name="launch")
     @timed("launch")
     async def launch(self, request: LaunchInput) -> LaunchResult:
@@ -88,7 +90,9 @@ class RecoveryActivities:
             raise ApplicationError(
                 f"cluster.backend is {request.spec.cluster.backend!r} but this worker drives the {self.cluster.backend!r} "
                 f"backend; start a worker with `lazarus worker --backend {request.spec.cluster.backend}`",
-                type="WrongBackend", non_retryable=True)
+                type="WrongBackend",
+                non_retryable=True,
+            )
         if self.cluster.backend == "local":
             missing = missing_command(request.spec.trainer.command)
             if missing:
@@ -99,9 +103,16 @@ class RecoveryActivities:
             raise _permanent(error, "RunDirectoryConflict") from None
         inventory = await asyncio.to_thread(self.cluster.inventory, request.run_id)
         active = sorted((n.name for n in inventory.nodes if n.role == "active"), key=natural_order)
-        assignment = await asyncio.to_thread(self.cluster.commit_assignment, request.run_id, Assignment(
-            incarnation=0, nodes=active, layout=request.spec.layout, master_port=free_port(),
-        ))
+        assignment = await asyncio.to_thread(
+            self.cluster.commit_assignment,
+            request.run_id,
+            Assignment(
+                incarnation=0,
+                nodes=active,
+                layout=request.spec.layout,
+                master_port=free_port(),
+            ),
+        )
         await asyncio.to_thread(self.cluster.start_ranks, request.run_id, 0, 0, None, request.spec.recovery)
         return LaunchResult(run_dir=str(run.root), assignment=assignment)
 
@@ -141,19 +152,32 @@ class RecoveryActivities:
     async def detect(self, request: DetectInput) -> DetectResult:
         """Watch an incarnation; return a fault, completion, or progress after progress_every_seconds."""
         report_at = time.time() + request.policy.progress_every_seconds
-        verdict, now = await self._watch(request.run_id, request.incarnation, request.policy, request.total_steps,
-                                         until=lambda _, now: now >= report_at)
-        progress = RankProgress(step=verdict.step, at=datetime.fromtimestamp(now, timezone.utc))
+        verdict, now = await self._watch(
+            request.run_id,
+            request.incarnation,
+            request.policy,
+            request.total_steps,
+            until=lambda _, now: now >= report_at,
+        )
+        progress = RankProgress(step=verdict.step, at=datetime.fromtimestamp(now, UTC))
         fault = verdict.fault
         if verdict.stopped:
             # Nobody asked (the workflow stops detect before it asks): treat it as a failure.
             assignment = self.cluster.assignment(request.run_id, request.incarnation)
-            at = datetime.fromtimestamp(now, timezone.utc)
-            fault = FaultReport(kind="rank_exit", nodes=assignment.nodes, incarnation=request.incarnation,
-                                occurred_at=at, detected_at=at, step=verdict.step,
-                                reason=f"every rank exited at step {verdict.step}, before the last step")
+            at = datetime.fromtimestamp(now, UTC)
+            fault = FaultReport(
+                kind="rank_exit",
+                nodes=assignment.nodes,
+                incarnation=request.incarnation,
+                occurred_at=at,
+                detected_at=at,
+                step=verdict.step,
+                reason=f"every rank exited at step {verdict.step}, before the last step",
+            )
         if fault is not None:
-            await self._note(request.run_id, "fault_detected", f"{fault.kind} on {', '.join(fault.nodes)}: {fault.reason}")
+            await self._note(
+                request.run_id, "fault_detected", f"{fault.kind} on {', '.join(fault.nodes)}: {fault.reason}"
+            )
         return DetectResult(fault=fault, completed=verdict.completed, progress=progress)
 
     @activity.defn(name="drain")
@@ -169,13 +193,23 @@ class RecoveryActivities:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
         in_flight, committed = await asyncio.to_thread(
-            self.cluster.await_checkpoint_in_flight, request.run_id, request.incarnation, request.save_grace_seconds)
+            self.cluster.await_checkpoint_in_flight, request.run_id, request.incarnation, request.save_grace_seconds
+        )
         stopped = await asyncio.to_thread(self.cluster.stop_incarnation, request.run_id, request.incarnation)
         removed = self.cluster.remove_partial_checkpoints(request.run_id)
-        await self._note(request.run_id, "drained", f"quarantined {', '.join(sorted(request.nodes))}; "
-                         f"stopped incarnation {request.incarnation} (ranks {stopped or 'none'} were alive)")
-        return DrainResult(quarantined=sorted(request.nodes), stopped_ranks=stopped, removed_partial_checkpoints=removed,
-                           in_flight_checkpoint=in_flight, in_flight_committed=committed)
+        await self._note(
+            request.run_id,
+            "drained",
+            f"quarantined {', '.join(sorted(request.nodes))}; "
+            f"stopped incarnation {request.incarnation} (ranks {stopped or 'none'} were alive)",
+        )
+        return DrainResult(
+            quarantined=sorted(request.nodes),
+            stopped_ranks=stopped,
+            removed_partial_checkpoints=removed,
+            in_flight_checkpoint=in_flight,
+            in_flight_committed=committed,
+        )
 
     @activity.defn(name="reschedule")
     @timed("reschedule")
@@ -190,18 +224,27 @@ class RecoveryActivities:
     async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
         """Claim the decided spares and release leftover nodes (exactly once); record the next assignment."""
         old, decision = request.old_assignment, request.decision
-        proposed = Assignment(incarnation=old.incarnation + 1, nodes=decision.nodes, layout=decision.layout,
-                              master_addr=old.master_addr, master_port=free_port())
+        proposed = Assignment(
+            incarnation=old.incarnation + 1,
+            nodes=decision.nodes,
+            layout=decision.layout,
+            master_addr=old.master_addr,
+            master_port=free_port(),
+        )
         claims = [node for node in decision.nodes if node not in old.nodes]
         try:
-            recorded = await asyncio.to_thread(self.cluster.commit_assignment, request.run_id, proposed, claims,
-                                               decision.released_nodes)
+            recorded = await asyncio.to_thread(
+                self.cluster.commit_assignment, request.run_id, proposed, claims, decision.released_nodes
+            )
         except ClusterError as error:
             raise _permanent(error, "SpareUnavailable") from None
         if recorded.nodes == proposed.nodes and recorded.layout == proposed.layout and activity.info().attempt == 1:
             self.metrics.incidents.labels(request.fault_kind, decision.action).inc()
-        await self._note(request.run_id, "replaced" if decision.action == "replace" else "resharded",
-                         f"incarnation {recorded.incarnation} on {', '.join(recorded.nodes)} (dp {recorded.layout.dp})")
+        await self._note(
+            request.run_id,
+            "replaced" if decision.action == "replace" else "resharded",
+            f"incarnation {recorded.incarnation} on {', '.join(recorded.nodes)} (dp {recorded.layout.dp})",
+        )
         return recorded
 
     @activity.defn(name="resume")
@@ -222,16 +265,21 @@ class RecoveryActivities:
             return verdict.step > resumed_from
 
         await self._note(run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from}")
-        verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps,
-                                       until=trained_past_checkpoint)
+        verdict, _ = await self._watch(
+            run_id, incarnation, request.policy, request.total_steps, until=trained_past_checkpoint
+        )
         if verdict.fault:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
         # Every rank records when it finished its first step; the step is done when the
         # last of them has, whatever the poll interval was.
         beats = [r.heartbeat for r in self.cluster.observe(run_id, incarnation).ranks]
         first = max(b["first_step_at"] for b in beats if b and "first_step_at" in b)
-        return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, completed=verdict.completed,
-                            first_step_at=datetime.fromtimestamp(first, timezone.utc))
+        return ResumeResult(
+            resumed_from_step=resumed_from,
+            skipped_checkpoints=skipped,
+            completed=verdict.completed,
+            first_step_at=datetime.fromtimestamp(first, UTC),
+        )
 
     @activity.defn(name="stop")
     @timed("stop")
@@ -243,17 +291,26 @@ class RecoveryActivities:
         stop_file.parent.mkdir(parents=True, exist_ok=True)
         stop_file.touch()
         deadline = time.time() + request.timeout_seconds
-        verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps,
-                                       until=lambda _, now: now >= deadline)
+        verdict, _ = await self._watch(
+            run_id, incarnation, request.policy, request.total_steps, until=lambda _, now: now >= deadline
+        )
         clean = verdict.stopped or verdict.completed
         if not clean:
             await asyncio.to_thread(self.cluster.stop_incarnation, run_id, incarnation)
             self.cluster.remove_partial_checkpoints(run_id)
         newest, _ = await asyncio.to_thread(run.newest_checkpoint)
-        reason = "" if clean else (verdict.fault.reason if verdict.fault else
-                                   f"the ranks did not stop within {request.timeout_seconds:g} s; killed")
-        return StopResult(step=verdict.step, checkpoint_step=newest, clean=clean, completed=verdict.completed,
-                          reason=reason)
+        reason = (
+            ""
+            if clean
+            else (
+                verdict.fault.reason
+                if verdict.fault
+                else f"the ranks did not stop within {request.timeout_seconds:g} s; killed"
+            )
+        )
+        return StopResult(
+            step=verdict.step, checkpoint_step=newest, clean=clean, completed=verdict.completed, reason=reason
+        )
 
     @activity.defn(name="return_node")
     @timed("return_node")

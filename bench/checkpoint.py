@@ -38,8 +38,9 @@ from lazarus.trainer import checkpoint  # noqa: E402
 from lazarus.trainer.train import Trainer  # noqa: E402
 
 
-def _rank(rank: int, world: int, port: int, settings_json: str, layout_json: str, saves: int, gap: int,
-          folder: str) -> None:
+def _rank(
+    rank: int, world: int, port: int, settings_json: str, layout_json: str, saves: int, gap: int, folder: str
+) -> None:
     from lazarus.schema import Layout, TrainerSettings
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -81,8 +82,11 @@ def _rank(rank: int, world: int, port: int, settings_json: str, layout_json: str
             if rank == 0:
                 # The marker's mtime is when the commit landed (rank 0 writes it).
                 committed.append(marker.stat().st_mtime - wall_start)
-        result[mode] = {"blocked_s": statistics.median(blocked), "stall_s": statistics.median(stall),
-                        "committed_s": statistics.median(committed) if committed else None}
+        result[mode] = {
+            "blocked_s": statistics.median(blocked),
+            "stall_s": statistics.median(stall),
+            "committed_s": statistics.median(committed) if committed else None,
+        }
     dist.barrier()
     fresh = Trainer(settings, layout, rank)
     newest = RunDir(Path(folder) / "async").checkpoint_steps()[-1]
@@ -114,14 +118,29 @@ def main() -> None:
     settings = spec.trainer.model_copy(update=overrides)
     world = spec.layout.world_size
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_rank, args=(world, free_port(), settings.model_dump_json(), spec.layout.model_dump_json(),
-                                        args.saves, args.gap, folder), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(
+            _rank,
+            args=(
+                world,
+                free_port(),
+                settings.model_dump_json(),
+                spec.layout.model_dump_json(),
+                args.saves,
+                args.gap,
+                folder,
+            ),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
         result = json.loads((Path(folder) / "result.json").read_text())
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"layout dp={spec.layout.dp} pp={spec.layout.pp}, {result['parameters']:,} parameters on rank 0, "
-          f"checkpoint {result['checkpoint_mb']:.1f} MB, step without a save {result['plain_step_s'] * 1000:.0f} ms")
+    print(
+        f"layout dp={spec.layout.dp} pp={spec.layout.pp}, {result['parameters']:,} parameters on rank 0, "
+        f"checkpoint {result['checkpoint_mb']:.1f} MB, step without a save {result['plain_step_s'] * 1000:.0f} ms"
+    )
     print(f"{'mode':<8}{'blocked (s)':>14}{'stall (s)':>12}{'committed (s)':>16}")
     for mode in ("sync", "async"):
         row = result[mode]

@@ -28,12 +28,14 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from lazarus.client import run_status, start_run
+from lazarus.config import Settings
 from lazarus.infra.local import LocalCluster, Observation, RankObservation, free_port
 from lazarus.infra.temporal_server import (
     DYNAMIC_CONFIG,
@@ -41,12 +43,10 @@ from lazarus.infra.temporal_server import (
     quiet_runtime,
     temporal_cli,
 )
-from lazarus.client import run_status, start_run
-from lazarus.config import Settings
-from lazarus.worker import build_worker
 from lazarus.schema import RunState, parse_spec
 from lazarus.schema.contract import read_json, write_json_atomic
 from lazarus.schema.run import RunSpec
+from lazarus.worker import build_worker
 
 
 class SimulatedCluster(LocalCluster):
@@ -79,7 +79,8 @@ class SimulatedCluster(LocalCluster):
         run = self._existing(run_id)
         assignment = self.assignment(run_id, incarnation)
         spec = self._specs.get(run_id) or self._specs.setdefault(
-            run_id, RunSpec.model_validate_json(run.spec_file.read_text()))
+            run_id, RunSpec.model_validate_json(run.spec_file.read_text())
+        )
         launch = read_json(run.incarnation(incarnation) / "launch.json") or {}
         dead = {n.name: n.died_at for n in self.inventory(run_id).nodes if not n.healthy and n.name in assignment.nodes}
         now = time.time()
@@ -101,8 +102,9 @@ class SimulatedCluster(LocalCluster):
                 if trained > 0:
                     beat["first_step_at"] = first
             exit_record = {"rank": rank, "code": 0, "step": step, "time": now} if finished else None
-            observation.ranks.append(RankObservation(rank, node, launched is not None, alive, beat, exit_record,
-                                                     launcher_alive=alive))
+            observation.ranks.append(
+                RankObservation(rank, node, launched is not None, alive, beat, exit_record, launcher_alive=alive)
+            )
         observation.launchers_alive = sum(1 for r in observation.ranks if r.launcher_alive)
         return observation
 
@@ -111,7 +113,7 @@ class SimulatedCluster(LocalCluster):
         return list(range(self.assignment(run_id, incarnation).layout.world_size))
 
     def kill_node(self, run_id: str, node: str) -> list[int]:
-        self.update_nodes(run_id, {node: {"healthy": False, "died_at": datetime.now(timezone.utc), "note": "killed"}})
+        self.update_nodes(run_id, {node: {"healthy": False, "died_at": datetime.now(UTC), "note": "killed"}})
         return []
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
@@ -139,10 +141,16 @@ def percentile(values: list[float], q: float) -> float:
 async def events_per_incident(client, run_id: str) -> int | None:
     """History events from the detect completion that reported the fault through resume's completion."""
     events = [e async for e in client.get_workflow_handle(run_id).fetch_history_events()]
-    names = {e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name
-             for e in events if e.HasField("activity_task_scheduled_event_attributes")}
-    completed = [(i, names[e.activity_task_completed_event_attributes.scheduled_event_id])
-                 for i, e in enumerate(events) if e.HasField("activity_task_completed_event_attributes")]
+    names = {
+        e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in events
+        if e.HasField("activity_task_scheduled_event_attributes")
+    }
+    completed = [
+        (i, names[e.activity_task_completed_event_attributes.scheduled_event_id])
+        for i, e in enumerate(events)
+        if e.HasField("activity_task_completed_event_attributes")
+    ]
     drains = [i for i, name in completed if name == "drain"]
     if not drains:
         return None
@@ -153,20 +161,30 @@ async def events_per_incident(client, run_id: str) -> int | None:
 
 async def bench(runs: int, spread: float, seed: int, say) -> dict:
     with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
-                                                    data_converter=pydantic_data_converter, port=free_port(),
-                                                    runtime=quiet_runtime(), dev_server_extra_args=DYNAMIC_CONFIG)
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_cli(),
+            data_converter=pydantic_data_converter,
+            port=free_port(),
+            runtime=quiet_runtime(),
+            dev_server_extra_args=DYNAMIC_CONFIG,
+        )
     rng = random.Random(seed)
     try:
         with tempfile.TemporaryDirectory() as home:
             cluster = SimulatedCluster(Path(home))
             settings = Settings(task_queue="controller-scale")
-            spec = parse_spec({
-                "name": "scale", "trainer": {"steps": 10_000_000, "checkpoint_every": 1000},
-                "cluster": {"active_nodes": 4, "spare_nodes": 1},
-                "recovery": {"heartbeat_interval_seconds": 0.5, "hang_after_seconds": 30,
-                             "progress_every_seconds": 30},
-            })
+            spec = parse_spec(
+                {
+                    "name": "scale",
+                    "trainer": {"steps": 10_000_000, "checkpoint_every": 1000},
+                    "cluster": {"active_nodes": 4, "spare_nodes": 1},
+                    "recovery": {
+                        "heartbeat_interval_seconds": 0.5,
+                        "hang_after_seconds": 30,
+                        "progress_every_seconds": 30,
+                    },
+                }
+            )
             ids = [f"scale-{i:03d}" for i in range(runs)]
             async with build_worker(env.client, settings.task_queue, cluster):
                 started = time.monotonic()
@@ -177,8 +195,10 @@ async def bench(runs: int, spread: float, seed: int, say) -> dict:
                     if all(s.state == RunState.TRAINING for s in statuses):
                         break
                     await asyncio.sleep(0.5)
-                say(f"all launched after {time.monotonic() - started:.1f} s; one node of each run dies "
-                    f"within {spread:g} s")
+                say(
+                    f"all launched after {time.monotonic() - started:.1f} s; one node of each run dies "
+                    f"within {spread:g} s"
+                )
 
                 async def fault(run_id: str) -> None:
                     await asyncio.sleep(rng.uniform(0, spread))
@@ -222,8 +242,12 @@ async def bench(runs: int, spread: float, seed: int, say) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200, help="concurrent runs (default 200)")
-    parser.add_argument("--spread-seconds", type=float, default=10.0,
-                        help="the faults (one per run) land at random within this many seconds (default 10)")
+    parser.add_argument(
+        "--spread-seconds",
+        type=float,
+        default=10.0,
+        help="the faults (one per run) land at random within this many seconds (default 10)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args()
@@ -239,12 +263,18 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"\nOne worker, {result['runs']} concurrent runs, {result['incidents']} incidents "
-          f"(one node of each run killed within {args.spread_seconds:g} s)")
+    print(
+        f"\nOne worker, {result['runs']} concurrent runs, {result['incidents']} incidents "
+        f"(one node of each run killed within {args.spread_seconds:g} s)"
+    )
     print(f"  incidents handled per second     {result['incidents_per_s']:8.2f}")
-    print(f"  fault report -> replace decision {result['report_to_decision_median_s']:8.3f} s median, "
-          f"{result['report_to_decision_p99_s']:.3f} s p99")
-    print(f"  fault -> first step (simulated)  {result['mttr_median_s']:8.3f} s median, {result['mttr_p99_s']:.3f} s p99")
+    print(
+        f"  fault report -> replace decision {result['report_to_decision_median_s']:8.3f} s median, "
+        f"{result['report_to_decision_p99_s']:.3f} s p99"
+    )
+    print(
+        f"  fault -> first step (simulated)  {result['mttr_median_s']:8.3f} s median, {result['mttr_p99_s']:.3f} s p99"
+    )
     print(f"  history events per incident      {result['events_per_incident']:8.0f}")
 
 

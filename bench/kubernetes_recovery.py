@@ -36,13 +36,13 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from bench.recovery import COLUMNS, row
+from lazarus.config import Settings
+from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.infra.kubernetes import KubernetesCluster
 from lazarus.infra.local import free_port
 from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
-from lazarus.config import Settings
-from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
-from lazarus.worker import build_worker
 from lazarus.schema import RunState, load_spec, parse_spec
+from lazarus.worker import build_worker
 from tests.k8s.conftest import add_node, api_client
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
 from tests.k8s.kubelet import FakeKubelet
@@ -53,8 +53,17 @@ SCENARIOS = {"api-learns-first": True, "survivors-report-first": False}
 def kubernetes_spec(home: Path):
     """The demo spec on the kubernetes backend (pool `bench`, namespace lz, volume at `home`)."""
     data = load_spec(DEFAULT_SPEC).model_dump(mode="json")
-    data["cluster"] = {**data["cluster"], "backend": "kubernetes", "kubernetes": {
-        "namespace": "lz", "pool": "bench", "mount_path": str(home), "image": "trainer:bench", "delete_grace_seconds": 1}}
+    data["cluster"] = {
+        **data["cluster"],
+        "backend": "kubernetes",
+        "kubernetes": {
+            "namespace": "lz",
+            "pool": "bench",
+            "mount_path": str(home),
+            "image": "trainer:bench",
+            "delete_grace_seconds": 1,
+        },
+    }
     return parse_spec(data)
 
 
@@ -72,8 +81,11 @@ async def one_kill(client, home: Path, run_id: str, api_learns: bool, say) -> di
         settings = Settings(address=client.service_client.config.target_host, home=home, task_queue=f"k8s-{run_id}")
 
         async def kill(_run_id: str, node: str) -> list[int]:
-            pids = [p.pid for name, p in kubelet.processes.items()
-                    if admin.read_namespaced_pod(name, "lz").spec.node_name == node]
+            pids = [
+                p.pid
+                for name, p in kubelet.processes.items()
+                if admin.read_namespaced_pod(name, "lz").spec.node_name == node
+            ]
             await asyncio.to_thread(kubelet.kill_node, node, api_learns)
             return pids
 
@@ -82,8 +94,9 @@ async def one_kill(client, home: Path, run_id: str, api_learns: bool, say) -> di
         if kubelet.errors:
             raise SystemExit(f"bench: the fake kubelet failed: {kubelet.errors[0]!r}")
         if final.state != RunState.COMPLETED or len(final.incidents) != 1:
-            raise SystemExit(f"bench: {run_id} ended {final.state.value} with {len(final.incidents)} incident(s): "
-                             f"{final.reason}")
+            raise SystemExit(
+                f"bench: {run_id} ended {final.state.value} with {len(final.incidents)} incident(s): {final.reason}"
+            )
         incident = final.incidents[0]
         return {**row(incident), "blamed": ",".join(incident.fault.nodes), "kind": incident.fault.kind}
     finally:
@@ -96,9 +109,12 @@ async def one_kill(client, home: Path, run_id: str, api_learns: bool, say) -> di
 
 async def bench(kills: int, quiet: bool) -> dict[str, list[dict]]:
     with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
-                                                    data_converter=pydantic_data_converter, port=free_port(),
-                                                    dev_server_extra_args=DYNAMIC_CONFIG)
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_cli(),
+            data_converter=pydantic_data_converter,
+            port=free_port(),
+            dev_server_extra_args=DYNAMIC_CONFIG,
+        )
     started = time.monotonic()
 
     def say(message: str) -> None:

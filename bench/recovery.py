@@ -37,13 +37,13 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from lazarus.activities.metrics import Metrics
-from lazarus.infra.local import LocalCluster, free_port
-from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
-from lazarus.worker import build_worker
+from lazarus.infra.local import LocalCluster, free_port
+from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
 from lazarus.schema import STAGES, RunState, load_spec
 from lazarus.schema.contract import read_json
+from lazarus.worker import build_worker
 
 COLUMNS = [*STAGES, "MTTR", "lost_steps"]
 SPLIT = ["detect", "work", "wf_task", "dispatch", "overhead_pct"]
@@ -51,8 +51,11 @@ RECOVERY_STAGES = ["drain", "reschedule", "replace_or_reshard", "resume"]
 
 
 def row(incident) -> dict:
-    return {**{name: incident.stages[name].seconds for name in STAGES},
-            "MTTR": incident.mttr_seconds, "lost_steps": incident.lost_steps}
+    return {
+        **{name: incident.stages[name].seconds for name in STAGES},
+        "MTTR": incident.mttr_seconds,
+        "lost_steps": incident.lost_steps,
+    }
 
 
 RESUME_PARTS = ["start", "rendezvous", "restore", "first_step"]
@@ -63,8 +66,11 @@ def resume_parts(run, incident, resume_started: float) -> dict:
     (fork or exec, imports, session), rendezvous done, checkpoint restored, first step done."""
     k = incident.new_assignment.incarnation
     beats = [read_json(run.heartbeat_file(k, rank)) or {} for rank in range(incident.new_assignment.layout.world_size)]
-    marks = [resume_started] + [max(b.get("phases", {}).get(p, float("nan")) for b in beats)
-                                for p in ("starting", "joined", "restored")] + [incident.first_step_at.timestamp()]
+    marks = (
+        [resume_started]
+        + [max(b.get("phases", {}).get(p, float("nan")) for b in beats) for p in ("starting", "joined", "restored")]
+        + [incident.first_step_at.timestamp()]
+    )
     return {part: marks[i + 1] - marks[i] for i, part in enumerate(RESUME_PARTS)}
 
 
@@ -83,7 +89,9 @@ async def split(client, run_id: str, incident, spans: list) -> dict:
             inside.setdefault(span.stage, span)
     first_step = incident.first_step_at.timestamp()
     detected = incident.fault.detected_at.timestamp()
-    work = sum(inside[s].ended - inside[s].started for s in RECOVERY_STAGES[:-1]) + first_step - inside["resume"].started
+    work = (
+        sum(inside[s].ended - inside[s].started for s in RECOVERY_STAGES[:-1]) + first_step - inside["resume"].started
+    )
     previous_end, hops = detected, {}
     for stage in RECOVERY_STAGES:
         hops[stage] = {"wf_task": scheduled[stage] - previous_end, "dispatch": inside[stage].started - scheduled[stage]}
@@ -91,8 +99,15 @@ async def split(client, run_id: str, incident, spans: list) -> dict:
     wf_task = sum(h["wf_task"] for h in hops.values())
     dispatch = sum(h["dispatch"] for h in hops.values())
     mttr = incident.mttr_seconds
-    return {"detect": detected - fault_at, "work": work, "wf_task": wf_task, "dispatch": dispatch,
-            "overhead_pct": 100 * (wf_task + dispatch) / mttr, "hops": hops, "resume_started": inside["resume"].started}
+    return {
+        "detect": detected - fault_at,
+        "work": work,
+        "wf_task": wf_task,
+        "dispatch": dispatch,
+        "overhead_pct": 100 * (wf_task + dispatch) / mttr,
+        "hops": hops,
+        "resume_started": inside["resume"].started,
+    }
 
 
 def _kill_node(home: str, run_id: str, node: str) -> list[int]:
@@ -103,16 +118,20 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
     spec = load_spec(spec_path)
     kill_at = kill_at or default_kill_step(spec)
     with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
-                                                    data_converter=pydantic_data_converter, port=free_port(),
-                                                    dev_server_extra_args=DYNAMIC_CONFIG)
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_cli(),
+            data_converter=pydantic_data_converter,
+            port=free_port(),
+            dev_server_extra_args=DYNAMIC_CONFIG,
+        )
     rows, splits = [], []
     metrics = Metrics()
     chaos = None
     try:
         with tempfile.TemporaryDirectory() as home:
-            settings = Settings(address=env.client.service_client.config.target_host, home=Path(home),
-                                task_queue="bench")
+            settings = Settings(
+                address=env.client.service_client.config.target_host, home=Path(home), task_queue="bench"
+            )
             cluster = LocalCluster(home)
             started = time.monotonic()
 
@@ -134,12 +153,15 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
                     say(f"run {i + 1}/{kills}: kill a node at step {kill_at}")
                     final = await drive_run(env.client, settings, cluster, spec, f"bench-{i}", kill_at, say, kill)
                     if final.state != RunState.COMPLETED or len(final.incidents) != 1:
-                        raise SystemExit(f"bench: run {i + 1} ended {final.state.value} with "
-                                         f"{len(final.incidents)} incident(s): {final.reason}")
+                        raise SystemExit(
+                            f"bench: run {i + 1} ended {final.state.value} with "
+                            f"{len(final.incidents)} incident(s): {final.reason}"
+                        )
                     rows.append(row(final.incidents[0]))
                     parts = await split(env.client, f"bench-{i}", final.incidents[0], list(metrics.spans))
-                    parts["resume"] = resume_parts(cluster.run_dir(f"bench-{i}"), final.incidents[0],
-                                                   parts.pop("resume_started"))
+                    parts["resume"] = resume_parts(
+                        cluster.run_dir(f"bench-{i}"), final.incidents[0], parts.pop("resume_started")
+                    )
                     splits.append(parts)
     finally:
         if chaos is not None:
@@ -163,8 +185,18 @@ def main() -> None:
     split_medians = {c: statistics.median(r[c] for r in splits) for c in SPLIT}
     resume_medians = {c: statistics.median(r["resume"][c] for r in splits) for c in RESUME_PARTS}
     if args.json:
-        print(json.dumps({"runs": rows, "median": medians, "split": splits, "split_median": split_medians,
-                          "resume_median": resume_medians}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "runs": rows,
+                    "median": medians,
+                    "split": splits,
+                    "split_median": split_medians,
+                    "resume_median": resume_medians,
+                },
+                indent=2,
+            )
+        )
         return
     print(f"\nRecovery with a hot spare, {len(rows)} kill(s), spec {args.spec} (seconds)")
     widths = {c: max(len(c), 6) + 2 for c in COLUMNS}

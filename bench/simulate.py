@@ -33,7 +33,9 @@ def main() -> None:
         result = run_policy(scenario, policy, args.repetitions)
         seconds = time.perf_counter() - start
         total += seconds
-        print(f"{policy:<16}{seconds:>9.2f}{result.faults_per_run * args.repetitions / seconds:>12,.0f}{result.ettr:>9.2%}")
+        print(
+            f"{policy:<16}{seconds:>9.2f}{result.faults_per_run * args.repetitions / seconds:>12,.0f}{result.ettr:>9.2%}"
+        )
     print(f"{'all policies':<16}{total:>9.2f}")
 
 

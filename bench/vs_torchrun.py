@@ -21,9 +21,9 @@ world size after recovery. A recovery that has not trained within --timeout seco
 from __future__ import annotations
 
 import argparse
-import logging
 import asyncio
 import json
+import logging
 import os
 import signal
 import statistics
@@ -122,20 +122,47 @@ def torchrun_trial(tuned: bool, kill_at: int, timeout: float, folder: Path) -> T
     if tuned:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         conf = ["--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,is_host=0"]
-        store = subprocess.Popen([sys.executable, "-c",
-                                  "import time, torch.distributed as d; "
-                                  f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
-                                  "time.sleep(1e6)"], env=env, start_new_session=True)
-    command = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1:2", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
-               "--max-restarts", "10", *conf, str(SCRIPT), "--step-log", str(log),
-               "--checkpoint-dir", str(folder / "checkpoints"), "--checkpoint-every", str(CHECKPOINT_EVERY)]
+        store = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import time, torch.distributed as d; "
+                f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+                "time.sleep(1e6)",
+            ],
+            env=env,
+            start_new_session=True,
+        )
+    command = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "bench",
+        "--max-restarts",
+        "10",
+        *conf,
+        str(SCRIPT),
+        "--step-log",
+        str(log),
+        "--checkpoint-dir",
+        str(folder / "checkpoints"),
+        "--checkpoint-every",
+        str(CHECKPOINT_EVERY),
+    ]
     agents = []
     try:
         for name in ("a", "b"):
             with open(folder / f"agent-{name}.log", "ab") as out:
-                agents.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+                agents.append(
+                    subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                )
             time.sleep(0.5 if name == "a" else 0)  # the first agent up is the one that hosts the store
         before = wait_for_step(log, kill_at, timeout)
         if before is None or before["world"] != 4:
@@ -158,31 +185,46 @@ async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder:
     from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.testing import WorkflowEnvironment
 
-    from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, quiet_runtime, temporal_cli
     from lazarus.client import start_run
     from lazarus.config import Settings
-    from lazarus.worker import build_worker
+    from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, quiet_runtime, temporal_cli
     from lazarus.schema import parse_spec
+    from lazarus.worker import build_worker
 
     with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli(),
-                                                    data_converter=pydantic_data_converter, port=free_port(),
-                                                    runtime=quiet_runtime(), dev_server_extra_args=DYNAMIC_CONFIG)
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_cli(),
+            data_converter=pydantic_data_converter,
+            port=free_port(),
+            runtime=quiet_runtime(),
+            dev_server_extra_args=DYNAMIC_CONFIG,
+        )
     cluster = LocalCluster(folder / "home")
     trials = []
     try:
         async with build_worker(env.client, "vs-torchrun", cluster):
             for index in range(repetitions):
                 log = folder / f"lazarus-{index}.jsonl"
-                spec = parse_spec({
-                    "name": "vs-torchrun",
-                    "trainer": {"command": ["python", str(SCRIPT), "--step-log", str(log),
-                                            "--checkpoint-every", str(CHECKPOINT_EVERY)],
-                                "steps": 100000, "checkpoint_every": CHECKPOINT_EVERY},
-                    "layout": {"dp": 4, "ranks_per_node": 2},
-                    "cluster": {"active_nodes": 2, "spare_nodes": 1},
-                    "recovery": {"heartbeat_interval_seconds": 0.05},
-                })
+                spec = parse_spec(
+                    {
+                        "name": "vs-torchrun",
+                        "trainer": {
+                            "command": [
+                                "python",
+                                str(SCRIPT),
+                                "--step-log",
+                                str(log),
+                                "--checkpoint-every",
+                                str(CHECKPOINT_EVERY),
+                            ],
+                            "steps": 100000,
+                            "checkpoint_every": CHECKPOINT_EVERY,
+                        },
+                        "layout": {"dp": 4, "ranks_per_node": 2},
+                        "cluster": {"active_nodes": 2, "spare_nodes": 1},
+                        "recovery": {"heartbeat_interval_seconds": 0.05},
+                    }
+                )
                 run_id = f"vs-torchrun-{index}"
                 handle = await start_run(env.client, Settings(task_queue="vs-torchrun"), spec, run_id)
                 before = await asyncio.to_thread(wait_for_step, log, kill_at, timeout)
@@ -221,7 +263,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--kill-at-step", type=int, default=70)
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds a recovery may take before it counts as failed")
+    parser.add_argument(
+        "--timeout", type=float, default=180.0, help="seconds a recovery may take before it counts as failed"
+    )
     parser.add_argument("--only", choices=["lazarus", "torchrun_default", "torchrun_tuned"], action="append")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", type=Path, help="keep the agents' logs and step logs in this folder")
@@ -253,9 +297,11 @@ def main() -> None:
     print(f"{'':<18}{'MTTR median':>12}{'min':>8}{'max':>8}{'steps lost':>12}{'world after':>13}{'failed':>8}")
     for name, r in results.items():
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        print(f"{name:<18}{fmt(r['mttr_median_s']):>12}{fmt(r['mttr_min_s']):>8}{fmt(r['mttr_max_s']):>8}"
-              f"{'-' if r['lost_steps'] is None else r['lost_steps']:>12}"
-              f"{'-' if r['world_after'] is None else r['world_after']:>13}{r['failed']:>8}")
+        print(
+            f"{name:<18}{fmt(r['mttr_median_s']):>12}{fmt(r['mttr_min_s']):>8}{fmt(r['mttr_max_s']):>8}"
+            f"{'-' if r['lost_steps'] is None else r['lost_steps']:>12}"
+            f"{'-' if r['world_after'] is None else r['world_after']:>13}{r['failed']:>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ class Informer:
     DELETED call: the callers' next look (every heartbeat interval) finds it gone.
     """
 
-    def __init__(self, list_objects: Callable, name: str, on_event: Callable[[str, object], None],
-                 **selector):
+    def __init__(self, list_objects: Callable, name: str, on_event: Callable[[str, object], None], **selector):
         self._list = list_objects
         self._selector = selector
         self._on_event = on_event

@@ -25,7 +25,7 @@ import hashlib
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from kubernetes import client as k8s
@@ -58,10 +58,10 @@ NODE_INDEX_LABEL = "lazarus.dev/node-index"
 
 def _utc(value) -> datetime:
     if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
     if isinstance(value, str) and value:
         return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def object_name(*parts: str | int) -> str:
@@ -92,7 +92,7 @@ def _address(node: k8s.V1Node) -> str | None:
 
 def _ready(node: k8s.V1Node) -> tuple[bool, datetime | None]:
     """Ready condition: (True, None) when Ready, else (False, when it stopped being Ready)."""
-    for condition in (node.status.conditions if node.status and node.status.conditions else []):
+    for condition in node.status.conditions if node.status and node.status.conditions else []:
         if condition.type == "Ready":
             if condition.status == "True":
                 return True, None
@@ -141,8 +141,12 @@ class KubernetesCluster(RunFiles):
     @staticmethod
     def _free(node: k8s.V1Node) -> bool:
         labels = node.metadata.labels or {}
-        return (RUN_LABEL not in labels and QUARANTINE_LABEL not in labels and not (node.spec and node.spec.unschedulable)
-                and _ready(node)[0])
+        return (
+            RUN_LABEL not in labels
+            and QUARANTINE_LABEL not in labels
+            and not (node.spec and node.spec.unschedulable)
+            and _ready(node)[0]
+        )
 
     def _claim(self, node_name: str, run_id: str, spare_only: bool) -> bool:
         """Label the node as this run's if it is free; True if it is (now or already) this run's.
@@ -157,9 +161,15 @@ class KubernetesCluster(RunFiles):
         if not self._free(node) or (spare_only and labels.get(SPARE_LABEL) != "true"):
             return False
         try:
-            self.core.patch_node(node_name, {"metadata": {
-                "labels": {RUN_LABEL: run_id, SPARE_LABEL: None},
-                "resourceVersion": node.metadata.resource_version}})
+            self.core.patch_node(
+                node_name,
+                {
+                    "metadata": {
+                        "labels": {RUN_LABEL: run_id, SPARE_LABEL: None},
+                        "resourceVersion": node.metadata.resource_version,
+                    }
+                },
+            )
         except ApiException as error:
             if error.status != 409:
                 raise
@@ -180,11 +190,17 @@ class KubernetesCluster(RunFiles):
             informer = self._informers.get((kind, scope))
             if informer is None:
                 if kind == "nodes":
-                    informer = Informer(self.core.list_node, f"nodes-{scope}", self._node_event,
-                                        label_selector=f"{POOL_LABEL}={scope}")
+                    informer = Informer(
+                        self.core.list_node, f"nodes-{scope}", self._node_event, label_selector=f"{POOL_LABEL}={scope}"
+                    )
                 else:
-                    informer = Informer(self.core.list_namespaced_pod, f"pods-{scope}", self._pod_event,
-                                        namespace=scope, label_selector=RUN_LABEL)
+                    informer = Informer(
+                        self.core.list_namespaced_pod,
+                        f"pods-{scope}",
+                        self._pod_event,
+                        namespace=scope,
+                        label_selector=RUN_LABEL,
+                    )
                 self._informers[(kind, scope)] = informer.start()
             return informer
 
@@ -227,14 +243,22 @@ class KubernetesCluster(RunFiles):
         """Record the run (directory, spec, ConfigMap) and claim its active nodes from the pool, once."""
         run = self.write_spec(run_id, spec)
         settings = spec.cluster.kubernetes
-        self._create_ignoring_conflict(lambda: self.core.create_namespaced_config_map(settings.namespace, k8s.V1ConfigMap(
-            metadata=k8s.V1ObjectMeta(name=run_object_name(run_id), labels={RUN_LABEL: run_id}),
-            data={"spec.json": spec.model_dump_json()})))
+        self._create_ignoring_conflict(
+            lambda: self.core.create_namespaced_config_map(
+                settings.namespace,
+                k8s.V1ConfigMap(
+                    metadata=k8s.V1ObjectMeta(name=run_object_name(run_id), labels={RUN_LABEL: run_id}),
+                    data={"spec.json": spec.model_dump_json()},
+                ),
+            )
+        )
         pool = self._pool(settings)
         mine = [n for n in pool if (n.metadata.labels or {}).get(RUN_LABEL) == run_id]
         # Spares last: a run takes ordinary free nodes first and leaves the hot spares for recoveries.
-        candidates = sorted((n for n in pool if self._free(n)),
-                            key=lambda n: ((n.metadata.labels or {}).get(SPARE_LABEL) == "true", n.metadata.name))
+        candidates = sorted(
+            (n for n in pool if self._free(n)),
+            key=lambda n: ((n.metadata.labels or {}).get(SPARE_LABEL) == "true", n.metadata.name),
+        )
         for node in candidates:
             if len(mine) >= spec.cluster.active_nodes:
                 break
@@ -243,8 +267,10 @@ class KubernetesCluster(RunFiles):
         if len(mine) < spec.cluster.active_nodes:
             for node in mine:
                 self._release(node.metadata.name, run_id)
-            raise ClusterError(f"pool {settings.pool!r} has {len(mine)} free ready node(s); the run needs "
-                               f"{spec.cluster.active_nodes} (label more nodes {POOL_LABEL}={settings.pool})")
+            raise ClusterError(
+                f"pool {settings.pool!r} has {len(mine)} free ready node(s); the run needs "
+                f"{spec.cluster.active_nodes} (label more nodes {POOL_LABEL}={settings.pool})"
+            )
         return run
 
     def inventory(self, run_id: str) -> Inventory:
@@ -277,30 +303,52 @@ class KubernetesCluster(RunFiles):
     @staticmethod
     def _other_taints(node: k8s.V1Node) -> list[dict]:
         """The node's taints but Lazarus's quarantine, as a patch carries them (the list is replaced whole)."""
-        return [{k: v for k, v in taint.to_dict().items() if v is not None and k != "time_added"}
-                for taint in (node.spec.taints if node.spec and node.spec.taints else []) if taint.key != QUARANTINE_TAINT]
+        return [
+            {k: v for k, v in taint.to_dict().items() if v is not None and k != "time_added"}
+            for taint in (node.spec.taints if node.spec and node.spec.taints else [])
+            if taint.key != QUARANTINE_TAINT
+        ]
 
     def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
         """Cordon and taint the nodes, label them with the run and annotate why; an Event on each."""
         for name in nodes:
-            taints = [*self._other_taints(self._read_node(name)), {"key": QUARANTINE_TAINT, "value": run_id, "effect": "NoSchedule"}]
-            self.core.patch_node(name, {
-                "spec": {"unschedulable": True, "taints": taints},
-                "metadata": {"labels": {QUARANTINE_LABEL: run_id, RUN_LABEL: None},
-                             "annotations": {REASON_ANNOTATION: reason[:1000]}}})
+            taints = [
+                *self._other_taints(self._read_node(name)),
+                {"key": QUARANTINE_TAINT, "value": run_id, "effect": "NoSchedule"},
+            ]
+            self.core.patch_node(
+                name,
+                {
+                    "spec": {"unschedulable": True, "taints": taints},
+                    "metadata": {
+                        "labels": {QUARANTINE_LABEL: run_id, RUN_LABEL: None},
+                        "annotations": {REASON_ANNOTATION: reason[:1000]},
+                    },
+                },
+            )
             self._event(run_id, "Quarantined", f"{name}: {reason}", kind="Node", name=name, namespace="")
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node goes back to the pool as a hot spare: uncordoned, untainted, unlabelled."""
         taints = self._other_taints(self._read_node(node))
-        self.core.patch_node(node, {"spec": {"unschedulable": False, "taints": taints or None},
-                                    "metadata": {"labels": {QUARANTINE_LABEL: None, SPARE_LABEL: "true"},
-                                                 "annotations": {REASON_ANNOTATION: None}}})
-        self._event(run_id, "Returned", f"{node} is back in the pool as a hot spare", kind="Node", name=node, namespace="")
+        self.core.patch_node(
+            node,
+            {
+                "spec": {"unschedulable": False, "taints": taints or None},
+                "metadata": {
+                    "labels": {QUARANTINE_LABEL: None, SPARE_LABEL: "true"},
+                    "annotations": {REASON_ANNOTATION: None},
+                },
+            },
+        )
+        self._event(
+            run_id, "Returned", f"{node} is back in the pool as a hot spare", kind="Node", name=node, namespace=""
+        )
         return self.inventory(run_id)
 
-    def commit_assignment(self, run_id: str, assignment: Assignment, claims: list[str] = (),
-                          releases: list[str] = ()) -> Assignment:
+    def commit_assignment(
+        self, run_id: str, assignment: Assignment, claims: list[str] = (), releases: list[str] = ()
+    ) -> Assignment:
         """Claim the spares, record the assignment exactly once (rank 0's node address filled in),
         and release leftover nodes to the spare pool."""
         recorded = self.assignment(run_id, assignment.incarnation)
@@ -310,9 +358,9 @@ class KubernetesCluster(RunFiles):
                 raise ClusterError(f"node {', '.join(taken)} is no longer a free spare")
             settings = self._settings(run_id)
             first = self.core.read_node(assignment.nodes[0])
-            proposal = assignment.model_copy(update={
-                "master_addr": _address(first) or assignment.nodes[0],
-                "master_port": settings.master_port})
+            proposal = assignment.model_copy(
+                update={"master_addr": _address(first) or assignment.nodes[0], "master_port": settings.master_port}
+            )
             recorded = self.record_assignment(run_id, proposal)
         for node in recorded.nodes:  # completes an attempt that crashed between its writes
             if not self._claim(node, run_id, spare_only=False):
@@ -331,8 +379,15 @@ class KubernetesCluster(RunFiles):
             if error.status != 409:  # already there: an earlier attempt created it
                 raise
 
-    def rank_pod(self, run_id: str, spec: RunSpec, assignment: Assignment, index: int, resume_step: int,
-                 policy: RecoveryPolicy | None = None) -> k8s.V1Pod:
+    def rank_pod(
+        self,
+        run_id: str,
+        spec: RunSpec,
+        assignment: Assignment,
+        index: int,
+        resume_step: int,
+        policy: RecoveryPolicy | None = None,
+    ) -> k8s.V1Pod:
         """The pod of node `index`: its launcher with the contract's environment, pinned to the node;
         its tolerations from `policy` (the one in force), else from the spec's."""
         settings = spec.cluster.kubernetes
@@ -340,29 +395,69 @@ class KubernetesCluster(RunFiles):
         resources = {"cpu": settings.cpu, "memory": settings.memory}
         if settings.gpus:
             resources["nvidia.com/gpu"] = str(settings.gpus)
-        env = {ENV_RUN_DIR: run_dir, ENV_INCARNATION: str(assignment.incarnation), ENV_NODE: assignment.nodes[index],
-               ENV_NODE_INDEX: str(index), ENV_RESUME_STEP: str(resume_step)}
-        tolerations = [k8s.V1Toleration(key=key, operator="Exists", effect="NoExecute",
-                                        toleration_seconds=(policy or spec.recovery).not_ready_toleration_seconds)
-                       for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
+        env = {
+            ENV_RUN_DIR: run_dir,
+            ENV_INCARNATION: str(assignment.incarnation),
+            ENV_NODE: assignment.nodes[index],
+            ENV_NODE_INDEX: str(index),
+            ENV_RESUME_STEP: str(resume_step),
+        }
+        tolerations = [
+            k8s.V1Toleration(
+                key=key,
+                operator="Exists",
+                effect="NoExecute",
+                toleration_seconds=(policy or spec.recovery).not_ready_toleration_seconds,
+            )
+            for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+        ]
         return k8s.V1Pod(
             metadata=k8s.V1ObjectMeta(
-                name=pod_name(run_id, assignment.incarnation, index), namespace=settings.namespace,
-                labels={RUN_LABEL: run_id, INCARNATION_LABEL: str(assignment.incarnation), NODE_INDEX_LABEL: str(index)}),
+                name=pod_name(run_id, assignment.incarnation, index),
+                namespace=settings.namespace,
+                labels={
+                    RUN_LABEL: run_id,
+                    INCARNATION_LABEL: str(assignment.incarnation),
+                    NODE_INDEX_LABEL: str(index),
+                },
+            ),
             spec=k8s.V1PodSpec(
-                node_name=assignment.nodes[index], restart_policy="Never", host_network=True,
-                dns_policy="ClusterFirstWithHostNet", automount_service_account_token=False,
-                termination_grace_period_seconds=settings.delete_grace_seconds, tolerations=tolerations,
-                containers=[k8s.V1Container(
-                    name="launcher", image=settings.image, command=["python", "-m", "lazarus.trainer.launcher"],
-                    env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
-                    resources=k8s.V1ResourceRequirements(requests=resources, limits=resources),
-                    volume_mounts=[k8s.V1VolumeMount(name="runs", mount_path=settings.mount_path)])],
-                volumes=[k8s.V1Volume(name="runs", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-                    claim_name=settings.volume_claim))]))
+                node_name=assignment.nodes[index],
+                restart_policy="Never",
+                host_network=True,
+                dns_policy="ClusterFirstWithHostNet",
+                automount_service_account_token=False,
+                termination_grace_period_seconds=settings.delete_grace_seconds,
+                tolerations=tolerations,
+                containers=[
+                    k8s.V1Container(
+                        name="launcher",
+                        image=settings.image,
+                        command=["python", "-m", "lazarus.trainer.launcher"],
+                        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
+                        resources=k8s.V1ResourceRequirements(requests=resources, limits=resources),
+                        volume_mounts=[k8s.V1VolumeMount(name="runs", mount_path=settings.mount_path)],
+                    )
+                ],
+                volumes=[
+                    k8s.V1Volume(
+                        name="runs",
+                        persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                            claim_name=settings.volume_claim
+                        ),
+                    )
+                ],
+            ),
+        )
 
-    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None,
-                    policy: RecoveryPolicy | None = None) -> dict:
+    def start_ranks(
+        self,
+        run_id: str,
+        incarnation: int,
+        resume_step: int,
+        skipped: dict[int, str] | None = None,
+        policy: RecoveryPolicy | None = None,
+    ) -> dict:
         """Create the incarnation's pods (one per node) unless they exist; returns the launch record in force."""
         assignment = self.assignment(run_id, incarnation)
         if assignment is None:
@@ -371,7 +466,9 @@ class KubernetesCluster(RunFiles):
         spec = self.spec(run_id)
         for index in range(len(assignment.nodes)):
             pod = self.rank_pod(run_id, spec, assignment, index, record["resume_step"], policy)
-            self._create_ignoring_conflict(lambda pod=pod: self.core.create_namespaced_pod(spec.cluster.kubernetes.namespace, pod))
+            self._create_ignoring_conflict(
+                lambda pod=pod: self.core.create_namespaced_pod(spec.cluster.kubernetes.namespace, pod)
+            )
         return record
 
     def _pods(self, run_id: str, incarnation: int, watched: bool = False) -> dict[int, k8s.V1Pod]:
@@ -382,16 +479,23 @@ class KubernetesCluster(RunFiles):
             cached = self._watched("pods", namespace)
             if cached is not None:
                 mine = {RUN_LABEL: run_id, INCARNATION_LABEL: str(incarnation)}
-                return {int(p.metadata.labels[NODE_INDEX_LABEL]): p for p in cached.values()
-                        if all(p.metadata.labels.get(k) == v for k, v in mine.items())}
-        pods = self.core.list_namespaced_pod(namespace,
-                                             label_selector=f"{RUN_LABEL}={run_id},{INCARNATION_LABEL}={incarnation}").items
+                return {
+                    int(p.metadata.labels[NODE_INDEX_LABEL]): p
+                    for p in cached.values()
+                    if all(p.metadata.labels.get(k) == v for k, v in mine.items())
+                }
+        pods = self.core.list_namespaced_pod(
+            namespace, label_selector=f"{RUN_LABEL}={run_id},{INCARNATION_LABEL}={incarnation}"
+        ).items
         return {int(p.metadata.labels[NODE_INDEX_LABEL]): p for p in pods}
 
     @staticmethod
     def _running(pod: k8s.V1Pod | None) -> bool:
-        return (pod is not None and not pod.metadata.deletion_timestamp
-                and (pod.status is None or pod.status.phase in (None, "Pending", "Running")))
+        return (
+            pod is not None
+            and not pod.metadata.deletion_timestamp
+            and (pod.status is None or pod.status.phase in (None, "Pending", "Running"))
+        )
 
     def observe(self, run_id: str, incarnation: int) -> Observation:
         """Pods, node Ready conditions and the ranks' heartbeat and exit files of an incarnation."""
@@ -405,22 +509,34 @@ class KubernetesCluster(RunFiles):
         for name in assignment.nodes:
             ready, since = _ready(nodes[name]) if name in nodes else (False, None)
             if not ready:
-                dead[name] = since or datetime.now(timezone.utc)
+                dead[name] = since or datetime.now(UTC)
             if name in nodes and (address := _address(nodes[name])):
                 addresses[name] = address
         pods = self._pods(run_id, incarnation, watched=True)
-        observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead,
-                                  node_addresses=addresses)
+        observation = Observation(
+            incarnation,
+            launch.get("launched_at"),
+            launch.get("resume_step", 0),
+            dead_nodes=dead,
+            node_addresses=addresses,
+        )
         observation.launchers_alive = sum(self._running(p) for p in pods.values())
         layout = assignment.layout
         for rank in range(layout.world_size):
             index = layout.node_of_rank(rank)
             running = self._running(pods.get(index))
             exit_record = read_json(run.exit_file(incarnation, rank))
-            observation.ranks.append(RankObservation(
-                rank=rank, node=assignment.nodes[index], launched=index in pods or exit_record is not None,
-                alive=running and exit_record is None, heartbeat=read_json(run.heartbeat_file(incarnation, rank)),
-                exit=exit_record, launcher_alive=running))
+            observation.ranks.append(
+                RankObservation(
+                    rank=rank,
+                    node=assignment.nodes[index],
+                    launched=index in pods or exit_record is not None,
+                    alive=running and exit_record is None,
+                    heartbeat=read_json(run.heartbeat_file(incarnation, rank)),
+                    exit=exit_record,
+                    launcher_alive=running,
+                )
+            )
         return observation
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
@@ -463,8 +579,9 @@ class KubernetesCluster(RunFiles):
         assignment = self.assignment(run_id, incarnation)
         observation = self.observe(run_id, incarnation)
         # A fresh list, not the watch: the quarantine drain wrote a moment ago must be seen.
-        lost = set(observation.dead_nodes) | {n.metadata.name for n in self._pool(settings)
-                                              if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == run_id}
+        lost = set(observation.dead_nodes) | {
+            n.metadata.name for n in self._pool(settings) if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == run_id
+        }
         for index, pod in self._pods(run_id, incarnation).items():
             grace = 0 if assignment.nodes[index] in lost else settings.delete_grace_seconds
             try:
@@ -475,13 +592,17 @@ class KubernetesCluster(RunFiles):
         deadline = time.monotonic() + timeout
         while self._pods(run_id, incarnation):
             if time.monotonic() > deadline:
-                raise ClusterError(f"pods of incarnation {incarnation} of run {run_id!r} still exist {timeout:.0f} s after deletion")
+                raise ClusterError(
+                    f"pods of incarnation {incarnation} of run {run_id!r} still exist {timeout:.0f} s after deletion"
+                )
             time.sleep(0.2)
         return sorted(r.rank for r in observation.ranks if r.alive)
 
     def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
         """As the local backend's: give a checkpoint being written `grace` seconds to commit while pods run."""
-        return self.wait_for_commit(run_id, grace, lambda: any(self._running(p) for p in self._pods(run_id, incarnation, watched=True).values()))
+        return self.wait_for_commit(
+            run_id, grace, lambda: any(self._running(p) for p in self._pods(run_id, incarnation, watched=True).values())
+        )
 
     # --- what the local backend does with processes, which pods do not need ----------------
 
@@ -493,17 +614,31 @@ class KubernetesCluster(RunFiles):
 
     # --- audit ------------------------------------------------------------------------------
 
-    def _event(self, run_id: str, reason: str, message: str, kind: str = "ConfigMap", name: str | None = None,
-               namespace: str | None = None) -> None:
+    def _event(
+        self,
+        run_id: str,
+        reason: str,
+        message: str,
+        kind: str = "ConfigMap",
+        name: str | None = None,
+        namespace: str | None = None,
+    ) -> None:
         settings = self._settings(run_id)
         name = name or run_object_name(run_id)
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         event = k8s.CoreV1Event(
             metadata=k8s.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:12]}", namespace=settings.namespace),
-            involved_object=k8s.V1ObjectReference(kind=kind, name=name, namespace=settings.namespace if namespace is None else namespace,
-                                                  api_version="v1"),
-            reason=reason, message=message[:1024], type="Warning" if reason in ("FaultDetected", "Quarantined") else "Normal",
-            first_timestamp=now, last_timestamp=now, count=1, source=k8s.V1EventSource(component="lazarus"))
+            involved_object=k8s.V1ObjectReference(
+                kind=kind, name=name, namespace=settings.namespace if namespace is None else namespace, api_version="v1"
+            ),
+            reason=reason,
+            message=message[:1024],
+            type="Warning" if reason in ("FaultDetected", "Quarantined") else "Normal",
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            source=k8s.V1EventSource(component="lazarus"),
+        )
         self.core.create_namespaced_event(settings.namespace, event)
 
     def record_stage(self, run_id: str, stage: str, message: str) -> None:

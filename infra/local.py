@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.runfiles import ClusterError, RunFiles
@@ -68,7 +68,9 @@ class Observation:
     ranks: list[RankObservation] = field(default_factory=list)
     dead_nodes: dict[str, datetime] = field(default_factory=dict)
     launchers_alive: int = 0
-    node_addresses: dict[str, str] = field(default_factory=dict)  # node -> the address its ranks' peers dial, where known
+    node_addresses: dict[str, str] = field(
+        default_factory=dict
+    )  # node -> the address its ranks' peers dial, where known
 
 
 @dataclass
@@ -84,7 +86,7 @@ class NodeGroup:
 
 
 def _utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def free_port() -> int:
@@ -116,10 +118,12 @@ class LocalCluster(RunFiles):
             if run.spec_file.exists():
                 return self.write_spec(run_id, spec)  # checks that it is the same spec
             names = [f"node-{i}" for i in range(spec.cluster.active_nodes + spec.cluster.spare_nodes)]
-            inventory = Inventory(nodes=[
-                NodeRecord(name=name, role="active" if i < spec.cluster.active_nodes else "spare")
-                for i, name in enumerate(names)
-            ])
+            inventory = Inventory(
+                nodes=[
+                    NodeRecord(name=name, role="active" if i < spec.cluster.active_nodes else "spare")
+                    for i, name in enumerate(names)
+                ]
+            )
             write_json_atomic(run.inventory_file, inventory.model_dump(mode="json"))
             # The spec is written last: its presence means the run directory is complete.
             return self.write_spec(run_id, spec)
@@ -153,13 +157,16 @@ class LocalCluster(RunFiles):
             known = {n.name for n in inventory.nodes}
             unknown = sorted(set(changes) - known)
             if unknown:
-                raise ClusterError(f"run {run_id!r} has no node {', '.join(unknown)}; nodes: {', '.join(sorted(known))}")
+                raise ClusterError(
+                    f"run {run_id!r} has no node {', '.join(unknown)}; nodes: {', '.join(sorted(known))}"
+                )
             inventory = Inventory(nodes=[n.model_copy(update=changes.get(n.name, {})) for n in inventory.nodes])
             self._write_inventory(run, inventory)
         return inventory
 
-    def commit_assignment(self, run_id: str, assignment: Assignment, claims: list[str] = (),
-                          releases: list[str] = ()) -> Assignment:
+    def commit_assignment(
+        self, run_id: str, assignment: Assignment, claims: list[str] = (), releases: list[str] = ()
+    ) -> Assignment:
         """Record an incarnation's assignment, claim the spares it uses and release nodes, exactly once.
 
         Under the inventory lock: if the incarnation already has an assignment (an earlier
@@ -176,7 +183,9 @@ class LocalCluster(RunFiles):
                 free = inventory.free_spares()
                 taken = [node for node in claims if node not in free]
                 if taken:
-                    raise ClusterError(f"node {', '.join(taken)} is no longer a free spare (free: {', '.join(free) or 'none'})")
+                    raise ClusterError(
+                        f"node {', '.join(taken)} is no longer a free spare (free: {', '.join(free) or 'none'})"
+                    )
                 write_json_atomic(run.assignment_file(assignment.incarnation), assignment.model_dump(mode="json"))
                 recorded = assignment
             active, released = set(recorded.nodes), set(releases) - set(recorded.nodes)
@@ -185,7 +194,9 @@ class LocalCluster(RunFiles):
                 if node.name in active and node.role != "active":
                     return node.model_copy(update={"role": "active", "note": f"incarnation {recorded.incarnation}"})
                 if node.name in released and node.role == "active":
-                    return node.model_copy(update={"role": "spare", "note": f"released at incarnation {recorded.incarnation}"})
+                    return node.model_copy(
+                        update={"role": "spare", "note": f"released at incarnation {recorded.incarnation}"}
+                    )
                 return node
 
             self._write_inventory(run, Inventory(nodes=[role(n) for n in inventory.nodes]))
@@ -193,8 +204,14 @@ class LocalCluster(RunFiles):
 
     # --- rank processes --------------------------------------------------------------
 
-    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None = None,
-                    policy: RecoveryPolicy | None = None) -> dict:
+    def start_ranks(
+        self,
+        run_id: str,
+        incarnation: int,
+        resume_step: int,
+        skipped: dict[int, str] | None = None,
+        policy: RecoveryPolicy | None = None,
+    ) -> dict:
         """Start every rank of an incarnation that is not running; returns the launch record in force.
 
         The record ({resume_step, skipped, launched_at}) is written by the first launch, so
@@ -212,14 +229,26 @@ class LocalCluster(RunFiles):
             self._start_warm(run, run_id, spec, assignment, record["resume_step"])
             return record
         for index, node in enumerate(assignment.nodes):
-            self._spawn_launcher(run, run_id, incarnation, index, node, self._launcher_env(run, incarnation, index, node,
-                                                                                             record["resume_step"]))
+            self._spawn_launcher(
+                run,
+                run_id,
+                incarnation,
+                index,
+                node,
+                self._launcher_env(run, incarnation, index, node, record["resume_step"]),
+            )
         return record
 
     @staticmethod
     def _launcher_env(run: RunDir, incarnation: int, index: int, node: str, resume_step: int) -> dict:
-        return {**os.environ, ENV_RUN_DIR: str(run.root), ENV_INCARNATION: str(incarnation), ENV_NODE: node,
-                ENV_NODE_INDEX: str(index), ENV_RESUME_STEP: str(resume_step)}
+        return {
+            **os.environ,
+            ENV_RUN_DIR: str(run.root),
+            ENV_INCARNATION: str(incarnation),
+            ENV_NODE: node,
+            ENV_NODE_INDEX: str(index),
+            ENV_RESUME_STEP: str(resume_step),
+        }
 
     # --- warm standbys (trainer/standby.py) ------------------------------------------
 
@@ -234,15 +263,28 @@ class LocalCluster(RunFiles):
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkfifo(home / "orders")
-            env = {**os.environ, **spec.trainer.env, ENV_RUN_DIR: str(run.root), ENV_NODE: node,
-                   ENV_STANDBY_LOCK_FD: str(fd)}
+            env = {
+                **os.environ,
+                **spec.trainer.env,
+                ENV_RUN_DIR: str(run.root),
+                ENV_NODE: node,
+                ENV_STANDBY_LOCK_FD: str(fd),
+            }
             env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
             with open(home / "log", "ab") as log:
-                child = subprocess.Popen([self.python, "-m", "lazarus.trainer.standby"], env=env, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,))
+                child = subprocess.Popen(
+                    [self.python, "-m", "lazarus.trainer.standby"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    pass_fds=(fd,),
+                )
             self._children[(run_id, "standby", node)] = child
-            write_json_atomic(home / "pid", {"pid": child.pid, "pgid": child.pid,
-                                             "start_time": process_start_time(child.pid)})
+            write_json_atomic(
+                home / "pid", {"pid": child.pid, "pgid": child.pid, "start_time": process_start_time(child.pid)}
+            )
         finally:
             os.close(fd)
         return child
@@ -256,8 +298,9 @@ class LocalCluster(RunFiles):
                 if node.healthy and node.role != "quarantined":
                     self._ensure_standby(run, run_id, spec, node.name)
 
-    def _start_warm(self, run: RunDir, run_id: str, spec: RunSpec, assignment: Assignment, resume_step: int,
-                    timeout: float = 60.0) -> None:
+    def _start_warm(
+        self, run: RunDir, run_id: str, spec: RunSpec, assignment: Assignment, resume_step: int, timeout: float = 60.0
+    ) -> None:
         """Order each node's standby to start its ranks; wait until each node's launcher exists.
 
         A node whose standby dies, or does not answer within `timeout` seconds (stuck in
@@ -270,15 +313,21 @@ class LocalCluster(RunFiles):
         writers = {}
         for index, node in enumerate(assignment.nodes):
             fd = os.open(run.standby(node) / "orders", os.O_RDWR | os.O_NONBLOCK)
-            os.write(fd, json.dumps({"incarnation": incarnation, "node_index": index,
-                                     "resume_step": resume_step}).encode() + b"\n")
+            os.write(
+                fd,
+                json.dumps({"incarnation": incarnation, "node_index": index, "resume_step": resume_step}).encode()
+                + b"\n",
+            )
             writers[index] = fd
         deadline = time.monotonic() + timeout
         try:
             while writers:
                 for index, fd in list(writers.items()):
                     node = assignment.nodes[index]
-                    if lock_is_held(run.node_lock_file(incarnation, index)) or run.node_pid_file(incarnation, index).exists():
+                    if (
+                        lock_is_held(run.node_lock_file(incarnation, index))
+                        or run.node_pid_file(incarnation, index).exists()
+                    ):
                         del writers[index]  # its launcher runs (or already ran)
                         os.close(fd)
                         continue
@@ -286,14 +335,22 @@ class LocalCluster(RunFiles):
                     if not lock_is_held(run.standby(node) / "lock") or time.monotonic() > deadline:
                         del writers[index]
                         os.close(fd)
-                        self._spawn_launcher(run, run_id, incarnation, index, node,
-                                             self._launcher_env(run, incarnation, index, node, resume_step))
+                        self._spawn_launcher(
+                            run,
+                            run_id,
+                            incarnation,
+                            index,
+                            node,
+                            self._launcher_env(run, incarnation, index, node, resume_step),
+                        )
                 time.sleep(0.002)
         finally:
             for fd in writers.values():
                 os.close(fd)
 
-    def _kill_standbys(self, run: RunDir, nodes: list[str] | None = None, timeout: float = 30.0, wait: bool = True) -> None:
+    def _kill_standbys(
+        self, run: RunDir, nodes: list[str] | None = None, timeout: float = 30.0, wait: bool = True
+    ) -> None:
         """SIGKILL the warm standbys of the given nodes (default: all) and, unless `wait` is false,
         wait until they are gone."""
         base = run.root / "standby"
@@ -325,15 +382,21 @@ class LocalCluster(RunFiles):
             log_path = run.incarnation(incarnation) / "nodes" / f"{index}.log"
             with open(log_path, "ab") as log:
                 child = subprocess.Popen(
-                    [self.python, "-m", "lazarus.trainer.launcher"], env=env, stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,),
+                    [self.python, "-m", "lazarus.trainer.launcher"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(fd,),
                     # Own session: a node outlives a crashed worker, as a real one would.
                     start_new_session=True,
                 )
             self._children[(run_id, incarnation, index)] = child
             # The launcher records this too, first thing; whichever lands first is the same.
-            write_json_atomic(run.node_pid_file(incarnation, index),
-                              {"pid": child.pid, "pgid": child.pid, "start_time": process_start_time(child.pid), "node": node})
+            write_json_atomic(
+                run.node_pid_file(incarnation, index),
+                {"pid": child.pid, "pgid": child.pid, "start_time": process_start_time(child.pid), "node": node},
+            )
         finally:
             # The launcher holds the lock through its inherited copy of the descriptor.
             os.close(fd)
@@ -347,24 +410,27 @@ class LocalCluster(RunFiles):
         self._reap()
         launch = read_json(run.incarnation(incarnation) / "launch.json") or {}
         inventory = self.inventory(run_id)
-        dead = {n.name: n.died_at or _utcnow() for n in inventory.nodes
-                if not n.healthy and n.name in assignment.nodes}
+        dead = {n.name: n.died_at or _utcnow() for n in inventory.nodes if not n.healthy and n.name in assignment.nodes}
         observation = Observation(incarnation, launch.get("launched_at"), launch.get("resume_step", 0), dead_nodes=dead)
-        launcher_alive = [lock_is_held(run.node_lock_file(incarnation, index)) for index in range(len(assignment.nodes))]
+        launcher_alive = [
+            lock_is_held(run.node_lock_file(incarnation, index)) for index in range(len(assignment.nodes))
+        ]
         observation.launchers_alive = sum(launcher_alive)
         layout = assignment.layout
         for rank in range(layout.world_size):
             exit_record = read_json(run.exit_file(incarnation, rank))
-            observation.ranks.append(RankObservation(
-                rank=rank,
-                node=assignment.nodes[layout.node_of_rank(rank)],
-                # A rank the launcher could not even start has an exit record and no pid.
-                launched=exit_record is not None or run.pid_file(incarnation, rank).exists(),
-                alive=lock_is_held(run.lock_file(incarnation, rank)),
-                heartbeat=read_json(run.heartbeat_file(incarnation, rank)),
-                exit=exit_record,
-                launcher_alive=launcher_alive[layout.node_of_rank(rank)],
-            ))
+            observation.ranks.append(
+                RankObservation(
+                    rank=rank,
+                    node=assignment.nodes[layout.node_of_rank(rank)],
+                    # A rank the launcher could not even start has an exit record and no pid.
+                    launched=exit_record is not None or run.pid_file(incarnation, rank).exists(),
+                    alive=lock_is_held(run.lock_file(incarnation, rank)),
+                    heartbeat=read_json(run.heartbeat_file(incarnation, rank)),
+                    exit=exit_record,
+                    launcher_alive=launcher_alive[layout.node_of_rank(rank)],
+                )
+            )
         return observation
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
@@ -376,7 +442,9 @@ class LocalCluster(RunFiles):
         watched = []
         if assignment is not None:
             for group in self._node_groups(run, incarnation):
-                processes = [(group.lock, group.pid_file)] + [(lock, run.pid_file(incarnation, r)) for r, lock in group.rank_locks]
+                processes = [(group.lock, group.pid_file)] + [
+                    (lock, run.pid_file(incarnation, r)) for r, lock in group.rank_locks
+                ]
                 for lock, pid_file in processes:
                     record = read_json(pid_file)
                     if record is None or not lock_is_held(lock):
@@ -416,9 +484,18 @@ class LocalCluster(RunFiles):
         """Every node (or one) of an incarnation: its launcher's lock and its ranks' locks."""
         assignment = Assignment.model_validate_json(run.assignment_file(incarnation).read_text())
         per_node = assignment.layout.ranks_per_node
-        return [NodeGroup(incarnation, index, name, run.node_lock_file(incarnation, index), run.node_pid_file(incarnation, index),
-                          [(rank, run.lock_file(incarnation, rank)) for rank in range(index * per_node, (index + 1) * per_node)])
-                for index, name in enumerate(assignment.nodes) if node is None or name == node]
+        return [
+            NodeGroup(
+                incarnation,
+                index,
+                name,
+                run.node_lock_file(incarnation, index),
+                run.node_pid_file(incarnation, index),
+                [(rank, run.lock_file(incarnation, rank)) for rank in range(index * per_node, (index + 1) * per_node)],
+            )
+            for index, name in enumerate(assignment.nodes)
+            if node is None or name == node
+        ]
 
     def _kill_and_wait(self, groups: list[NodeGroup], timeout: float) -> list[tuple[NodeGroup, list[int]]]:
         """SIGKILL every live node group (the launcher's process group: it and all its ranks),
@@ -448,8 +525,10 @@ class LocalCluster(RunFiles):
             for what, lock in [("launcher", group.lock)] + [(f"rank {rank}", lock) for rank, lock in group.rank_locks]:
                 while lock_is_held(lock):
                     if time.monotonic() > deadline:
-                        raise ClusterError(f"{what} of {group.node} (incarnation {group.incarnation}) is still alive "
-                                           f"{timeout:.0f} s after SIGKILL")
+                        raise ClusterError(
+                            f"{what} of {group.node} (incarnation {group.incarnation}) is still alive "
+                            f"{timeout:.0f} s after SIGKILL"
+                        )
                     time.sleep(0.005)
         self._reap()
         return killed
@@ -488,14 +567,19 @@ class LocalCluster(RunFiles):
         # signalled before anyone waits for the standby to be gone, as they would all die at once.
         self._kill_standbys(run, [node], wait=False)
         groups = [g for k in run.incarnations() for g in self._node_groups(run, k, node)]
-        killed = [read_json(group.pid_file)["pgid"] for group, _ in self._kill_and_wait(groups, timeout=30.0)
-                  if read_json(group.pid_file)]
+        killed = [
+            read_json(group.pid_file)["pgid"]
+            for group, _ in self._kill_and_wait(groups, timeout=30.0)
+            if read_json(group.pid_file)
+        ]
         self._kill_standbys(run, [node])
         return killed
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node goes back to the pool as a healthy spare."""
-        inventory = self.update_nodes(run_id, {node: {"healthy": True, "died_at": None, "role": "spare", "note": "returned"}})
+        inventory = self.update_nodes(
+            run_id, {node: {"healthy": True, "died_at": None, "role": "spare", "note": "returned"}}
+        )
         if any(lock_is_held(lock) for lock in (self.run_dir(run_id).root / "standby").glob("*/lock")):
             self.ensure_standbys(run_id)  # the run is live: warm the returned spare now, not at the next fault
         return inventory
@@ -506,7 +590,9 @@ class LocalCluster(RunFiles):
         pids = []
         for k in run.incarnations():
             for group in self._node_groups(run, k):
-                for lock, pid_file in [(group.lock, group.pid_file)] + [(lock, run.pid_file(k, r)) for r, lock in group.rank_locks]:
+                for lock, pid_file in [(group.lock, group.pid_file)] + [
+                    (lock, run.pid_file(k, r)) for r, lock in group.rank_locks
+                ]:
                     record = read_json(pid_file)
                     if lock_is_held(lock) and record:
                         pids.append(record["pid"])
@@ -517,7 +603,9 @@ class LocalCluster(RunFiles):
         while a rank of the incarnation lives (RunFiles.wait_for_commit)."""
         ranks = range(self.assignment(run_id, incarnation).layout.world_size)
         run = self._existing(run_id)
-        return self.wait_for_commit(run_id, grace, lambda: any(lock_is_held(run.lock_file(incarnation, r)) for r in ranks))
+        return self.wait_for_commit(
+            run_id, grace, lambda: any(lock_is_held(run.lock_file(incarnation, r)) for r in ranks)
+        )
 
     def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
         """Hold the nodes out of the run and its spare pool (drain, after a fault)."""

@@ -88,8 +88,11 @@ class RunFiles:
         launch_file = self._existing(run_id).incarnation(incarnation) / "launch.json"
         record = read_json(launch_file)
         if record is None:
-            record = {"resume_step": resume_step, "skipped": {str(k): v for k, v in (skipped or {}).items()},
-                      "launched_at": time.time()}
+            record = {
+                "resume_step": resume_step,
+                "skipped": {str(k): v for k, v in (skipped or {}).items()},
+                "launched_at": time.time(),
+            }
             write_json_atomic(launch_file, record)
         return record
 

@@ -63,8 +63,11 @@ def quiet_runtime():
         TelemetryFilter,
     )
 
-    return Runtime(telemetry=TelemetryConfig(logging=LoggingConfig(
-        filter=TelemetryFilter(core_level="ERROR", other_level="ERROR"))))
+    return Runtime(
+        telemetry=TelemetryConfig(
+            logging=LoggingConfig(filter=TelemetryFilter(core_level="ERROR", other_level="ERROR"))
+        )
+    )
 
 
 def port_answers(host: str, port: int, timeout: float = 0.3) -> bool:
@@ -98,13 +101,20 @@ def dev_server_command(db_file: Path, port: int, ui_port: int) -> list[str]:
     """The command line of the dev server: loopback only, SQLite persistence, web UI, search attributes."""
     attributes = [arg for name, kind in SEARCH_ATTRIBUTES.items() for arg in ("--search-attribute", f"{name}={kind}")]
     return [
-        temporal_cli(), "server", "start-dev",
-        "--ip", "127.0.0.1",
-        "--port", str(port),
-        "--ui-port", str(ui_port),
-        "--db-filename", str(db_file),
+        temporal_cli(),
+        "server",
+        "start-dev",
+        "--ip",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ui-port",
+        str(ui_port),
+        "--db-filename",
+        str(db_file),
         "--ui-disable-news-fetch",
-        "--log-level", "warn",
+        "--log-level",
+        "warn",
         *DYNAMIC_CONFIG,
         *attributes,
     ]
@@ -120,13 +130,18 @@ def start_detached(state_dir: Path, port: int, ui_port: int, wait: float = 30.0)
     log = open(state_dir / "server.log", "ab")
     process = subprocess.Popen(
         dev_server_command(state_dir / "temporal.db", port, ui_port),
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     (state_dir / "server.pid").write_text(f"{process.pid}\n{port}\n{ui_port}\n")
     deadline = time.monotonic() + wait
     while not port_answers("127.0.0.1", port):
         if process.poll() is not None:
-            raise ServerError(f"the Temporal dev server exited with code {process.returncode}; see {state_dir / 'server.log'}")
+            raise ServerError(
+                f"the Temporal dev server exited with code {process.returncode}; see {state_dir / 'server.log'}"
+            )
         if time.monotonic() > deadline:
             process.kill()
             raise ServerError(f"the Temporal dev server did not answer on 127.0.0.1:{port} within {wait:.0f} s")

@@ -23,28 +23,43 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lazarus",
         description="Training runs that survive a dead node: each run is a durable Temporal workflow "
-                    "whose activities detect, drain, reschedule, replace and resume.",
+        "whose activities detect, drain, reschedule, replace and resume.",
         epilog=ENV_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    server = commands.add_parser("server", help="run the Temporal dev server (127.0.0.1, web UI, SQLite under LAZARUS_HOME)")
-    server.add_argument("--port", type=int, default=None, help="gRPC port (default: the port of LAZARUS_TEMPORAL_ADDRESS, 7233)")
+    server = commands.add_parser(
+        "server", help="run the Temporal dev server (127.0.0.1, web UI, SQLite under LAZARUS_HOME)"
+    )
+    server.add_argument(
+        "--port", type=int, default=None, help="gRPC port (default: the port of LAZARUS_TEMPORAL_ADDRESS, 7233)"
+    )
     server.add_argument("--ui-port", type=int, default=None, help="web UI port (default: gRPC port + 1000)")
     mode = server.add_mutually_exclusive_group()
     mode.add_argument("--detach", action="store_true", help="start it in the background and return")
     mode.add_argument("--stop", action="store_true", help="stop a server started with --detach (or by the demo)")
 
     worker = commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
-    worker.add_argument("--backend", choices=["local", "kubernetes"], default=os.environ.get("LAZARUS_BACKEND", "local"),
-                        help="cluster the activities drive: local rank processes, or pods through the Kubernetes API "
-                             "(in-cluster service account, else ~/.kube/config) (default: LAZARUS_BACKEND, else local)")
-    worker.add_argument("--metrics-port", type=int, default=int(os.environ.get("LAZARUS_METRICS_PORT", "0")) or None,
-                        help="serve Prometheus metrics on ADDRESS:PORT/metrics (default: LAZARUS_METRICS_PORT, else off)")
-    worker.add_argument("--metrics-address", default=os.environ.get("LAZARUS_METRICS_ADDRESS", "127.0.0.1"),
-                        help="address the metrics server binds: 0.0.0.0 in a pod, so that Prometheus can scrape it "
-                             "(default: LAZARUS_METRICS_ADDRESS, else 127.0.0.1)")
+    worker.add_argument(
+        "--backend",
+        choices=["local", "kubernetes"],
+        default=os.environ.get("LAZARUS_BACKEND", "local"),
+        help="cluster the activities drive: local rank processes, or pods through the Kubernetes API "
+        "(in-cluster service account, else ~/.kube/config) (default: LAZARUS_BACKEND, else local)",
+    )
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("LAZARUS_METRICS_PORT", "0")) or None,
+        help="serve Prometheus metrics on ADDRESS:PORT/metrics (default: LAZARUS_METRICS_PORT, else off)",
+    )
+    worker.add_argument(
+        "--metrics-address",
+        default=os.environ.get("LAZARUS_METRICS_ADDRESS", "127.0.0.1"),
+        help="address the metrics server binds: 0.0.0.0 in a pod, so that Prometheus can scrape it "
+        "(default: LAZARUS_METRICS_ADDRESS, else 127.0.0.1)",
+    )
 
     run = commands.add_parser("run", help="start, list, watch, steer and report runs")
     run_commands = run.add_subparsers(dest="run_command", required=True, metavar="ACTION")
@@ -57,20 +72,26 @@ def _parser() -> argparse.ArgumentParser:
     listing = run_commands.add_parser("list", help="runs known to Temporal, newest first, with state and incidents")
     listing.add_argument("--state", help="only runs in this state, e.g. TRAINING (needs the search attributes)")
     listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
-    watch = run_commands.add_parser("watch", help="follow a run live: progress bar, state, incidents (Ctrl-C stops watching)")
+    watch = run_commands.add_parser(
+        "watch", help="follow a run live: progress bar, state, incidents (Ctrl-C stops watching)"
+    )
     watch.add_argument("run_id", metavar="RUN")
     logs = run_commands.add_parser("logs", help="the ranks' stdout and stderr (local backend: read from LAZARUS_HOME)")
     logs.add_argument("run_id", metavar="RUN")
     logs.add_argument("--node", help="only this node's ranks (default incarnation: the newest it ran in)")
     logs.add_argument("--incarnation", type=int, help="this incarnation (default: the newest)")
     logs.add_argument("--follow", action="store_true", help="keep printing until those ranks end (Ctrl-C stops)")
-    report = run_commands.add_parser("report", help="what elasticity cost this run: stage table, ETTR, lost steps, timeline")
+    report = run_commands.add_parser(
+        "report", help="what elasticity cost this run: stage table, ETTR, lost steps, timeline"
+    )
     report.add_argument("run_id", metavar="RUN")
     report.add_argument("--plot", metavar="FILE", help="write the timeline as a PNG")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
-    for name, helptext in (("pause", "checkpoint, stop the ranks, hold the nodes"),
-                           ("resume", "continue a paused run on the nodes it held"),
-                           ("abort", "stop the run cleanly; the newest checkpoint is kept")):
+    for name, helptext in (
+        ("pause", "checkpoint, stop the ranks, hold the nodes"),
+        ("resume", "continue a paused run on the nodes it held"),
+        ("abort", "stop the run cleanly; the newest checkpoint is kept"),
+    ):
         command = run_commands.add_parser(name, help=helptext)
         command.add_argument("run_id", metavar="RUN")
         command.add_argument("--reason", default="", help="why (recorded in the run's history)")
@@ -87,9 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     approve = run_commands.add_parser("approve", help="answer an escalation (state WAITING_FOR_APPROVAL)")
     approve.add_argument("run_id", metavar="RUN")
     approve.add_argument("action", choices=["reshard-below-minimum", "wait-longer"])
-    approve.add_argument("--wait-seconds", type=float, default=600.0, help="with wait-longer: how much longer (default 600)")
-    policy = run_commands.add_parser("set-policy", help="change recovery policy fields, e.g. hang_after_seconds=60 "
-                                                        "stages.drain.max_attempts=9")
+    approve.add_argument(
+        "--wait-seconds", type=float, default=600.0, help="with wait-longer: how much longer (default 600)"
+    )
+    policy = run_commands.add_parser(
+        "set-policy", help="change recovery policy fields, e.g. hang_after_seconds=60 stages.drain.max_attempts=9"
+    )
     policy.add_argument("run_id", metavar="RUN")
     policy.add_argument("changes", nargs="+", metavar="FIELD=VALUE")
 
@@ -103,23 +127,42 @@ def _parser() -> argparse.ArgumentParser:
     back.add_argument("node", metavar="NODE")
 
     simulate = commands.add_parser(
-        "simulate", help="Monte Carlo planner: what elasticity costs a large cluster, per recovery policy",
+        "simulate",
+        help="Monte Carlo planner: what elasticity costs a large cluster, per recovery policy",
         description="Simulate a long run on a large cluster under each recovery policy: ETTR, goodput, "
-                    "lost GPU-hours by cause, the best checkpoint interval and the spares needed.")
+        "lost GPU-hours by cause, the best checkpoint interval and the spares needed.",
+    )
     simulate.add_argument("scenario", nargs="?", metavar="SCENARIO.yaml", help="scenario file (see schema/scenario.py)")
     simulate.add_argument("--preset", help="a built-in scenario: llama3-405b, human-vs-automatic")
-    simulate.add_argument("--costs", metavar="FILE", help="stage costs measured on real runs: `lazarus run status --json` "
-                                                          "output (one status or a list)")
-    simulate.add_argument("--repetitions", type=int, help="Monte Carlo repetitions per policy (default: the scenario's)")
+    simulate.add_argument(
+        "--costs",
+        metavar="FILE",
+        help="stage costs measured on real runs: `lazarus run status --json` output (one status or a list)",
+    )
+    simulate.add_argument(
+        "--repetitions", type=int, help="Monte Carlo repetitions per policy (default: the scenario's)"
+    )
     simulate.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    simulate.add_argument("--plot", metavar="FILE", help="write a PNG: ETTR against checkpoint interval, lost GPU-hours by cause")
+    simulate.add_argument(
+        "--plot", metavar="FILE", help="write a PNG: ETTR against checkpoint interval, lost GPU-hours by cause"
+    )
 
-    demo = commands.add_parser("demo", help="server, worker, a real run, a node killed mid-run, automatic recovery, its cost")
-    demo.add_argument("--spec", help="run spec (default: examples/demo.yaml; examples/dp2-pp2.yaml for pipeline replicas)")
-    demo.add_argument("--spares", type=int, metavar="N", help="hot spares, overriding the spec's cluster.spare_nodes "
-                                                            "(0: the run reshards to fewer replicas)")
+    demo = commands.add_parser(
+        "demo", help="server, worker, a real run, a node killed mid-run, automatic recovery, its cost"
+    )
+    demo.add_argument(
+        "--spec", help="run spec (default: examples/demo.yaml; examples/dp2-pp2.yaml for pipeline replicas)"
+    )
+    demo.add_argument(
+        "--spares",
+        type=int,
+        metavar="N",
+        help="hot spares, overriding the spec's cluster.spare_nodes (0: the run reshards to fewer replicas)",
+    )
     fault = demo.add_mutually_exclusive_group()
-    fault.add_argument("--kill-at-step", type=int, metavar="N", help="kill a node once the run reaches step N (default: mid-run)")
+    fault.add_argument(
+        "--kill-at-step", type=int, metavar="N", help="kill a node once the run reaches step N (default: mid-run)"
+    )
     fault.add_argument("--no-fault", action="store_true", help="kill nothing (the reference run)")
     demo.add_argument("--json", action="store_true", help="print the final status as JSON (progress goes to stderr)")
     return parser
@@ -141,12 +184,21 @@ async def _client(settings: Settings):
         return await connect(settings)
     except RuntimeError as error:
         cause = "connection refused" if "Connection refused" in str(error) else str(error).splitlines()[0][:160]
-        raise UserError(f"cannot reach Temporal at {settings.address} ({cause}); "
-                        f"start one with `lazarus server` or set LAZARUS_TEMPORAL_ADDRESS") from None
+        raise UserError(
+            f"cannot reach Temporal at {settings.address} ({cause}); "
+            f"start one with `lazarus server` or set LAZARUS_TEMPORAL_ADDRESS"
+        ) from None
 
 
 def _server(args, settings: Settings) -> int:
-    from lazarus.infra.temporal_server import ServerError, dev_server_command, port_answers, split_address, start_detached, stop_detached
+    from lazarus.infra.temporal_server import (
+        ServerError,
+        dev_server_command,
+        port_answers,
+        split_address,
+        start_detached,
+        stop_detached,
+    )
 
     if args.stop:
         pid = stop_detached(settings.home)
@@ -155,7 +207,9 @@ def _server(args, settings: Settings) -> int:
     port = args.port or split_address(settings.address)[1]
     ui_port = args.ui_port or port + 1000
     if port_answers("127.0.0.1", port):
-        raise UserError(f"something already listens on 127.0.0.1:{port}; is a server running? (`lazarus server --stop`)")
+        raise UserError(
+            f"something already listens on 127.0.0.1:{port}; is a server running? (`lazarus server --stop`)"
+        )
     settings.home.mkdir(parents=True, exist_ok=True)
     try:
         if args.detach:
@@ -165,8 +219,11 @@ def _server(args, settings: Settings) -> int:
         command = dev_server_command(settings.home / "temporal.db", port, ui_port)
     except ServerError as error:
         raise UserError(str(error)) from None
-    print(f"Temporal dev server: gRPC 127.0.0.1:{port}, web UI http://127.0.0.1:{ui_port}, "
-          f"state {settings.home / 'temporal.db'} (Ctrl-C stops)", flush=True)
+    print(
+        f"Temporal dev server: gRPC 127.0.0.1:{port}, web UI http://127.0.0.1:{ui_port}, "
+        f"state {settings.home / 'temporal.db'} (Ctrl-C stops)",
+        flush=True,
+    )
     server = subprocess.Popen(command)
     try:
         return server.wait()
@@ -203,12 +260,16 @@ async def _worker(args, settings: Settings) -> int:
         try:
             serve_metrics(args.metrics_port, metrics, args.metrics_address)
         except OSError as error:
-            raise UserError(f"--metrics-port {args.metrics_port} on {args.metrics_address}: "
-                            f"{error.strerror or error}") from None
+            raise UserError(
+                f"--metrics-port {args.metrics_port} on {args.metrics_address}: {error.strerror or error}"
+            ) from None
         counter = asyncio.ensure_future(count_runs_by_state(client, metrics))
-    print(f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} at {settings.address}, "
-          f"runs under {settings.home.resolve() / 'runs'}"
-          + (f", metrics on http://{args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
+    print(
+        f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} at {settings.address}, "
+        f"runs under {settings.home.resolve() / 'runs'}"
+        + (f", metrics on http://{args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""),
+        flush=True,
+    )
     try:
         await serve(worker, counter)
     finally:
@@ -260,7 +321,9 @@ async def _run(args, settings: Settings) -> int:
         except RPCError as error:
             raise UserError(f"no status for run {args.run_id}: {error.message}") from None
         except WorkflowQueryFailedError as error:
-            raise UserError(f"run {args.run_id} did not answer: {error}; is a worker running (`lazarus worker`)?") from None
+            raise UserError(
+                f"run {args.run_id} did not answer: {error}; is a worker running (`lazarus worker`)?"
+            ) from None
 
     if args.run_command == "watch":
         return await _watch(current)
@@ -284,8 +347,10 @@ async def _run(args, settings: Settings) -> int:
     from lazarus.report import stage_table
 
     assignment = status.assignment
-    print(f"run {status.run_id}: {status.state.value}, step {status.step}/{status.total_steps}, "
-          f"layout dp={status.layout.dp} pp={status.layout.pp} tp={status.layout.tp}")
+    print(
+        f"run {status.run_id}: {status.state.value}, step {status.step}/{status.total_steps}, "
+        f"layout dp={status.layout.dp} pp={status.layout.pp} tp={status.layout.tp}"
+    )
     if assignment:
         print(f"incarnation {assignment.incarnation} on {', '.join(assignment.nodes)}")
     if status.reason:
@@ -294,8 +359,16 @@ async def _run(args, settings: Settings) -> int:
     return 0
 
 
-UPDATES = {"pause": "pause", "resume": "resume", "abort": "abort", "drain-node": "drain_node",
-           "return-node": "return_node", "reshard": "reshard", "approve": "approve", "set-policy": "set_policy"}
+UPDATES = {
+    "pause": "pause",
+    "resume": "resume",
+    "abort": "abort",
+    "drain-node": "drain_node",
+    "return-node": "return_node",
+    "reshard": "reshard",
+    "approve": "approve",
+    "set-policy": "set_policy",
+}
 
 
 def _policy_changes(pairs: list[str]) -> dict:
@@ -323,10 +396,13 @@ async def _update(client, args) -> int:
     from lazarus.workflows.training_run import TrainingRun
 
     request = OperatorRequest(
-        reason=getattr(args, "reason", ""), node=getattr(args, "node", None), dp=getattr(args, "dp", None),
+        reason=getattr(args, "reason", ""),
+        node=getattr(args, "node", None),
+        dp=getattr(args, "dp", None),
         action=args.action.replace("-", "_") if args.run_command == "approve" else None,
         wait_seconds=getattr(args, "wait_seconds", 600.0),
-        changes=_policy_changes(args.changes) if args.run_command == "set-policy" else {})
+        changes=_policy_changes(args.changes) if args.run_command == "set-policy" else {},
+    )
     update = getattr(TrainingRun, UPDATES[args.run_command])
     try:
         answer = await client.get_workflow_handle(args.run_id).execute_update(update, request)
@@ -348,8 +424,10 @@ async def _list(client, args) -> int:
             attributes = execution.search_attributes
             state = (attributes.get("LazarusState") or ["-"])[0]
             incidents = (attributes.get("LazarusIncidents") or ["-"])[0]
-            print(f"{execution.id:<36}{execution.status.name.lower():<12}{state:<22}{incidents!s:>10}  "
-                  f"{execution.start_time:%Y-%m-%d %H:%M:%S}")
+            print(
+                f"{execution.id:<36}{execution.status.name.lower():<12}{state:<22}{incidents!s:>10}  "
+                f"{execution.start_time:%Y-%m-%d %H:%M:%S}"
+            )
             count += 1
     except Exception as error:  # noqa: BLE001 - a bad query is the user's: say it in one line
         raise UserError(f"cannot list runs: {str(error).splitlines()[0]}") from None
@@ -368,13 +446,19 @@ async def _watch(current) -> int:
             print()
         if len(status.incidents) > incidents:
             incident = status.incidents[-1]
-            print(f"\nincident {incident.number}: {incident.fault.kind} on {', '.join(incident.fault.nodes)} "
-                  f"at step {incident.fault.step}")
+            print(
+                f"\nincident {incident.number}: {incident.fault.kind} on {', '.join(incident.fault.nodes)} "
+                f"at step {incident.fault.step}"
+            )
             incidents = len(status.incidents)
         width = 30
         done = int(width * status.step / status.total_steps)
-        print(f"\r[{'#' * done}{'.' * (width - done)}] {status.step}/{status.total_steps} {state:<22}"
-              f"incarnation {status.assignment.incarnation if status.assignment else '-'}", end="", flush=True)
+        print(
+            f"\r[{'#' * done}{'.' * (width - done)}] {status.step}/{status.total_steps} {state:<22}"
+            f"incarnation {status.assignment.incarnation if status.assignment else '-'}",
+            end="",
+            flush=True,
+        )
         last_state = state
         if state in terminal:
             print(f"\n{state}" + (f": {status.reason}" if status.reason else ""))
@@ -404,7 +488,9 @@ def _simulate(args) -> int:
     try:
         scenario = load_scenario(args.scenario, args.preset)
         if args.costs:
-            scenario = scenario.model_copy(update={"costs": scenario.costs.model_copy(update=measured_costs(args.costs))})
+            scenario = scenario.model_copy(
+                update={"costs": scenario.costs.model_copy(update=measured_costs(args.costs))}
+            )
         if args.repetitions is not None and args.repetitions < 2:
             raise PlanError(f"--repetitions {args.repetitions}: use at least 2 (for a confidence band)")
     except PlanError as error:

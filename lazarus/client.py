@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from temporalio.client import Client, TLSConfig, WorkflowHandle
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.client import Client, TLSConfig, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 
-from lazarus.infra.temporal_server import SEARCH_ATTRIBUTES
 from lazarus.config import Settings
+from lazarus.infra.temporal_server import SEARCH_ATTRIBUTES
 from lazarus.schema.records import RunStart, RunState, RunStatus
 from lazarus.schema.run import RunSpec
 from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
@@ -22,17 +22,22 @@ async def connect(settings: Settings) -> Client:
     tls: TLSConfig | bool = False
     if settings.tls_cert or settings.tls_ca:
         read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-        tls = TLSConfig(client_cert=read(settings.tls_cert), client_private_key=read(settings.tls_key),
-                        server_root_ca_cert=read(settings.tls_ca))
-    return await Client.connect(settings.address, namespace=settings.namespace, tls=tls,
-                                data_converter=pydantic_data_converter)
+        tls = TLSConfig(
+            client_cert=read(settings.tls_cert),
+            client_private_key=read(settings.tls_key),
+            server_root_ca_cert=read(settings.tls_ca),
+        )
+    return await Client.connect(
+        settings.address, namespace=settings.namespace, tls=tls, data_converter=pydantic_data_converter
+    )
 
 
 async def has_search_attributes(client: Client, namespace: str) -> bool:
     """True when the namespace has LazarusState and LazarusIncidents (`lazarus server` registers them)."""
     try:
         response = await client.operator_service.list_search_attributes(
-            ListSearchAttributesRequest(namespace=namespace))
+            ListSearchAttributesRequest(namespace=namespace)
+        )
     except RPCError:
         return False  # e.g. no permission to ask: run without them
     return all(name in response.custom_attributes for name in SEARCH_ATTRIBUTES)
@@ -41,12 +46,22 @@ async def has_search_attributes(client: Client, namespace: str) -> bool:
 async def start_run(client: Client, settings: Settings, spec: RunSpec, run_id: str) -> WorkflowHandle:
     """Start the TrainingRun workflow; the run id is the workflow id."""
     searchable = await has_search_attributes(client, settings.namespace)
-    attributes = TypedSearchAttributes([
-        SearchAttributePair(STATE_ATTRIBUTE, RunState.PENDING.value), SearchAttributePair(INCIDENTS_ATTRIBUTE, 0),
-    ]) if searchable else None
+    attributes = (
+        TypedSearchAttributes(
+            [
+                SearchAttributePair(STATE_ATTRIBUTE, RunState.PENDING.value),
+                SearchAttributePair(INCIDENTS_ATTRIBUTE, 0),
+            ]
+        )
+        if searchable
+        else None
+    )
     return await client.start_workflow(
-        TrainingRun.run, RunStart(run_id=run_id, spec=spec, search_attributes=searchable), id=run_id,
-        task_queue=settings.task_queue, search_attributes=attributes,
+        TrainingRun.run,
+        RunStart(run_id=run_id, spec=spec, search_attributes=searchable),
+        id=run_id,
+        task_queue=settings.task_queue,
+        search_attributes=attributes,
         # A run id names one run directory; reusing it would resume a finished run's state.
         id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
     )

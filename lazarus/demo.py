@@ -13,15 +13,15 @@ from pathlib import Path
 
 from temporalio.client import WorkflowFailureError
 
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.temporal_server import port_answers, split_address, start_detached
 from lazarus.client import connect, run_status, start_run
 from lazarus.config import Settings
+from lazarus.infra.local import LocalCluster
+from lazarus.infra.temporal_server import port_answers, split_address, start_detached
 from lazarus.report import stage_table
-from lazarus.worker import build_worker
 from lazarus.schema.contract import RunDir
 from lazarus.schema.records import RunState, RunStatus
 from lazarus.schema.run import RunSpec
+from lazarus.worker import build_worker
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 
@@ -63,8 +63,9 @@ async def ensure_server(settings: Settings, say) -> None:
     say(f"  server pid {pid}; it stays up for the web UI; stop it with `lazarus server --stop`")
 
 
-async def drive_run(client, settings: Settings, cluster: LocalCluster, spec: RunSpec, run_id: str,
-                    kill_at: int | None, say, kill=None) -> RunStatus:
+async def drive_run(
+    client, settings: Settings, cluster: LocalCluster, spec: RunSpec, run_id: str, kill_at: int | None, say, kill=None
+) -> RunStatus:
     """Start a run (a worker must serve settings.task_queue), follow it, kill a node at `kill_at`.
 
     `kill(run_id, node)` (async, returns the pids killed) does the killing; by default
@@ -107,7 +108,9 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
         print(f"[{time.monotonic() - started:6.1f}s] {message}", file=out, flush=True)
 
     if kill_at is not None and not 1 <= kill_at < spec.trainer.steps:
-        raise DemoError(f"--kill-at-step {kill_at} must be between 1 and {spec.trainer.steps - 1} (the run trains {spec.trainer.steps} steps)")
+        raise DemoError(
+            f"--kill-at-step {kill_at} must be between 1 and {spec.trainer.steps - 1} (the run trains {spec.trainer.steps} steps)"
+        )
     if kill_at is not None and spec.cluster.spare_nodes < 1:
         say("note: no hot spare in this spec; after the kill the run waits for capacity, then fails")
 
@@ -118,8 +121,10 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
     # A queue of its own: a `lazarus worker` elsewhere may use another LAZARUS_HOME.
     settings = dataclasses.replace(settings, task_queue=f"{settings.task_queue}-demo-{uuid.uuid4().hex[:8]}")
 
-    say(f"run {run_id}: {spec.cluster.active_nodes} active nodes + {spec.cluster.spare_nodes} hot spare(s), "
-        f"dp={spec.layout.dp}, {spec.trainer.steps} steps, checkpoint every {spec.trainer.checkpoint_every}")
+    say(
+        f"run {run_id}: {spec.cluster.active_nodes} active nodes + {spec.cluster.spare_nodes} hot spare(s), "
+        f"dp={spec.layout.dp}, {spec.trainer.steps} steps, checkpoint every {spec.trainer.checkpoint_every}"
+    )
     say(f"web UI: {settings.workflow_url(run_id)}")
     async with build_worker(client, settings.task_queue, cluster):
         final = await drive_run(client, settings, cluster, spec, run_id, kill_at, say)

@@ -41,9 +41,11 @@ def select(run: RunDir, node: str | None = None, incarnation: int | None = None)
     if node is not None and node not in assignment.nodes:
         raise LogsError(f"{node} did not run in incarnation {incarnation} (nodes: {', '.join(assignment.nodes)})")
     layout = assignment.layout
-    return [RankLog(incarnation, rank, assignment.nodes[layout.node_of_rank(rank)], run.log_file(incarnation, rank))
-            for rank in range(layout.world_size)
-            if node is None or assignment.nodes[layout.node_of_rank(rank)] == node]
+    return [
+        RankLog(incarnation, rank, assignment.nodes[layout.node_of_rank(rank)], run.log_file(incarnation, rank))
+        for rank in range(layout.world_size)
+        if node is None or assignment.nodes[layout.node_of_rank(rank)] == node
+    ]
 
 
 def show(run: RunDir, logs: list[RankLog], follow: bool, write=print, poll: float = 0.2) -> None:
@@ -58,7 +60,7 @@ def show(run: RunDir, logs: list[RankLog], follow: bool, write=print, poll: floa
                     data = handle.read()
             except FileNotFoundError:
                 continue
-            complete = data[:data.rfind(b"\n") + 1] if follow else data
+            complete = data[: data.rfind(b"\n") + 1] if follow else data
             offsets[log.rank] += len(complete)
             for line in complete.decode(errors="replace").splitlines():
                 write(f"{log.node} rank {log.rank} | {line}")

@@ -33,8 +33,19 @@ from lazarus.schema.records import Assignment, Inventory, NodeRecord
 from lazarus.schema.scenario import Fixed, LogNormal, Measured, Scenario, Uniform
 from lazarus.workflows.policy import plan_recovery
 
-CAUSES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume", "human", "waiting_for_capacity",
-          "recomputed_steps", "checkpoint_stalls", "below_target_dp", "idle_spares")
+CAUSES = (
+    "detect",
+    "drain",
+    "reschedule",
+    "replace_or_reshard",
+    "resume",
+    "human",
+    "waiting_for_capacity",
+    "recomputed_steps",
+    "checkpoint_stalls",
+    "below_target_dp",
+    "idle_spares",
+)
 """Where lost GPU-hours go."""
 
 RECOVERY_STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
@@ -59,7 +70,7 @@ def mean_cost(cost) -> float:
     if isinstance(cost, Fixed):
         return cost.seconds
     if isinstance(cost, LogNormal):
-        return cost.median * math.exp(cost.sigma ** 2 / 2)
+        return cost.median * math.exp(cost.sigma**2 / 2)
     if isinstance(cost, Uniform):
         return (cost.low + cost.high) / 2
     return statistics.fmean(cost.samples)
@@ -88,9 +99,13 @@ class PolicyTable:
             if key[1]:
                 nodes.append(NodeRecord(name="spare", role="spare"))
             layout = self.layout.model_copy(update={"dp": dp})
-            decision = plan_recovery(Inventory(nodes=nodes), Assignment(incarnation=0, nodes=names, layout=layout,
-                                                                        master_port=1),
-                                     [names[-1]], target_dp=self.scenario.dp, min_dp=self.scenario.min_dp)
+            decision = plan_recovery(
+                Inventory(nodes=nodes),
+                Assignment(incarnation=0, nodes=names, layout=layout, master_port=1),
+                [names[-1]],
+                target_dp=self.scenario.dp,
+                min_dp=self.scenario.min_dp,
+            )
             self._cache[key] = (decision.action, decision.layout.dp, len(decision.released_nodes))
         return self._cache[key]
 
@@ -106,8 +121,14 @@ class Outcome:
     regrows: int = 0
 
 
-def simulate_once(scenario: Scenario, policy: str, table: PolicyTable | None, rng: random.Random,
-                  interval_minutes: float | None = None, spare_nodes: int | None = None) -> Outcome:
+def simulate_once(
+    scenario: Scenario,
+    policy: str,
+    table: PolicyTable | None,
+    rng: random.Random,
+    interval_minutes: float | None = None,
+    spare_nodes: int | None = None,
+) -> Outcome:
     """One run of the scenario under a policy; `interval_minutes` and `spare_nodes` override the scenario's."""
     s = scenario
     gpus, g = s.gpus, s.gpus_per_node
@@ -235,14 +256,27 @@ class PolicyResult:
     regrows_per_run: float
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "ettr": self.ettr, "ettr_ci95": list(self.ettr_ci95), "goodput": self.goodput,
-                "lost_gpu_hours": self.lost_gpu_hours, "lost_gpu_hours_total": sum(self.lost_gpu_hours.values()),
-                "faults_per_run": self.faults_per_run, "reshards_per_run": self.reshards_per_run,
-                "regrows_per_run": self.regrows_per_run}
+        return {
+            "name": self.name,
+            "ettr": self.ettr,
+            "ettr_ci95": list(self.ettr_ci95),
+            "goodput": self.goodput,
+            "lost_gpu_hours": self.lost_gpu_hours,
+            "lost_gpu_hours_total": sum(self.lost_gpu_hours.values()),
+            "faults_per_run": self.faults_per_run,
+            "reshards_per_run": self.reshards_per_run,
+            "regrows_per_run": self.regrows_per_run,
+        }
 
 
-def run_policy(scenario: Scenario, policy: str, repetitions: int | None = None, seed: int | None = None,
-               interval_minutes: float | None = None, spare_nodes: int | None = None) -> PolicyResult:
+def run_policy(
+    scenario: Scenario,
+    policy: str,
+    repetitions: int | None = None,
+    seed: int | None = None,
+    interval_minutes: float | None = None,
+    spare_nodes: int | None = None,
+) -> PolicyResult:
     """Simulate one policy over many repetitions."""
     repetitions = repetitions or scenario.repetitions
     rng = random.Random(scenario.seed if seed is None else seed)
@@ -255,7 +289,9 @@ def run_policy(scenario: Scenario, policy: str, repetitions: int | None = None, 
     mean = statistics.fmean(ettrs)
     half = 1.96 * statistics.stdev(ettrs) / math.sqrt(len(ettrs)) if len(ettrs) > 1 else 0.0
     return PolicyResult(
-        name=policy, ettr=mean, ettr_ci95=(mean - half, mean + half),
+        name=policy,
+        ettr=mean,
+        ettr_ci95=(mean - half, mean + half),
         goodput=statistics.fmean(o.useful for o in outcomes) / everything,
         lost_gpu_hours={c: statistics.fmean(o.lost[c] for o in outcomes) / 3600.0 for c in CAUSES},
         faults_per_run=statistics.fmean(o.faults for o in outcomes),
@@ -274,9 +310,13 @@ def young_daly_minutes(scenario: Scenario) -> float:
     return math.sqrt(2 * scenario.checkpoint.save_stall_seconds * job_mtbf_seconds(scenario)) / 60.0
 
 
-def interval_sweep(scenario: Scenario, policy: str, intervals: list[float], repetitions: int) -> list[tuple[float, float]]:
+def interval_sweep(
+    scenario: Scenario, policy: str, intervals: list[float], repetitions: int
+) -> list[tuple[float, float]]:
     """(interval minutes, ETTR) for each interval, same random streams for every interval."""
-    return [(minutes, run_policy(scenario, policy, repetitions, interval_minutes=minutes).ettr) for minutes in intervals]
+    return [
+        (minutes, run_policy(scenario, policy, repetitions, interval_minutes=minutes).ettr) for minutes in intervals
+    ]
 
 
 def default_intervals(scenario: Scenario) -> list[float]:
@@ -292,6 +332,7 @@ def smallest_spares(scenario: Scenario, repetitions: int, limit: int = 256) -> i
     Doubles the count until the target is met, then bisects between the last miss and the hit
     (ETTR grows with spares, up to the Monte Carlo noise).
     """
+
     def reaches(count: int) -> bool:
         return run_policy(scenario, "automatic", repetitions, spare_nodes=count).ettr >= scenario.target_ettr
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from lazarus.schema.records import STAGES, Incident, RunStatus
 
-STAGE_COLORS = {"detect": "#d62728", "drain": "#ff7f0e", "reschedule": "#bcbd22",
-                "replace_or_reshard": "#9467bd", "resume": "#1f77b4"}
+STAGE_COLORS = {
+    "detect": "#d62728",
+    "drain": "#ff7f0e",
+    "reschedule": "#bcbd22",
+    "replace_or_reshard": "#9467bd",
+    "resume": "#1f77b4",
+}
 
 
 def _seconds(a: datetime, b: datetime) -> float:
@@ -48,7 +53,7 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     the run's mean step time), and paused time. The launch (before the first step) counts as
     training.
     """
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     if status.started_at is None:
         raise ValueError(f"run {status.run_id} has not been launched yet")
     end = status.ended_at or now
@@ -61,8 +66,9 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     step_seconds = training / steps_trained if steps_trained else 0.0
     recomputing = lost_steps * step_seconds
     productive = max(training - recomputing, 0.0)
-    stages = {name: sum(i.stages[name].seconds or 0 for i in status.incidents if name in i.stages)
-              for name in STAGE_COLORS}
+    stages = {
+        name: sum(i.stages[name].seconds or 0 for i in status.incidents if name in i.stages) for name in STAGE_COLORS
+    }
     return {
         "run_id": status.run_id,
         "state": status.state.value,
@@ -85,8 +91,10 @@ def stage_table(status: RunStatus) -> str:
     lines = []
     for incident in status.incidents:
         fault = incident.fault
-        lines.append(f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step} "
-                     f"({fault.reason})")
+        lines.append(
+            f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step} "
+            f"({fault.reason})"
+        )
         lines.append(f"  {'stage':<20}{'seconds':>9}")
         for name in STAGES:
             stage = incident.stages.get(name)
@@ -103,13 +111,21 @@ def stage_table(status: RunStatus) -> str:
         if incident.discarded_checkpoints or incident.skipped_checkpoints:
             skipped = ", ".join(f"step-{s} ({why})" for s, why in incident.skipped_checkpoints.items())
             discarded = ", ".join(f"step-{s}" for s in incident.discarded_checkpoints)
-            lines.append("  checkpoints: " + "; ".join(filter(None, [
-                discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"])))
+            lines.append(
+                "  checkpoints: "
+                + "; ".join(
+                    filter(
+                        None, [discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"]
+                    )
+                )
+            )
         if incident.resumed_from_step is None:
             lines.append(f"  outcome: {incident.outcome}")
         else:
-            lines.append(f"  resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
-                         f"outcome: {incident.outcome}")
+            lines.append(
+                f"  resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
+                f"outcome: {incident.outcome}"
+            )
     if not lines:
         lines.append("No incidents: the run trained without a fault.")
     return "\n".join(lines)
@@ -130,8 +146,10 @@ def report_text(status: RunStatus, summary: dict) -> str:
     if status.interventions:
         lines += ["", "Operator interventions:"]
         for intervention in status.interventions:
-            lines.append(f"  {intervention.requested_at:%H:%M:%S} {intervention.kind} {intervention.detail}".rstrip()
-                         + f": {intervention.outcome or 'pending'}")
+            lines.append(
+                f"  {intervention.requested_at:%H:%M:%S} {intervention.kind} {intervention.detail}".rstrip()
+                + f": {intervention.outcome or 'pending'}"
+            )
     return "\n".join(lines)
 
 
@@ -143,7 +161,7 @@ def plot_timeline(status: RunStatus, summary: dict, path: str, now: datetime | N
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    end = status.ended_at or now or datetime.now(timezone.utc)
+    end = status.ended_at or now or datetime.now(UTC)
     origin = status.started_at
     at = lambda moment: _seconds(origin, moment)  # noqa: E731
     figure, axis = plt.subplots(figsize=(12, 2.8))
@@ -154,15 +172,22 @@ def plot_timeline(status: RunStatus, summary: dict, path: str, now: datetime | N
         for name, stage in incident.stages.items():
             if stage.ended_at is not None:
                 axis.broken_barh([(at(stage.started_at), max(stage.seconds, 0.01))], (0, 1), color=STAGE_COLORS[name])
-        axis.annotate(f"#{incident.number} {incident.fault.kind}\n{', '.join(incident.fault.nodes)}",
-                      (at(fault_at), 2.05), fontsize=8, ha="left", va="bottom")
+        axis.annotate(
+            f"#{incident.number} {incident.fault.kind}\n{', '.join(incident.fault.nodes)}",
+            (at(fault_at), 2.05),
+            fontsize=8,
+            ha="left",
+            va="bottom",
+        )
     for start, stop in paused_intervals(status, end):
         axis.broken_barh([(at(start), _seconds(start, stop))], (0, 1), color="#c7c7c7", hatch="//")
     axis.set_ylim(0, 2.8)
     axis.set_yticks([0.5, 1.6], ["run", "fault to\nfirst step"])
     axis.set_xlabel("seconds since launch")
-    axis.set_title(f"{status.run_id}: ETTR {summary['ettr']:.1%}, {summary['incidents']} incident(s), "
-                   f"{summary['lost_steps']} lost step(s)")
+    axis.set_title(
+        f"{status.run_id}: ETTR {summary['ettr']:.1%}, {summary['incidents']} incident(s), "
+        f"{summary['lost_steps']} lost step(s)"
+    )
     legend = [Patch(color="#2ca02c", alpha=0.6, label="training")]
     legend += [Patch(color=color, label=name) for name, color in STAGE_COLORS.items()]
     legend += [Patch(facecolor="#c7c7c7", hatch="//", label="operator hold")]

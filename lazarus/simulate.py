@@ -63,8 +63,10 @@ def measured_costs(path: str) -> dict[str, Measured]:
                 samples[name].append(float(stage["seconds"]))
     missing = [name for name, values in samples.items() if not values]
     if missing:
-        raise PlanError(f"{path}: no measured seconds for {', '.join(missing)} "
-                        f"(expected `lazarus run status --json` output with recovered incidents)")
+        raise PlanError(
+            f"{path}: no measured seconds for {', '.join(missing)} "
+            f"(expected `lazarus run status --json` output with recovered incidents)"
+        )
     return {name: Measured(dist="measured", samples=values) for name, values in samples.items()}
 
 
@@ -82,8 +84,11 @@ def plan(scenario: Scenario, repetitions: int | None = None) -> dict:
         "mtbf_hours": job_mtbf_seconds(scenario) / 3600.0,
         "policies": [p.as_dict() for p in policies],
         "checkpoint_interval": {
-            "policy": lead, "best_minutes": best_minutes, "best_ettr": best_ettr,
-            "young_daly_minutes": young_daly_minutes(scenario), "repetitions": sweep_reps,
+            "policy": lead,
+            "best_minutes": best_minutes,
+            "best_ettr": best_ettr,
+            "young_daly_minutes": young_daly_minutes(scenario),
+            "repetitions": sweep_reps,
             "sweep": {name: [list(point) for point in points] for name, points in sweeps.items()},
         },
         "spares": {
@@ -108,21 +113,31 @@ def report(result: dict) -> str:
     ]
     for p in result["policies"]:
         low, high = p["ettr_ci95"]
-        lines.append(f"{p['name']:<16}{p['ettr']:>8.2%}{f'{low:.2%} - {high:.2%}':>18}{p['goodput']:>9.2%}"
-                     f"{p['faults_per_run']:>8.0f}{p['reshards_per_run']:>9.1f}{p['lost_gpu_hours_total']:>12,.0f}")
-    lines += ["", "Lost GPU-hours by cause (mean per run):",
-              f"{'cause':<22}" + "".join(f"{p['name']:>16}" for p in result["policies"])]
+        lines.append(
+            f"{p['name']:<16}{p['ettr']:>8.2%}{f'{low:.2%} - {high:.2%}':>18}{p['goodput']:>9.2%}"
+            f"{p['faults_per_run']:>8.0f}{p['reshards_per_run']:>9.1f}{p['lost_gpu_hours_total']:>12,.0f}"
+        )
+    lines += [
+        "",
+        "Lost GPU-hours by cause (mean per run):",
+        f"{'cause':<22}" + "".join(f"{p['name']:>16}" for p in result["policies"]),
+    ]
     for cause in CAUSES:
         values = [p["lost_gpu_hours"][cause] for p in result["policies"]]
         if any(values):
             lines.append(f"{cause:<22}" + "".join(f"{v:>16,.0f}" for v in values))
     interval = result["checkpoint_interval"]
-    lines += ["", f"Checkpoint interval ({interval['policy']}, {interval['repetitions']} repetitions per point): "
-                  f"best {interval['best_minutes']:.1f} min (ETTR {interval['best_ettr']:.2%}); "
-                  f"Young-Daly sqrt(2 x save stall x MTBF) = {interval['young_daly_minutes']:.1f} min"]
+    lines += [
+        "",
+        f"Checkpoint interval ({interval['policy']}, {interval['repetitions']} repetitions per point): "
+        f"best {interval['best_minutes']:.1f} min (ETTR {interval['best_ettr']:.2%}); "
+        f"Young-Daly sqrt(2 x save stall x MTBF) = {interval['young_daly_minutes']:.1f} min",
+    ]
     spares = result["spares"]
     if spares["smallest_for_target"] is not None:
-        lines.append(f"Hot spares for ETTR >= {spares['target_ettr']:.1%} (automatic): {spares['smallest_for_target']} node(s)")
+        lines.append(
+            f"Hot spares for ETTR >= {spares['target_ettr']:.1%} (automatic): {spares['smallest_for_target']} node(s)"
+        )
     elif "automatic" in [p["name"] for p in result["policies"]]:
         lines.append(f"Hot spares for ETTR >= {spares['target_ettr']:.1%}: not reached with up to 256 spare nodes")
     return "\n".join(lines)

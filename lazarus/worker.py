@@ -24,16 +24,29 @@ that sleeps between looks), so this bounds the runs a worker can watch; the SDK'
 100 would leave run 101 unwatched."""
 
 
-def build_worker(client: Client, task_queue: str, cluster: RunFiles, failpoints: Failpoints | None = None,
-                 metrics: Metrics | None = None) -> Worker:
+def build_worker(
+    client: Client,
+    task_queue: str,
+    cluster: RunFiles,
+    failpoints: Failpoints | None = None,
+    metrics: Metrics | None = None,
+) -> Worker:
     """A worker that runs TrainingRun and the activities over `cluster` (LocalCluster or KubernetesCluster)."""
     stages = RecoveryActivities(cluster, failpoints, metrics)
     return Worker(
         client,
         task_queue=task_queue,
         workflows=[TrainingRun],
-        activities=[stages.launch, stages.detect, stages.drain, stages.reschedule,
-                    stages.replace_or_reshard, stages.resume, stages.stop, stages.return_node],
+        activities=[
+            stages.launch,
+            stages.detect,
+            stages.drain,
+            stages.reschedule,
+            stages.replace_or_reshard,
+            stages.resume,
+            stages.stop,
+            stages.return_node,
+        ],
         # Shutdown waits this long for running activities; detect is cancelled and retried elsewhere.
         graceful_shutdown_timeout=timedelta(seconds=2),
         max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,

@@ -17,7 +17,15 @@ from lazarus.schema.records import (
     RunStatus,
     StageRecord,
 )
-from lazarus.schema.run import ClusterSpec, FaultInjection, RecoveryPolicy, RunSpec, StagePolicies, StagePolicy, TrainerSettings
+from lazarus.schema.run import (
+    ClusterSpec,
+    FaultInjection,
+    RecoveryPolicy,
+    RunSpec,
+    StagePolicies,
+    StagePolicy,
+    TrainerSettings,
+)
 
 __all__ = [
     "STAGES",

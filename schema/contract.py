@@ -186,8 +186,11 @@ class RunDir:
 
 def checkpoint_manifest(folder: Path) -> dict[str, dict]:
     """Size and SHA-256 of every file of a checkpoint folder (the commit marker's `files`)."""
-    return {path.name: {"size": path.stat().st_size, "sha256": file_sha256(path)}
-            for path in sorted(folder.iterdir()) if path.is_file() and path.name != COMMIT_MARKER}
+    return {
+        path.name: {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.name != COMMIT_MARKER
+    }
 
 
 def commit_checkpoint(run: RunDir, step: int, incarnation: int) -> bool:
@@ -201,8 +204,10 @@ def commit_checkpoint(run: RunDir, step: int, incarnation: int) -> bool:
     if run.ended_file(incarnation).exists():
         return False
     folder = run.checkpoint(step)
-    write_json_atomic(folder / COMMIT_MARKER, {"step": step, "incarnation": incarnation, "time": time.time(),
-                                               "files": checkpoint_manifest(folder)})
+    write_json_atomic(
+        folder / COMMIT_MARKER,
+        {"step": step, "incarnation": incarnation, "time": time.time(), "files": checkpoint_manifest(folder)},
+    )
     return True
 
 

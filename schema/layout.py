@@ -14,9 +14,15 @@ class Layout(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dp: int = Field(4, ge=1, description="Data-parallel degree: model replicas training on different samples (replicas).")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: stages one replica is cut into (ranks per replica).")
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree: ranks sharing each stage's matrices (ranks per stage).")
+    dp: int = Field(
+        4, ge=1, description="Data-parallel degree: model replicas training on different samples (replicas)."
+    )
+    pp: int = Field(
+        1, ge=1, description="Pipeline-parallel degree: stages one replica is cut into (ranks per replica)."
+    )
+    tp: int = Field(
+        1, ge=1, description="Tensor-parallel degree: ranks sharing each stage's matrices (ranks per stage)."
+    )
     ranks_per_node: int = Field(1, ge=1, description="Rank processes that run on one node (ranks).")
 
     @model_validator(mode="after")

@@ -46,7 +46,9 @@ class Assignment(Record):
     """Which node hosts which ranks in one incarnation (one launch of the rank processes)."""
 
     incarnation: int = Field(ge=0, description="Launch counter: 0 at start, +1 per recovery.")
-    nodes: list[str] = Field(description="Node names in rank order: node i hosts ranks i*ranks_per_node .. (i+1)*ranks_per_node-1.")
+    nodes: list[str] = Field(
+        description="Node names in rank order: node i hosts ranks i*ranks_per_node .. (i+1)*ranks_per_node-1."
+    )
     layout: Layout = Field(description="The parallel layout this incarnation runs.")
     master_addr: str = Field("127.0.0.1", description="Address of rank 0's rendezvous store.")
     master_port: int = Field(ge=1, le=65535, description="TCP port of rank 0's rendezvous store.")
@@ -56,7 +58,9 @@ class NodeRecord(Record):
     """One node of the inventory."""
 
     name: str = Field(description="Node name, unique within the run.")
-    role: Literal["active", "spare", "quarantined"] = Field(description="active: in the current assignment; spare: free; quarantined: held out after a fault.")
+    role: Literal["active", "spare", "quarantined"] = Field(
+        description="active: in the current assignment; spare: free; quarantined: held out after a fault."
+    )
     healthy: bool = Field(True, description="False once the backend saw the node die.")
     died_at: datetime | None = Field(None, description="When the node was seen to die (UTC).")
     note: str = Field("", description="Why the node has its role (for quarantine: the fault).")
@@ -85,16 +89,28 @@ FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator", "p
 class FaultReport(Record):
     """A fault: which nodes, what kind, when it happened and when it was seen."""
 
-    kind: FaultKind = Field(description="node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; external: reported by signal; operator: drained by an operator; program_error: every rank ended on its own before training a step (no node to blame).")
+    kind: FaultKind = Field(
+        description="node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; external: reported by signal; operator: drained by an operator; program_error: every rank ended on its own before training a step (no node to blame)."
+    )
     nodes: list[str] = Field(description="Nodes blamed for the fault; they are quarantined.")
     incarnation: int = Field(ge=0, description="Incarnation that was running.")
-    occurred_at: datetime = Field(description="Best known time of the fault (UTC): the backend's death time, else when it was first seen.")
+    occurred_at: datetime = Field(
+        description="Best known time of the fault (UTC): the backend's death time, else when it was first seen."
+    )
     detected_at: datetime = Field(description="When the detector reported it (UTC).")
-    step: int = Field(ge=0, description=(
-        "Newest step completed when the fault was detected: the highest any rank reported (in synchronous "
-        "training every rank got through that step's collectives; another's heartbeat may lag by milliseconds)."))
-    last_heartbeat_at: datetime | None = Field(None, description="Newest heartbeat of the blamed ranks before the fault (UTC).")
-    reason: str = Field("", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words.")
+    step: int = Field(
+        ge=0,
+        description=(
+            "Newest step completed when the fault was detected: the highest any rank reported (in synchronous "
+            "training every rank got through that step's collectives; another's heartbeat may lag by milliseconds)."
+        ),
+    )
+    last_heartbeat_at: datetime | None = Field(
+        None, description="Newest heartbeat of the blamed ranks before the fault (UTC)."
+    )
+    reason: str = Field(
+        "", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words."
+    )
     rank: int | None = Field(None, description="The first rank blamed.")
     exit_code: int | None = Field(None, description="That rank's exit code, when it exited on its own.")
     signal: str | None = Field(None, description="The signal that ended that rank, e.g. SIGKILL.")
@@ -120,13 +136,25 @@ class DetectResult(Record):
 class Decision(Record):
     """What reschedule decided for one incident."""
 
-    action: Literal["replace", "reshard", "wait"] = Field(description="replace: hot spares take the lost nodes' places; reshard: fewer replicas, same global batch; wait: no capacity yet.")
-    nodes: list[str] = Field(default_factory=list, description="Nodes of the next incarnation in rank order (empty when waiting).")
-    replacements: dict[str, str] = Field(default_factory=dict, description="Lost node -> spare that takes its ranks (replace).")
+    action: Literal["replace", "reshard", "wait"] = Field(
+        description="replace: hot spares take the lost nodes' places; reshard: fewer replicas, same global batch; wait: no capacity yet."
+    )
+    nodes: list[str] = Field(
+        default_factory=list, description="Nodes of the next incarnation in rank order (empty when waiting)."
+    )
+    replacements: dict[str, str] = Field(
+        default_factory=dict, description="Lost node -> spare that takes its ranks (replace)."
+    )
     layout: Layout = Field(description="Layout of the next incarnation.")
-    lost_replicas: list[int] = Field(default_factory=list, description="Data-parallel replicas that had a rank on a lost node.")
-    released_nodes: list[str] = Field(default_factory=list, description="Healthy nodes of broken replicas returned to the spare pool (reshard).")
-    below_target_dp: bool = Field(False, description="The next incarnation runs with fewer replicas than the spec's layout.dp.")
+    lost_replicas: list[int] = Field(
+        default_factory=list, description="Data-parallel replicas that had a rank on a lost node."
+    )
+    released_nodes: list[str] = Field(
+        default_factory=list, description="Healthy nodes of broken replicas returned to the spare pool (reshard)."
+    )
+    below_target_dp: bool = Field(
+        False, description="The next incarnation runs with fewer replicas than the spec's layout.dp."
+    )
     reason: str = Field(description="Why, in words an operator reads in the UI.")
 
 
@@ -147,15 +175,28 @@ class Incident(Record):
 
     number: int = Field(ge=1, description="1 for the run's first incident, and so on.")
     fault: FaultReport = Field(description="The fault that started the recovery.")
-    stages: dict[str, StageRecord] = Field(default_factory=dict, description="Stage name -> its timing; detect spans fault to report.")
+    stages: dict[str, StageRecord] = Field(
+        default_factory=dict, description="Stage name -> its timing; detect spans fault to report."
+    )
     decision: Decision | None = Field(None, description="Reschedule's decision.")
     old_assignment: Assignment = Field(description="Assignment of the incarnation that failed.")
     new_assignment: Assignment | None = Field(None, description="Assignment of the incarnation that resumed.")
-    checkpoint_in_flight: int | None = Field(None, description="Step of a checkpoint being written when the fault hit, if any.")
-    discarded_checkpoints: list[int] = Field(default_factory=list, description="Half-written checkpoints drain deleted (never loaded).")
-    resumed_from_step: int | None = Field(None, description="Checkpoint step the new incarnation restored (0: from scratch).")
-    skipped_checkpoints: dict[int, str] = Field(default_factory=dict, description="Newer checkpoints that were not restored, with the reason (incomplete or corrupt).")
-    lost_steps: int | None = Field(None, description="Steps trained after that checkpoint and lost to the fault (steps).")
+    checkpoint_in_flight: int | None = Field(
+        None, description="Step of a checkpoint being written when the fault hit, if any."
+    )
+    discarded_checkpoints: list[int] = Field(
+        default_factory=list, description="Half-written checkpoints drain deleted (never loaded)."
+    )
+    resumed_from_step: int | None = Field(
+        None, description="Checkpoint step the new incarnation restored (0: from scratch)."
+    )
+    skipped_checkpoints: dict[int, str] = Field(
+        default_factory=dict,
+        description="Newer checkpoints that were not restored, with the reason (incomplete or corrupt).",
+    )
+    lost_steps: int | None = Field(
+        None, description="Steps trained after that checkpoint and lost to the fault (steps)."
+    )
     first_step_at: datetime | None = Field(None, description="When the new incarnation completed its first step (UTC).")
     outcome: Literal["recovering", "recovered", "interrupted", "failed"] = Field(
         "recovering",
@@ -182,7 +223,8 @@ class Intervention(Record):
     """An operator's request and what came of it (the history has the request too)."""
 
     kind: Literal["pause", "resume", "abort", "drain_node", "return_node", "reshard", "approve", "set_policy"] = Field(
-        description="The update that was called.")
+        description="The update that was called."
+    )
     detail: str = Field("", description="Its arguments, in words.")
     requested_at: datetime = Field(description="When the update was accepted (UTC).")
     done_at: datetime | None = Field(None, description="When it took effect (UTC).")
@@ -204,9 +246,15 @@ class RunStatus(Record):
     started_at: datetime | None = Field(None, description="When the run was launched (UTC).")
     ended_at: datetime | None = Field(None, description="When the run reached COMPLETED, FAILED or ABORTED (UTC).")
     interventions: list[Intervention] = Field(default_factory=list, description="Operators' requests, oldest first.")
-    quarantined_nodes: list[str] = Field(default_factory=list, description="Nodes this run quarantined and has not had returned.")
-    awaiting_approval: Decision | None = Field(None, description="The decision waiting for an operator's approve (state WAITING_FOR_APPROVAL).")
-    policy: RecoveryPolicy | None = Field(None, description="The recovery policy in force (the spec's, as changed by set_policy).")
+    quarantined_nodes: list[str] = Field(
+        default_factory=list, description="Nodes this run quarantined and has not had returned."
+    )
+    awaiting_approval: Decision | None = Field(
+        None, description="The decision waiting for an operator's approve (state WAITING_FOR_APPROVAL)."
+    )
+    policy: RecoveryPolicy | None = Field(
+        None, description="The recovery policy in force (the spec's, as changed by set_policy)."
+    )
     segments: int = Field(1, ge=1, description="Workflow runs so far: 1 + continue-as-new count.")
 
     def summary(self) -> dict:
@@ -221,5 +269,10 @@ class RunStart(Record):
 
     run_id: str = Field(description="Run id; also the Temporal workflow id.")
     spec: RunSpec = Field(description="The validated run spec.")
-    carried: RunStatus | None = Field(None, description="Status of the previous workflow run when continued as new; None at launch.")
-    search_attributes: bool = Field(False, description="The namespace has Lazarus's search attributes (LazarusState, LazarusIncidents); the workflow keeps them current.")
+    carried: RunStatus | None = Field(
+        None, description="Status of the previous workflow run when continued as new; None at launch."
+    )
+    search_attributes: bool = Field(
+        False,
+        description="The namespace has Lazarus's search attributes (LazarusState, LazarusIncidents); the workflow keeps them current.",
+    )

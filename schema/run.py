@@ -15,8 +15,19 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-CONTRACT_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+CONTRACT_ENV = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_ERROR_FILE",
+}
 """Variables the launcher sets for every rank (trainer/CONTRACT.md); trainer.env may not override them."""
 
 BUILT_IN_TRAINER = ["python", "-m", "lazarus.trainer"]
@@ -30,8 +41,11 @@ class TrainerSettings(Strict):
     (through lazarus.session) and the model fields are unused.
     """
 
-    command: list[str] = Field(default_factory=lambda: list(BUILT_IN_TRAINER), min_length=1,
-                               description="Program each rank runs, as an argv list (no shell); `python` means the worker's interpreter.")
+    command: list[str] = Field(
+        default_factory=lambda: list(BUILT_IN_TRAINER),
+        min_length=1,
+        description="Program each rank runs, as an argv list (no shell); `python` means the worker's interpreter.",
+    )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for every rank.")
 
     vocab_size: int = Field(64, ge=8, le=65536, description="Vocabulary size of the synthetic token stream (tokens).")
@@ -40,13 +54,21 @@ class TrainerSettings(Strict):
     n_layers: int = Field(2, ge=1, le=128, description="Number of transformer blocks.")
     n_heads: int = Field(4, ge=1, le=128, description="Attention heads per block; must divide d_model.")
     steps: int = Field(60, ge=1, description="Optimizer steps the run trains for.")
-    global_batch: int = Field(16, ge=1, description="Samples per optimizer step, summed over all data-parallel replicas.")
+    global_batch: int = Field(
+        16, ge=1, description="Samples per optimizer step, summed over all data-parallel replicas."
+    )
     learning_rate: float = Field(3e-3, gt=0, description="AdamW learning rate (dimensionless).")
     seed: int = Field(0, ge=0, description="Seed for model initialisation and the token stream.")
     checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept on disk; older ones are purged.")
-    async_checkpoint: bool = Field(True, description="Write checkpoints from a background thread so training does not wait for the disk.")
-    microbatches: int | None = Field(None, ge=1, description="Pipeline microbatches per replica and step, at most (default: 2 x pp); the trainer takes the largest count that divides the replica's share of the batch evenly.")
+    async_checkpoint: bool = Field(
+        True, description="Write checkpoints from a background thread so training does not wait for the disk."
+    )
+    microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="Pipeline microbatches per replica and step, at most (default: 2 x pp); the trainer takes the largest count that divides the replica's share of the batch evenly.",
+    )
 
     @property
     def built_in(self) -> bool:
@@ -56,8 +78,10 @@ class TrainerSettings(Strict):
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TrainerSettings:
         if len(self.command) == 1 and " " in self.command[0].strip():
-            raise ValueError(f"trainer.command: {self.command[0]!r} is one string; give an argv list, "
-                             f"e.g. [{', '.join(self.command[0].split())}]")
+            raise ValueError(
+                f"trainer.command: {self.command[0]!r} is one string; give an argv list, "
+                f"e.g. [{', '.join(self.command[0].split())}]"
+            )
         reserved = sorted(name for name in self.env if name in CONTRACT_ENV or name.startswith("LAZARUS_"))
         if reserved:
             raise ValueError(f"trainer.env: {', '.join(reserved)} set by the launcher for every rank; remove it")
@@ -73,31 +97,59 @@ class KubernetesSettings(Strict):
     """Where and how the Kubernetes backend runs a node's ranks (one pod per node and incarnation)."""
 
     namespace: str = Field("lazarus", description="Namespace of the rank pods, the run's ConfigMap and its Events.")
-    pool: str = Field("default", description="Value of the `lazarus.dev/pool` label that selects the nodes this run may use.")
-    image: str = Field("lazarus-trainer:latest", description="Container image of the rank pods; it must hold this project and the trainer.")
+    pool: str = Field(
+        "default", description="Value of the `lazarus.dev/pool` label that selects the nodes this run may use."
+    )
+    image: str = Field(
+        "lazarus-trainer:latest",
+        description="Container image of the rank pods; it must hold this project and the trainer.",
+    )
     cpu: str = Field("1", description="CPU request and limit of a rank pod (Kubernetes quantity, e.g. `8` or `500m`).")
     memory: str = Field("4Gi", description="Memory request and limit of a rank pod (Kubernetes quantity).")
     gpus: int = Field(0, ge=0, description="`nvidia.com/gpu` per rank pod (GPUs); usually layout.ranks_per_node.")
-    volume_claim: str = Field("lazarus-runs", description=(
-        "ReadWriteMany PersistentVolumeClaim holding run directories (heartbeats, checkpoints); the worker mounts it too."))
-    mount_path: str = Field("/lazarus", description="Where the pods and the worker mount volume_claim; LAZARUS_HOME there.")
-    delete_grace_seconds: int = Field(5, ge=0, description="Grace period when drain deletes an incarnation's pods (seconds).")
-    master_port: int = Field(29500, ge=1024, le=65535, description="Port of rank 0's rendezvous store on its node (pods use the host network).")
+    volume_claim: str = Field(
+        "lazarus-runs",
+        description=(
+            "ReadWriteMany PersistentVolumeClaim holding run directories (heartbeats, checkpoints); the worker mounts it too."
+        ),
+    )
+    mount_path: str = Field(
+        "/lazarus", description="Where the pods and the worker mount volume_claim; LAZARUS_HOME there."
+    )
+    delete_grace_seconds: int = Field(
+        5, ge=0, description="Grace period when drain deletes an incarnation's pods (seconds)."
+    )
+    master_port: int = Field(
+        29500,
+        ge=1024,
+        le=65535,
+        description="Port of rank 0's rendezvous store on its node (pods use the host network).",
+    )
 
 
 class ClusterSpec(Strict):
     """Where the ranks run and how many nodes stand by."""
 
-    backend: Literal["local", "kubernetes"] = Field("local", description=(
-        "Cluster backend: `local` runs each node as rank processes on this machine; `kubernetes` runs a "
-        "pod per node on the nodes labelled `lazarus.dev/pool`."))
-    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings, description="Settings of the kubernetes backend (ignored by `local`).")
+    backend: Literal["local", "kubernetes"] = Field(
+        "local",
+        description=(
+            "Cluster backend: `local` runs each node as rank processes on this machine; `kubernetes` runs a "
+            "pod per node on the nodes labelled `lazarus.dev/pool`."
+        ),
+    )
+    kubernetes: KubernetesSettings = Field(
+        default_factory=KubernetesSettings, description="Settings of the kubernetes backend (ignored by `local`)."
+    )
     active_nodes: int = Field(4, ge=1, description="Nodes that train at launch (nodes).")
     spare_nodes: int = Field(1, ge=0, description="Hot spares kept idle to replace a lost node (nodes).")
-    warm_standby: bool = Field(True, description=(
-        "Keep one warm standby process per node (interpreter started, torch and the trainer imported) "
-        "that forks the node's ranks when an incarnation starts, so a resume pays neither process start "
-        "nor import. Only `python -m module` and `python script.py` commands run warm; others start cold."))
+    warm_standby: bool = Field(
+        True,
+        description=(
+            "Keep one warm standby process per node (interpreter started, torch and the trainer imported) "
+            "that forks the node's ranks when an incarnation starts, so a resume pays neither process start "
+            "nor import. Only `python -m module` and `python script.py` commands run warm; others start cold."
+        ),
+    )
 
 
 class FaultInjection(Strict):
@@ -105,7 +157,10 @@ class FaultInjection(Strict):
 
     node: str = Field(description="Node whose ranks die, e.g. node-1.")
     step: int = Field(ge=1, description="Step at which they die.")
-    point: Literal["step", "checkpoint"] = Field("step", description="step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, while it is being written.")
+    point: Literal["step", "checkpoint"] = Field(
+        "step",
+        description="step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, while it is being written.",
+    )
     incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
 
 
@@ -113,7 +168,9 @@ class StagePolicy(Strict):
     """Timeout and retry policy of one activity (one recovery stage)."""
 
     timeout_seconds: float = Field(gt=0, description="Start-to-close timeout of one attempt (seconds).")
-    heartbeat_timeout_seconds: float = Field(gt=0, description="An attempt that does not heartbeat for this long is presumed lost (seconds).")
+    heartbeat_timeout_seconds: float = Field(
+        gt=0, description="An attempt that does not heartbeat for this long is presumed lost (seconds)."
+    )
     max_attempts: int = Field(5, ge=0, description="Attempts before the stage counts as failed; 0 means unlimited.")
     initial_retry_seconds: float = Field(0.5, gt=0, description="Wait before the first retry (seconds).")
     retry_backoff: float = Field(2.0, ge=1, description="Factor by which each retry's wait grows (dimensionless).")
@@ -127,34 +184,96 @@ def _stage(timeout: float, heartbeat: float, attempts: int = 5) -> StagePolicy:
 class StagePolicies(Strict):
     """Per-activity timeouts and retries; `launch` starts incarnation 0, the rest are the recovery stages."""
 
-    launch: StagePolicy = Field(default_factory=lambda: _stage(120, 10), description="Create the run's cluster state and start incarnation 0.")
-    detect: StagePolicy = Field(default_factory=lambda: _stage(120, 5, attempts=0), description="Watch the run; returns a fault, a progress snapshot or completion.")
-    drain: StagePolicy = Field(default_factory=lambda: _stage(60, 5), description="Quarantine faulty nodes and stop every rank of the incarnation.")
-    reschedule: StagePolicy = Field(default_factory=lambda: _stage(30, 5), description="Read the node inventory for the recovery decision.")
-    replace_or_reshard: StagePolicy = Field(default_factory=lambda: _stage(30, 5), description="Claim spares and write the next incarnation's assignment.")
-    resume: StagePolicy = Field(default_factory=lambda: _stage(300, 10), description="Start the next incarnation and wait for its first new step.")
-    stop: StagePolicy = Field(default_factory=lambda: _stage(180, 10), description="Checkpoint and stop the ranks (pause, abort, operator's reshard); past the timeout they are killed.")
-    return_node: StagePolicy = Field(default_factory=lambda: _stage(30, 5), description="Return a repaired node to the spare pool.")
+    launch: StagePolicy = Field(
+        default_factory=lambda: _stage(120, 10), description="Create the run's cluster state and start incarnation 0."
+    )
+    detect: StagePolicy = Field(
+        default_factory=lambda: _stage(120, 5, attempts=0),
+        description="Watch the run; returns a fault, a progress snapshot or completion.",
+    )
+    drain: StagePolicy = Field(
+        default_factory=lambda: _stage(60, 5),
+        description="Quarantine faulty nodes and stop every rank of the incarnation.",
+    )
+    reschedule: StagePolicy = Field(
+        default_factory=lambda: _stage(30, 5), description="Read the node inventory for the recovery decision."
+    )
+    replace_or_reshard: StagePolicy = Field(
+        default_factory=lambda: _stage(30, 5), description="Claim spares and write the next incarnation's assignment."
+    )
+    resume: StagePolicy = Field(
+        default_factory=lambda: _stage(300, 10),
+        description="Start the next incarnation and wait for its first new step.",
+    )
+    stop: StagePolicy = Field(
+        default_factory=lambda: _stage(180, 10),
+        description="Checkpoint and stop the ranks (pause, abort, operator's reshard); past the timeout they are killed.",
+    )
+    return_node: StagePolicy = Field(
+        default_factory=lambda: _stage(30, 5), description="Return a repaired node to the spare pool."
+    )
 
 
 class RecoveryPolicy(Strict):
     """How faults are detected and how recovery behaves; every stage's timeouts and retries."""
 
-    heartbeat_interval_seconds: float = Field(0.1, gt=0, le=60, description="How often detect reads rank heartbeats and node health, and heartbeats to Temporal (seconds).")
-    hang_after_seconds: float = Field(30.0, gt=0, description="A rank whose last heartbeat is older than this counts as hung (seconds).")
-    startup_grace_seconds: float = Field(120.0, gt=0, description="Time a new incarnation may take to its first heartbeat before it counts as hung (seconds).")
-    progress_every_seconds: float = Field(5.0, gt=0, description="Detect returns a progress snapshot (step) to the workflow at least this often (seconds).")
+    heartbeat_interval_seconds: float = Field(
+        0.1,
+        gt=0,
+        le=60,
+        description="How often detect reads rank heartbeats and node health, and heartbeats to Temporal (seconds).",
+    )
+    hang_after_seconds: float = Field(
+        30.0, gt=0, description="A rank whose last heartbeat is older than this counts as hung (seconds)."
+    )
+    startup_grace_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Time a new incarnation may take to its first heartbeat before it counts as hung (seconds).",
+    )
+    progress_every_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Detect returns a progress snapshot (step) to the workflow at least this often (seconds).",
+    )
     min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
-    capacity_wait_seconds: float = Field(300.0, ge=0, description="How long to wait for a free spare before the run fails (seconds).")
-    capacity_poll_seconds: float = Field(5.0, gt=0, description="How often the inventory is read again while waiting for capacity (seconds).")
-    approval_wait_seconds: float = Field(3600.0, ge=0, description="After the capacity wait, how long to wait for an operator's approve or abort before the run stops (seconds); the only time a human is asked.")
-    stop_grace_seconds: float = Field(120.0, gt=0, description="How long ranks get to checkpoint and exit on a pause, abort or operator's reshard before they are killed (seconds).")
-    history_limit_events: int = Field(10000, ge=100, description="The workflow continues as new once its history has this many events, or when Temporal suggests it (events).")
-    max_incidents: int = Field(20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents).")
-    save_grace_seconds: float = Field(1.0, ge=0, description="Drain waits this long for a checkpoint being written at the fault to commit before discarding it (seconds).")
-    not_ready_toleration_seconds: int = Field(10, ge=0, description=(
-        "Kubernetes backend: how long a rank pod stays bound to a node that is not ready or unreachable "
-        "before Kubernetes evicts it, its pods' tolerations (seconds; Kubernetes' default is 300)."))
+    capacity_wait_seconds: float = Field(
+        300.0, ge=0, description="How long to wait for a free spare before the run fails (seconds)."
+    )
+    capacity_poll_seconds: float = Field(
+        5.0, gt=0, description="How often the inventory is read again while waiting for capacity (seconds)."
+    )
+    approval_wait_seconds: float = Field(
+        3600.0,
+        ge=0,
+        description="After the capacity wait, how long to wait for an operator's approve or abort before the run stops (seconds); the only time a human is asked.",
+    )
+    stop_grace_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="How long ranks get to checkpoint and exit on a pause, abort or operator's reshard before they are killed (seconds).",
+    )
+    history_limit_events: int = Field(
+        10000,
+        ge=100,
+        description="The workflow continues as new once its history has this many events, or when Temporal suggests it (events).",
+    )
+    max_incidents: int = Field(
+        20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents)."
+    )
+    save_grace_seconds: float = Field(
+        1.0,
+        ge=0,
+        description="Drain waits this long for a checkpoint being written at the fault to commit before discarding it (seconds).",
+    )
+    not_ready_toleration_seconds: int = Field(
+        10,
+        ge=0,
+        description=(
+            "Kubernetes backend: how long a rank pod stays bound to a node that is not ready or unreachable "
+            "before Kubernetes evicts it, its pods' tolerations (seconds; Kubernetes' default is 300)."
+        ),
+    )
     stages: StagePolicies = Field(default_factory=StagePolicies, description="Per-stage timeouts and retry policies.")
 
     @model_validator(mode="after")
@@ -175,12 +294,21 @@ class RecoveryPolicy(Strict):
 class RunSpec(Strict):
     """One training run: what to train, on how many nodes, and how to recover."""
 
-    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", description="Run name: lowercase letters, digits and dashes; the default run id prefix.")
-    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Model, schedule and checkpoints of the built-in trainer.")
-    layout: Layout = Field(default_factory=Layout, description="Parallel layout: dp x pp x tp ranks, ranks_per_node ranks on each node.")
+    name: str = Field(
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+        description="Run name: lowercase letters, digits and dashes; the default run id prefix.",
+    )
+    trainer: TrainerSettings = Field(
+        default_factory=TrainerSettings, description="Model, schedule and checkpoints of the built-in trainer."
+    )
+    layout: Layout = Field(
+        default_factory=Layout, description="Parallel layout: dp x pp x tp ranks, ranks_per_node ranks on each node."
+    )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Backend and node counts.")
     recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy, description="Detection and recovery policy.")
-    faults: list[FaultInjection] = Field(default_factory=list, description="Faults to inject on purpose (tests, demos); empty in production.")
+    faults: list[FaultInjection] = Field(
+        default_factory=list, description="Faults to inject on purpose (tests, demos); empty in production."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RunSpec:
@@ -204,7 +332,9 @@ class RunSpec(Strict):
         nodes = self.cluster.active_nodes + self.cluster.spare_nodes
         for fault in self.faults:
             if not fault.node.startswith("node-") or not fault.node[5:].isdigit() or int(fault.node[5:]) >= nodes:
-                raise ValueError(f"faults.node: {fault.node!r} is not a node of this run; use node-0 .. node-{nodes - 1}")
+                raise ValueError(
+                    f"faults.node: {fault.node!r} is not a node of this run; use node-0 .. node-{nodes - 1}"
+                )
             if fault.step > self.trainer.steps:
                 raise ValueError(f"faults.step: {fault.step} is past trainer.steps {self.trainer.steps}")
         if self.trainer.global_batch < self.layout.dp:

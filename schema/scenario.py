@@ -54,11 +54,22 @@ def _cost(value) -> dict:
 class StageCosts(Strict):
     """What each recovery stage costs the whole job (all its GPUs wait)."""
 
-    detect: Cost = Field(default_factory=lambda: Fixed(seconds=10), description="Fault to report, for crashes (seconds).")
-    drain: Cost = Field(default_factory=lambda: Fixed(seconds=20), description="Stop every rank, quarantine the node (seconds).")
-    reschedule: Cost = Field(default_factory=lambda: Fixed(seconds=1), description="Read the inventory and decide (seconds).")
-    replace_or_reshard: Cost = Field(default_factory=lambda: Fixed(seconds=5), description="Claim spares, write the assignment (seconds).")
-    resume: Cost = Field(default_factory=lambda: Fixed(seconds=120), description="Start every rank and load the checkpoint, to the first step (seconds).")
+    detect: Cost = Field(
+        default_factory=lambda: Fixed(seconds=10), description="Fault to report, for crashes (seconds)."
+    )
+    drain: Cost = Field(
+        default_factory=lambda: Fixed(seconds=20), description="Stop every rank, quarantine the node (seconds)."
+    )
+    reschedule: Cost = Field(
+        default_factory=lambda: Fixed(seconds=1), description="Read the inventory and decide (seconds)."
+    )
+    replace_or_reshard: Cost = Field(
+        default_factory=lambda: Fixed(seconds=5), description="Claim spares, write the assignment (seconds)."
+    )
+    resume: Cost = Field(
+        default_factory=lambda: Fixed(seconds=120),
+        description="Start every rank and load the checkpoint, to the first step (seconds).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -69,17 +80,28 @@ class StageCosts(Strict):
 class FailureModel(Strict):
     """How often the job is interrupted and how faults show themselves."""
 
-    interruptions_per_day: float = Field(gt=0, description="Unexpected interruptions of the whole job per day at full size (1/day); scales with the nodes in use.")
-    hang_share: float = Field(0.0, ge=0, le=1, description="Share of faults that are hangs, found only when heartbeats go stale (fraction).")
-    hang_detect_seconds: float = Field(300.0, ge=0, description="Time to notice a hang: the staleness threshold (seconds).")
+    interruptions_per_day: float = Field(
+        gt=0,
+        description="Unexpected interruptions of the whole job per day at full size (1/day); scales with the nodes in use.",
+    )
+    hang_share: float = Field(
+        0.0, ge=0, le=1, description="Share of faults that are hangs, found only when heartbeats go stale (fraction)."
+    )
+    hang_detect_seconds: float = Field(
+        300.0, ge=0, description="Time to notice a hang: the staleness threshold (seconds)."
+    )
 
 
 class CheckpointModel(Strict):
     """How often the job checkpoints and what that costs."""
 
     interval_minutes: float = Field(30.0, gt=0, description="Training time between checkpoints (minutes).")
-    save_stall_seconds: float = Field(10.0, ge=0, description="Time training stops for each save (seconds); small with asynchronous saves.")
-    load_seconds: float = Field(60.0, ge=0, description="Time to load a checkpoint on resume, added to the resume stage (seconds).")
+    save_stall_seconds: float = Field(
+        10.0, ge=0, description="Time training stops for each save (seconds); small with asynchronous saves."
+    )
+    load_seconds: float = Field(
+        60.0, ge=0, description="Time to load a checkpoint on resume, added to the resume stage (seconds)."
+    )
 
 
 class Scenario(Strict):
@@ -97,11 +119,17 @@ class Scenario(Strict):
     checkpoint: CheckpointModel = Field(default_factory=CheckpointModel, description="Checkpoint interval and costs.")
     spare_nodes: int = Field(0, ge=0, description="Hot spare nodes held idle next to the job (nodes).")
     repair_hours: float = Field(24.0, gt=0, description="Time until a failed node is back in the spare pool (hours).")
-    human_restart: Cost = Field(default_factory=lambda: Fixed(seconds=1200), description="Fault to training again when a person restarts the run (seconds).")
+    human_restart: Cost = Field(
+        default_factory=lambda: Fixed(seconds=1200),
+        description="Fault to training again when a person restarts the run (seconds).",
+    )
     min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
-    regrow: bool = Field(True, description="When repaired or released nodes can hold a whole replica again, restart at a larger dp.")
+    regrow: bool = Field(
+        True, description="When repaired or released nodes can hold a whole replica again, restart at a larger dp."
+    )
     policies: list[Literal["automatic", "reshard-only", "wait-for-human"]] = Field(
-        default_factory=lambda: list(POLICIES), description="Policies to compare.")
+        default_factory=lambda: list(POLICIES), description="Policies to compare."
+    )
     target_ettr: float = Field(0.9, gt=0, lt=1, description="ETTR the spare-count search aims for (fraction).")
     repetitions: int = Field(200, ge=1, description="Monte Carlo repetitions per policy.")
     seed: int = Field(0, ge=0, description="Random seed; the same seed gives the same numbers.")
@@ -119,8 +147,10 @@ class Scenario(Strict):
             raise ValueError(f"dp*pp*tp = {self.dp * self.pp * self.tp} but gpus is {self.gpus}; make them equal")
         replica = self.tp * self.pp
         if replica % self.gpus_per_node:
-            raise ValueError(f"gpus_per_node: {self.gpus_per_node} does not divide one replica's tp*pp = {replica} GPUs; "
-                             f"a node would hold parts of two replicas")
+            raise ValueError(
+                f"gpus_per_node: {self.gpus_per_node} does not divide one replica's tp*pp = {replica} GPUs; "
+                f"a node would hold parts of two replicas"
+            )
         if self.min_dp > self.dp:
             raise ValueError(f"min_dp: {self.min_dp} exceeds dp {self.dp}")
         return self

@@ -41,8 +41,14 @@ class DrainInput(Record):
     incarnation: int = Field(ge=0, description="Incarnation to stop.")
     nodes: list[str] = Field(description="Nodes to quarantine.")
     reason: str = Field(description="Why; recorded on the quarantined nodes.")
-    save_grace_seconds: float = Field(1.0, ge=0, description="How long to let a checkpoint being written commit before the ranks are stopped (seconds).")
-    detect_seconds: float = Field(0.0, ge=0, description="The incident's fault-to-report time, for the detect metric (seconds).")
+    save_grace_seconds: float = Field(
+        1.0,
+        ge=0,
+        description="How long to let a checkpoint being written commit before the ranks are stopped (seconds).",
+    )
+    detect_seconds: float = Field(
+        0.0, ge=0, description="The incident's fault-to-report time, for the detect metric (seconds)."
+    )
 
 
 class DrainResult(Record):
@@ -51,8 +57,12 @@ class DrainResult(Record):
     quarantined: list[str] = Field(description="Nodes now quarantined.")
     stopped_ranks: list[int] = Field(description="Ranks that were still alive and were killed.")
     removed_partial_checkpoints: list[int] = Field(description="Steps of half-written checkpoints deleted.")
-    in_flight_checkpoint: int | None = Field(None, description="Step of a checkpoint that was being written at the fault, if any.")
-    in_flight_committed: bool = Field(False, description="That checkpoint committed within the grace time (else it was discarded).")
+    in_flight_checkpoint: int | None = Field(
+        None, description="Step of a checkpoint that was being written at the fault, if any."
+    )
+    in_flight_committed: bool = Field(
+        False, description="That checkpoint committed within the grace time (else it was discarded)."
+    )
 
 
 class RescheduleInput(Record):
@@ -67,7 +77,9 @@ class ReplaceInput(Record):
     run_id: str = Field(description="Run id.")
     decision: Decision = Field(description="Reschedule's decision.")
     old_assignment: Assignment = Field(description="Assignment of the failed incarnation.")
-    fault_kind: str = Field("operator", description="Kind of the fault being recovered from; operator for an operator's restart.")
+    fault_kind: str = Field(
+        "operator", description="Kind of the fault being recovered from; operator for an operator's restart."
+    )
 
 
 class ResumeInput(Record):
@@ -83,8 +95,12 @@ class ResumeResult(Record):
     """How the new incarnation started: its first step, or a fault on the way."""
 
     resumed_from_step: int = Field(ge=0, description="Checkpoint step restored (0: from scratch).")
-    skipped_checkpoints: dict[int, str] = Field(default_factory=dict, description="Newer checkpoints not restored, with the reason (incomplete or corrupt).")
-    first_step_at: datetime | None = Field(None, description="When every rank had completed its first step past the restored one (UTC).")
+    skipped_checkpoints: dict[int, str] = Field(
+        default_factory=dict, description="Newer checkpoints not restored, with the reason (incomplete or corrupt)."
+    )
+    first_step_at: datetime | None = Field(
+        None, description="When every rank had completed its first step past the restored one (UTC)."
+    )
     fault: FaultReport | None = Field(None, description="A fault that hit the new incarnation before its first step.")
     completed: bool = Field(False, description="The restored checkpoint was the last step: nothing left to train.")
 
@@ -92,9 +108,13 @@ class ResumeResult(Record):
 class FaultSignal(Record):
     """`report_fault` signal: an external detector or an operator blames nodes."""
 
-    nodes: list[str] = Field(min_length=1, description="Nodes to treat as faulty; names not in the current assignment are ignored.")
+    nodes: list[str] = Field(
+        min_length=1, description="Nodes to treat as faulty; names not in the current assignment are ignored."
+    )
     reason: str = Field("reported by signal", description="Why, in the reporter's words.")
-    occurred_at: datetime | None = Field(None, description="When the fault happened, if the reporter knows (UTC); else when the signal arrived.")
+    occurred_at: datetime | None = Field(
+        None, description="When the fault happened, if the reporter knows (UTC); else when the signal arrived."
+    )
 
 
 class StopInput(Record):
@@ -104,7 +124,9 @@ class StopInput(Record):
     incarnation: int = Field(ge=0, description="Incarnation to stop.")
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval and hang thresholds while waiting.")
-    timeout_seconds: float = Field(120.0, gt=0, description="How long the ranks get to checkpoint and exit before they are killed (seconds).")
+    timeout_seconds: float = Field(
+        120.0, gt=0, description="How long the ranks get to checkpoint and exit before they are killed (seconds)."
+    )
 
 
 class StopResult(Record):
@@ -131,7 +153,8 @@ class OperatorRequest(Record):
     node: str | None = Field(None, description="Node to drain or return (drain_node, return_node).")
     dp: int | None = Field(None, ge=1, description="Data-parallel degree to run at (reshard).")
     action: Literal["reshard_below_minimum", "wait_longer"] | None = Field(
-        None, description="approve: reshard below recovery.min_dp, or wait longer for capacity.")
+        None, description="approve: reshard below recovery.min_dp, or wait longer for capacity."
+    )
     wait_seconds: float = Field(600.0, gt=0, description="approve with wait_longer: how much longer (seconds).")
     changes: dict = Field(default_factory=dict, description="set_policy: recovery policy fields and their new values.")
 

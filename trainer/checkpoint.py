@@ -88,14 +88,18 @@ class Checkpointer:
         if self.rank != 0:
             return
         if not commit_checkpoint(self.run, step, self.incarnation):
-            print(f"lazarus trainer: incarnation {self.incarnation} was ended by the controller; "
-                  f"checkpoint of step {step} not committed, none purged", file=sys.stderr, flush=True)
+            print(
+                f"lazarus trainer: incarnation {self.incarnation} was ended by the controller; "
+                f"checkpoint of step {step} not committed, none purged",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         self._purge()
 
     def _purge(self) -> None:
         complete = self.run.checkpoint_steps()
-        kept = complete[-self.keep:]
+        kept = complete[-self.keep :]
         for step in self.run.checkpoint_steps(complete_only=False):
             # Older incomplete folders are leftovers of a dead incarnation (the in-flight
             # save is always newer than the newest complete one).

@@ -35,7 +35,9 @@ def share(global_batch: int, dp: int, replica: int) -> range:
     return range(start, start + base + (1 if replica < extra else 0))
 
 
-def batch(seed: int, first_index: int, offsets: range, seq_len: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    seed: int, first_index: int, offsets: range, seq_len: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-token targets for the samples first_index + offsets."""
     rows = np.stack([sample_tokens(seed, first_index + o, seq_len, vocab_size) for o in offsets])
     tokens = torch.from_numpy(rows).long()

@@ -39,7 +39,6 @@ from lazarus.schema.contract import (
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 
-
 NODE_NICENESS = 5
 """Scheduling priority added to a node's launcher and ranks (`nice`)."""
 
@@ -49,32 +48,35 @@ def rank_command(command: list[str]) -> list[str]:
     return [sys.executable, *command[1:]] if command[0] == "python" or command == BUILT_IN_TRAINER else list(command)
 
 
-def rank_environment(spec: RunSpec, assignment: Assignment, run: RunDir, incarnation: int, node_index: int,
-                     rank: int, base: dict) -> dict:
+def rank_environment(
+    spec: RunSpec, assignment: Assignment, run: RunDir, incarnation: int, node_index: int, rank: int, base: dict
+) -> dict:
     """torchrun's environment for one rank, plus the contract's and the spec's variables."""
     layout = assignment.layout
     env = {**base, **spec.trainer.env}
     env.pop(ENV_FAIL_AT, None)
-    env.update({
-        "RANK": str(rank),
-        "WORLD_SIZE": str(layout.world_size),
-        "LOCAL_RANK": str(rank % layout.ranks_per_node),
-        "LOCAL_WORLD_SIZE": str(layout.ranks_per_node),
-        "GROUP_RANK": str(node_index),
-        "GROUP_WORLD_SIZE": str(len(assignment.nodes)),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(layout.world_size),
-        "MASTER_ADDR": assignment.master_addr,
-        "MASTER_PORT": str(assignment.master_port),
-        "TORCHELASTIC_RUN_ID": run.root.name,
-        "TORCHELASTIC_RESTART_COUNT": str(incarnation),
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_ERROR_FILE": str(run.error_file(incarnation, rank)),
-        # NCCL: fail a broken collective with an error instead of hanging (ignored on CPU).
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-    })
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(layout.world_size),
+            "LOCAL_RANK": str(rank % layout.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(layout.ranks_per_node),
+            "GROUP_RANK": str(node_index),
+            "GROUP_WORLD_SIZE": str(len(assignment.nodes)),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(layout.world_size),
+            "MASTER_ADDR": assignment.master_addr,
+            "MASTER_PORT": str(assignment.master_port),
+            "TORCHELASTIC_RUN_ID": run.root.name,
+            "TORCHELASTIC_RESTART_COUNT": str(incarnation),
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_ERROR_FILE": str(run.error_file(incarnation, rank)),
+            # NCCL: fail a broken collective with an error instead of hanging (ignored on CPU).
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        }
+    )
     planned = {f.node: f"{f.point}:{f.step}" for f in spec.faults if f.incarnation == incarnation}
     if assignment.nodes[node_index] in planned:
         env[ENV_FAIL_AT] = planned[assignment.nodes[node_index]]
@@ -98,8 +100,14 @@ def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> No
     if path.exists():
         return
     beat = read_json(run.heartbeat_file(incarnation, rank)) or {}
-    record = {"rank": rank, "code": returncode, "step": beat.get("step", 0), "time": time.time(),
-              "error": _error_summary(run.error_file(incarnation, rank)), "by": "launcher"}
+    record = {
+        "rank": rank,
+        "code": returncode,
+        "step": beat.get("step", 0),
+        "time": time.time(),
+        "error": _error_summary(run.error_file(incarnation, rank)),
+        "by": "launcher",
+    }
     if returncode < 0:
         record["signal"] = signal.Signals(-returncode).name
     write_json_atomic(path, record)
@@ -107,8 +115,9 @@ def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> No
 
 def start_cold(command: list[str], env: dict, log, lock_fd: int):
     """Start a rank as a new process (the lock's descriptor is its only inherited one); returns a Popen."""
-    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            pass_fds=(lock_fd,))
+    return subprocess.Popen(
+        command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock_fd,)
+    )
 
 
 def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, start_rank=start_cold) -> int:
@@ -124,9 +133,15 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     os.nice(NODE_NICENESS)
     # Record this launcher's process group before any rank exists: the controller kills the
     # node by killing the group, which its ranks join when they are forked.
-    write_json_atomic(run.node_pid_file(incarnation, node_index), {
-        "pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid()),
-        "node": assignment.nodes[node_index]})
+    write_json_atomic(
+        run.node_pid_file(incarnation, node_index),
+        {
+            "pid": os.getpid(),
+            "pgid": os.getpgid(0),
+            "start_time": process_start_time(os.getpid()),
+            "node": assignment.nodes[node_index],
+        },
+    )
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
     layout = assignment.layout
     command = rank_command(spec.trainer.command)
@@ -150,13 +165,23 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
                     child = start_rank(command, env, log, fd)
                 except OSError as error:
                     log.write(f"lazarus launcher: cannot start {command[0]}: {error.strerror}\n".encode())
-                    write_json_atomic(run.exit_file(incarnation, rank), {
-                        "rank": rank, "code": 127, "step": 0, "time": time.time(), "by": "launcher",
-                        "error": f"cannot start {command[0]!r}: {error.strerror} (trainer.command)"})
+                    write_json_atomic(
+                        run.exit_file(incarnation, rank),
+                        {
+                            "rank": rank,
+                            "code": 127,
+                            "step": 0,
+                            "time": time.time(),
+                            "by": "launcher",
+                            "error": f"cannot start {command[0]!r}: {error.strerror} (trainer.command)",
+                        },
+                    )
                     continue
             children[rank] = child
-            write_json_atomic(run.pid_file(incarnation, rank), {
-                "pid": child.pid, "start_time": process_start_time(child.pid), "node": assignment.nodes[node_index]})
+            write_json_atomic(
+                run.pid_file(incarnation, rank),
+                {"pid": child.pid, "start_time": process_start_time(child.pid), "node": assignment.nodes[node_index]},
+            )
         finally:
             os.close(fd)
     for rank, child in children.items():

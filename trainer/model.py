@@ -61,8 +61,9 @@ def stage_blocks(n_layers: int, stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def build_stage(vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
-                stage: int, stages: int) -> GPT:
+def build_stage(
+    vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, stage: int, stages: int
+) -> GPT:
     """The whole model built from the current RNG state, cut down to one pipeline stage.
 
     Building the whole model first makes every parameter's initial value independent of

@@ -70,8 +70,14 @@ class TrainingSession:
         missing = [name for name in ("RANK", "WORLD_SIZE", ENV_RUN_DIR, ENV_INCARNATION) if name not in environ]
         if missing:
             raise RuntimeError(f"not started by Lazarus: {', '.join(missing)} missing (trainer/CONTRACT.md)")
-        return cls(RunDir(environ[ENV_RUN_DIR]), int(environ[ENV_INCARNATION]), int(environ["RANK"]),
-                   int(environ["WORLD_SIZE"]), environ.get(ENV_NODE, "local"), int(environ.get(ENV_RESUME_STEP, "0")))
+        return cls(
+            RunDir(environ[ENV_RUN_DIR]),
+            int(environ[ENV_INCARNATION]),
+            int(environ["RANK"]),
+            int(environ["WORLD_SIZE"]),
+            environ.get(ENV_NODE, "local"),
+            int(environ.get(ENV_RESUME_STEP, "0")),
+        )
 
     def wait_for_store(self, timeout: float = 300.0) -> None:
         """Before init_process_group on a rank other than 0: return once rank 0's store
@@ -116,8 +122,12 @@ class TrainingSession:
         if self.rank != 0:
             return
         if not commit_checkpoint(self.run, step, self.incarnation):
-            print(f"lazarus trainer: incarnation {self.incarnation} was ended by the controller; "
-                  f"checkpoint of step {step} not committed", file=sys.stderr, flush=True)
+            print(
+                f"lazarus trainer: incarnation {self.incarnation} was ended by the controller; "
+                f"checkpoint of step {step} not committed",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def heartbeat(self, step: int, phase: str = "training") -> None:
         """Tell the controller this rank completed `step` (call after every optimizer step)."""
@@ -133,8 +143,10 @@ class TrainingSession:
     def log_metrics(self, step: int, loss: float, **extra) -> None:
         """Rank 0: one line of metrics.jsonl for `step` (other ranks: nothing)."""
         if self._metrics:
-            self._metrics.write(json.dumps({"step": step, "loss": loss, "incarnation": self.incarnation,
-                                            "dp": self.layout.dp, **extra}) + "\n")
+            self._metrics.write(
+                json.dumps({"step": step, "loss": loss, "incarnation": self.incarnation, "dp": self.layout.dp, **extra})
+                + "\n"
+            )
             self._metrics.flush()
 
     def step_done(self, step: int, loss: float | None = None) -> None:
@@ -166,7 +178,9 @@ class TrainingSession:
     def finish(self, step: int, stopped: bool = False) -> None:
         """Record that this rank ended on its own at `step` (the run is complete at total_steps)."""
         self.heartbeat(step, "stopped" if stopped else "done")
-        write_json_atomic(self.run.exit_file(self.incarnation, self.rank),
-                          {"rank": self.rank, "code": 0, "step": step, "time": time.time(), "error": ""})
+        write_json_atomic(
+            self.run.exit_file(self.incarnation, self.rank),
+            {"rank": self.rank, "code": 0, "step": step, "time": time.time(), "error": ""},
+        )
         if self._metrics:
             self._metrics.close()

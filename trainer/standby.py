@@ -51,12 +51,25 @@ IDLE_EXIT_SECONDS = 30.0
 
 # What the built-in trainer imports before its first step; torch.distributed.checkpoint also
 # brings in the compiler stack that the optimizer would otherwise import at its first step.
-_BUILT_IN_IMPORTS = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.pipelining",
-                     "lazarus.trainer.train", "lazarus.trainer.model", "lazarus.trainer.checkpoint", "lazarus.trainer.data"]
+_BUILT_IN_IMPORTS = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "lazarus.trainer.train",
+    "lazarus.trainer.model",
+    "lazarus.trainer.checkpoint",
+    "lazarus.trainer.data",
+]
 # A user's script: what a typical DDP/FSDP script reaches before its first step (DDP's
 # constructor alone imports the compiler stack: more than a second here).
-_ANY_PYTHON_IMPORTS = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.checkpoint",
-                       "torch._dynamo"]
+_ANY_PYTHON_IMPORTS = [
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+]
 
 _fork_safe = True
 """False once this process has more than one thread: a fork would copy locks other threads hold
@@ -206,8 +219,12 @@ def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -
             print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
             code = 0
             return
-        env = {**os.environ, ENV_INCARNATION: str(incarnation), ENV_NODE_INDEX: str(index),
-               ENV_RESUME_STEP: str(order["resume_step"])}
+        env = {
+            **os.environ,
+            ENV_INCARNATION: str(incarnation),
+            ENV_NODE_INDEX: str(index),
+            ENV_RESUME_STEP: str(order["resume_step"]),
+        }
         code = launch_node(run, incarnation, index, env, start_rank=fork_starter([node_lock]))
     except BaseException:
         traceback.print_exc()
@@ -234,8 +251,9 @@ def serve(run: RunDir, node: str) -> int:
         lock = take_lock(home / "lock")
         if lock is None:
             return 0  # this node has a live standby
-    write_json_atomic(home / "pid", {"pid": os.getpid(), "pgid": os.getpgid(0),
-                                     "start_time": process_start_time(os.getpid())})
+    write_json_atomic(
+        home / "pid", {"pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid())}
+    )
     # O_RDWR: the open neither blocks for a writer nor sees end-of-file when one leaves, and an
     # order written while the imports below run waits in the pipe.
     orders = os.open(home / "orders", os.O_RDWR)
@@ -245,11 +263,20 @@ def serve(run: RunDir, node: str) -> int:
     global _fork_safe
     threads = len(os.listdir("/proc/self/task"))
     _fork_safe = threads == 1
-    write_json_atomic(home / "ready", {"import_seconds": time.time() - started, "failed_imports": failed,
-                                       "threads": threads, "warm": _fork_safe})
-    print(f"lazarus standby {node}: " + (f"warm after {time.time() - started:.2f} s" if _fork_safe else
-                                         f"{threads} threads after the imports (OMP_NUM_THREADS > 1?): ranks will be exec'd, cold")
-          + (f" (could not import {', '.join(failed)})" if failed else ""), flush=True)
+    write_json_atomic(
+        home / "ready",
+        {"import_seconds": time.time() - started, "failed_imports": failed, "threads": threads, "warm": _fork_safe},
+    )
+    print(
+        f"lazarus standby {node}: "
+        + (
+            f"warm after {time.time() - started:.2f} s"
+            if _fork_safe
+            else f"{threads} threads after the imports (OMP_NUM_THREADS > 1?): ranks will be exec'd, cold"
+        )
+        + (f" (could not import {', '.join(failed)})" if failed else ""),
+        flush=True,
+    )
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers are reaped by the kernel
     pending = b""
     idle_since = time.monotonic()

@@ -34,11 +34,14 @@ def check_layout(layout: Layout, settings: TrainerSettings, world_size: int) -> 
     if layout.tp != 1:
         raise SystemExit(f"trainer: layout.tp = {layout.tp} is not supported on CPU; set layout.tp: 1")
     if layout.world_size != world_size:
-        raise SystemExit(f"trainer: WORLD_SIZE {world_size} does not match the assignment's "
-                         f"dp*pp*tp = {layout.world_size}")
+        raise SystemExit(
+            f"trainer: WORLD_SIZE {world_size} does not match the assignment's dp*pp*tp = {layout.world_size}"
+        )
     if layout.pp > settings.n_layers:
-        raise SystemExit(f"trainer: layout.pp = {layout.pp} exceeds trainer.n_layers = {settings.n_layers}; "
-                         f"every pipeline stage needs at least one block")
+        raise SystemExit(
+            f"trainer: layout.pp = {layout.pp} exceeds trainer.n_layers = {settings.n_layers}; "
+            f"every pipeline stage needs at least one block"
+        )
 
 
 class Trainer:
@@ -61,8 +64,9 @@ class Trainer:
         self.torch, self.dist = torch, dist
         self.settings, self.layout = settings, layout
         # One GPU per rank where there are GPUs (NCCL), else the CPU (gloo).
-        self.device = (torch.device(f"cuda:{rank % layout.ranks_per_node}") if torch.cuda.is_available()
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device(f"cuda:{rank % layout.ranks_per_node}") if torch.cuda.is_available() else torch.device("cpu")
+        )
         if layout.pp == 1:
             # Pure data parallelism: the default group is the dp group. A mesh would create
             # a group per rank and dimension, each a rendezvous that delays every resume.
@@ -79,8 +83,15 @@ class Trainer:
         self.offsets = share(settings.global_batch, layout.dp, self.replica)
 
         torch.manual_seed(settings.seed)
-        self.model = build_stage(settings.vocab_size, settings.seq_len, settings.d_model, settings.n_layers,
-                                 settings.n_heads, self.stage, layout.pp).to(self.device)
+        self.model = build_stage(
+            settings.vocab_size,
+            settings.seq_len,
+            settings.d_model,
+            settings.n_layers,
+            settings.n_heads,
+            self.stage,
+            layout.pp,
+        ).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.learning_rate)
         self.params = list(self.model.parameters())
         self.schedule = None
@@ -99,7 +110,8 @@ class Trainer:
     def loss(self, logits, targets):
         """Sum of per-sample mean token losses, divided by the global batch."""
         per_token = self.torch.nn.functional.cross_entropy(
-            logits.reshape(-1, self.settings.vocab_size), targets.reshape(-1), reduction="none")
+            logits.reshape(-1, self.settings.vocab_size), targets.reshape(-1), reduction="none"
+        )
         return per_token.view(targets.shape[0], -1).mean(dim=1).sum() / self.settings.global_batch
 
     def step(self, first_sample: int, stop_requested: bool = False) -> tuple[float, bool]:
@@ -112,8 +124,9 @@ class Trainer:
         from lazarus.trainer.data import batch
 
         torch, dist = self.torch, self.dist
-        inputs, targets = batch(self.settings.seed, first_sample, self.offsets,
-                                self.settings.seq_len, self.settings.vocab_size)
+        inputs, targets = batch(
+            self.settings.seed, first_sample, self.offsets, self.settings.seq_len, self.settings.vocab_size
+        )
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         self.optimizer.zero_grad(set_to_none=False)
         if self.schedule is None:
@@ -137,7 +150,7 @@ class Trainer:
         dist.all_reduce(flat, group=self.dp_group)
         offset = 0
         for p in self.params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.optimizer.step()
         tail = flat[-2:]
@@ -171,12 +184,15 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     if torch.cuda.is_available():
         torch.cuda.set_device(session.rank % layout.ranks_per_node)
     session.wait_for_store()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=timedelta(seconds=spec.recovery.hang_after_seconds + 30))
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo",
+        timeout=timedelta(seconds=spec.recovery.hang_after_seconds + 30),
+    )
     session.heartbeat(session.resume_step, "joined")
     trainer = Trainer(settings, layout, session.rank)
-    checkpointer = checkpoint.Checkpointer(run, session.incarnation, settings.keep_checkpoints,
-                                           asynchronous=settings.async_checkpoint)
+    checkpointer = checkpoint.Checkpointer(
+        run, session.incarnation, settings.keep_checkpoints, asynchronous=settings.async_checkpoint
+    )
 
     step, samples = 0, 0  # samples: the data position, global index of the next sample
     if session.resume_step:
@@ -198,8 +214,12 @@ def train(session: TrainingSession) -> tuple[int, bool]:
         loss, stopped = trainer.step(samples, stop_requested=session.stop_requested(agree=lambda asked: asked))
         if consumed:
             first = samples + trainer.offsets.start
-            consumed.write(json.dumps({"step": step + 1, "replica": trainer.replica,
-                                       "start": first, "stop": first + len(trainer.offsets)}) + "\n")
+            consumed.write(
+                json.dumps(
+                    {"step": step + 1, "replica": trainer.replica, "start": first, "stop": first + len(trainer.offsets)}
+                )
+                + "\n"
+            )
             consumed.flush()
         step += 1
         samples += settings.global_batch
@@ -219,8 +239,11 @@ def train(session: TrainingSession) -> tuple[int, bool]:
 def main() -> None:
     """Entry point of one rank; always ends the process explicitly with an exit record."""
     session = TrainingSession.from_environ()
-    print(f"lazarus trainer: rank {session.rank}/{session.world_size} pid {os.getpid()} on {session.node}, "
-          f"incarnation {session.incarnation}, resume step {session.resume_step}", flush=True)
+    print(
+        f"lazarus trainer: rank {session.rank}/{session.world_size} pid {os.getpid()} on {session.node}, "
+        f"incarnation {session.incarnation}, resume step {session.resume_step}",
+        flush=True,
+    )
     try:
         step, stopped = train(session)
     except BaseException as error:  # noqa: BLE001 - every ending must leave an exit record
@@ -230,10 +253,16 @@ def main() -> None:
             message = str(error.code)
         else:
             code, message = 1, f"{type(error).__name__}: {error}"
-        write_json_atomic(session.run.exit_file(session.incarnation, session.rank), {
-            "rank": session.rank, "code": code, "step": session.resume_step, "time": time.time(),
-            "error": message.strip().splitlines()[-1] if message.strip() else "",
-        })
+        write_json_atomic(
+            session.run.exit_file(session.incarnation, session.rank),
+            {
+                "rank": session.rank,
+                "code": code,
+                "step": session.resume_step,
+                "time": time.time(),
+                "error": message.strip().splitlines()[-1] if message.strip() else "",
+            },
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -20,15 +20,24 @@ def broken_replicas(assignment: Assignment, lost: set[str]) -> list[int]:
     """Replicas with at least one rank on a lost node."""
     layout = assignment.layout
     replica_ranks = layout.pp * layout.tp
-    return sorted({
-        rank // replica_ranks
-        for index, node in enumerate(assignment.nodes) if node in lost
-        for rank in range(index * layout.ranks_per_node, (index + 1) * layout.ranks_per_node)
-    })
+    return sorted(
+        {
+            rank // replica_ranks
+            for index, node in enumerate(assignment.nodes)
+            if node in lost
+            for rank in range(index * layout.ranks_per_node, (index + 1) * layout.ranks_per_node)
+        }
+    )
 
 
-def plan_recovery(inventory: Inventory, assignment: Assignment, lost: list[str], target_dp: int, min_dp: int,
-                  allow_reshard: bool = True) -> Decision:
+def plan_recovery(
+    inventory: Inventory,
+    assignment: Assignment,
+    lost: list[str],
+    target_dp: int,
+    min_dp: int,
+    allow_reshard: bool = True,
+) -> Decision:
     """Decide how the next incarnation gets its nodes after `lost` nodes failed.
 
     Prefer hot spares: each lost node gets a free healthy spare at the same place in rank
@@ -47,16 +56,20 @@ def plan_recovery(inventory: Inventory, assignment: Assignment, lost: list[str],
         replacements = dict(zip(lost_here, spares))
         pairs = ", ".join(f"{old} -> {new}" for old, new in replacements.items())
         return Decision(
-            action="replace", replacements=replacements, layout=layout,
+            action="replace",
+            replacements=replacements,
+            layout=layout,
             nodes=[replacements.get(node, node) for node in assignment.nodes],
-            lost_replicas=broken, below_target_dp=layout.dp < target_dp,
+            lost_replicas=broken,
+            below_target_dp=layout.dp < target_dp,
             reason=f"hot spare replaces lost node, world size {layout.world_size} kept ({pairs})",
         )
 
     per_node = layout.ranks_per_node
     replica_ranks = layout.pp * layout.tp
     replica_of_node = [
-        {rank // replica_ranks for rank in range(i * per_node, (i + 1) * per_node)} for i in range(len(assignment.nodes))
+        {rank // replica_ranks for rank in range(i * per_node, (i + 1) * per_node)}
+        for i in range(len(assignment.nodes))
     ]
     intact = [n for i, n in enumerate(assignment.nodes) if not replica_of_node[i] & set(broken)]
     orphans = [n for i, n in enumerate(assignment.nodes) if replica_of_node[i] & set(broken) and n not in lost_set]
@@ -69,21 +82,32 @@ def plan_recovery(inventory: Inventory, assignment: Assignment, lost: list[str],
     new_dp = next((dp for dp in range(layout.dp - 1, 0, -1) if fits(dp)), 0) if allow_reshard else 0
     if new_dp < min_dp:
         return Decision(
-            action="wait", layout=layout, lost_replicas=broken, below_target_dp=True,
-            reason=(f"lost {len(lost_here)} node(s) ({', '.join(lost_here)}) and replica(s) "
-                    f"{', '.join(map(str, broken))}; {len(spares)} free spare(s); "
-                    + (f"the healthy nodes fit dp={new_dp}, below recovery.min_dp={min_dp}; " if allow_reshard else "")
-                    + "waiting for capacity"),
+            action="wait",
+            layout=layout,
+            lost_replicas=broken,
+            below_target_dp=True,
+            reason=(
+                f"lost {len(lost_here)} node(s) ({', '.join(lost_here)}) and replica(s) "
+                f"{', '.join(map(str, broken))}; {len(spares)} free spare(s); "
+                + (f"the healthy nodes fit dp={new_dp}, below recovery.min_dp={min_dp}; " if allow_reshard else "")
+                + "waiting for capacity"
+            ),
         )
     new_layout = layout.model_copy(update={"dp": new_dp})
-    nodes = pool[:nodes_for(layout, new_dp)]
+    nodes = pool[: nodes_for(layout, new_dp)]
     released = [n for n in assignment.nodes if n not in lost_set and n not in nodes]
     return Decision(
-        action="reshard", layout=new_layout, nodes=nodes, lost_replicas=broken, released_nodes=released,
+        action="reshard",
+        layout=new_layout,
+        nodes=nodes,
+        lost_replicas=broken,
+        released_nodes=released,
         below_target_dp=new_dp < target_dp,
-        reason=(f"lost replica(s) {', '.join(map(str, broken))} with node(s) {', '.join(lost_here)}; "
-                f"{len(spares)} free spare(s); reshard dp {layout.dp} -> {new_dp} (global batch kept)"
-                + (f"; {', '.join(released)} back to the spare pool" if released else "")),
+        reason=(
+            f"lost replica(s) {', '.join(map(str, broken))} with node(s) {', '.join(lost_here)}; "
+            f"{len(spares)} free spare(s); reshard dp {layout.dp} -> {new_dp} (global batch kept)"
+            + (f"; {', '.join(released)} back to the spare pool" if released else "")
+        ),
     )
 
 
@@ -96,13 +120,20 @@ def plan_operator_reshard(inventory: Inventory, assignment: Assignment, dp: int,
     needed = nodes_for(layout, dp)
     pool = list(assignment.nodes) + inventory.free_spares()
     if needed is None or needed > len(pool):
-        why = (f"dp={dp} would leave a node part-used" if needed is None
-               else f"dp={dp} needs {needed} nodes; the run holds {len(assignment.nodes)} and {len(pool) - len(assignment.nodes)} spare(s) are free")
+        why = (
+            f"dp={dp} would leave a node part-used"
+            if needed is None
+            else f"dp={dp} needs {needed} nodes; the run holds {len(assignment.nodes)} and {len(pool) - len(assignment.nodes)} spare(s) are free"
+        )
         return Decision(action="wait", layout=layout, reason=why)
     nodes = pool[:needed]
     released = [node for node in assignment.nodes if node not in nodes]
     return Decision(
-        action="reshard", layout=layout.model_copy(update={"dp": dp}), nodes=nodes, released_nodes=released,
+        action="reshard",
+        layout=layout.model_copy(update={"dp": dp}),
+        nodes=nodes,
+        released_nodes=released,
         below_target_dp=dp < target_dp,
-        reason=f"operator: reshard dp {layout.dp} -> {dp}" + (f"; {', '.join(released)} back to the spare pool" if released else ""),
+        reason=f"operator: reshard dp {layout.dp} -> {dp}"
+        + (f"; {', '.join(released)} back to the spare pool" if released else ""),
     )

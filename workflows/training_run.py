@@ -62,8 +62,16 @@ INCIDENTS_ATTRIBUTE = SearchAttributeKey.for_int("LazarusIncidents")
 """How many incidents the run has had."""
 
 TERMINAL = {RunState.COMPLETED, RunState.FAILED, RunState.ABORTED}
-RECOVERING = {RunState.DETECTED, RunState.DRAINING, RunState.RESCHEDULING, RunState.WAITING_FOR_CAPACITY,
-              RunState.WAITING_FOR_APPROVAL, RunState.REPLACING, RunState.RESHARDING, RunState.RESUMING}
+RECOVERING = {
+    RunState.DETECTED,
+    RunState.DRAINING,
+    RunState.RESCHEDULING,
+    RunState.WAITING_FOR_CAPACITY,
+    RunState.WAITING_FOR_APPROVAL,
+    RunState.REPLACING,
+    RunState.RESHARDING,
+    RunState.RESUMING,
+}
 
 
 class RunFailed(Exception):
@@ -120,7 +128,9 @@ class TrainingRun:
     def __init__(self, start: RunStart) -> None:
         self._start = start
         self._status = start.carried or RunStatus(
-            run_id=start.run_id, total_steps=start.spec.trainer.steps, layout=start.spec.layout,
+            run_id=start.run_id,
+            total_steps=start.spec.trainer.steps,
+            layout=start.spec.layout,
         )
         if self._status.policy is None:
             self._status.policy = start.spec.recovery
@@ -234,8 +244,11 @@ class TrainingRun:
         intervention = Intervention(kind="return_node", detail=request.node or "", requested_at=workflow.now())
         self._status.interventions.append(intervention)
         async with self._node_lock:
-            await self._activity("return_node", RecoveryActivities.return_node,
-                                 ReturnNodeInput(run_id=self._status.run_id, node=request.node))
+            await self._activity(
+                "return_node",
+                RecoveryActivities.return_node,
+                ReturnNodeInput(run_id=self._status.run_id, node=request.node),
+            )
         self._status.quarantined_nodes = [n for n in self._status.quarantined_nodes if n != request.node]
         self._inventory_changed = True
         intervention.done_at = workflow.now()
@@ -263,8 +276,9 @@ class TrainingRun:
         if request.dp == self._status.layout.dp:
             raise ValueError(f"the run already trains with dp={request.dp}")
         if nodes_for(self._status.layout, request.dp) is None:
-            raise ValueError(f"dp={request.dp} would leave a node part-used with ranks_per_node "
-                             f"{self._status.layout.ranks_per_node}")
+            raise ValueError(
+                f"dp={request.dp} would leave a node part-used with ranks_per_node {self._status.layout.ranks_per_node}"
+            )
         if self._status.state != RunState.TRAINING:
             raise ValueError(f"the run is {self._status.state.value}; reshard once it trains")
 
@@ -291,13 +305,25 @@ class TrainingRun:
     def set_policy(self, request: OperatorRequest) -> OperatorAnswer:
         """Change recovery policy fields; they apply from the next activity on."""
         self._status.policy = self._merged_policy(request)
-        def dotted(changes: dict, prefix: str = "") -> list[str]:
-            return [item for key, value in changes.items() for item in
-                    (dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"])]
 
-        self._status.interventions.append(Intervention(
-            kind="set_policy", detail=", ".join(dotted(request.changes)),
-            requested_at=workflow.now(), done_at=workflow.now(), outcome="applied"))
+        def dotted(changes: dict, prefix: str = "") -> list[str]:
+            return [
+                item
+                for key, value in changes.items()
+                for item in (
+                    dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"]
+                )
+            ]
+
+        self._status.interventions.append(
+            Intervention(
+                kind="set_policy",
+                detail=", ".join(dotted(request.changes)),
+                requested_at=workflow.now(),
+                done_at=workflow.now(),
+                outcome="applied",
+            )
+        )
         return OperatorAnswer(message="policy updated", state=self._status.state.value)
 
     @set_policy.validator
@@ -311,7 +337,9 @@ class TrainingRun:
         def merge(base: dict, changes: dict) -> dict:
             merged = dict(base)
             for key, value in changes.items():
-                merged[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+                merged[key] = (
+                    merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+                )
             return merged
 
         data = merge(self._policy.model_dump(mode="json"), request.changes)
@@ -365,10 +393,12 @@ class TrainingRun:
         changed = state != self._status.state
         self._status.state = state
         if changed and self._start.search_attributes:
-            workflow.upsert_search_attributes([
-                STATE_ATTRIBUTE.value_set(state.value),
-                INCIDENTS_ATTRIBUTE.value_set(len(self._status.incidents)),
-            ])
+            workflow.upsert_search_attributes(
+                [
+                    STATE_ATTRIBUTE.value_set(state.value),
+                    INCIDENTS_ATTRIBUTE.value_set(len(self._status.incidents)),
+                ]
+            )
 
     async def _activity(self, name: str, method, request):
         """Run one activity under its stage policy; one that exhausts its retries fails the run."""
@@ -398,8 +428,9 @@ class TrainingRun:
         if status.assignment is None:
             status.started_at = workflow.now()
             self._set(RunState.LAUNCHING)
-            launched = await self._stage("launch", RecoveryActivities.launch,
-                                         LaunchInput(run_id=status.run_id, spec=self._start.spec))
+            launched = await self._stage(
+                "launch", RecoveryActivities.launch, LaunchInput(run_id=status.run_id, spec=self._start.spec)
+            )
             status.run_dir, status.assignment = launched.run_dir, launched.assignment
             self._set(RunState.TRAINING)
 
@@ -418,8 +449,14 @@ class TrainingRun:
                 await workflow.wait_condition(lambda: workflow.all_handlers_finished() or bool(self._queue))
                 if not self._queue:
                     status.segments += 1
-                    workflow.continue_as_new(RunStart(run_id=status.run_id, spec=self._start.spec, carried=status,
-                                                      search_attributes=self._start.search_attributes))
+                    workflow.continue_as_new(
+                        RunStart(
+                            run_id=status.run_id,
+                            spec=self._start.spec,
+                            carried=status,
+                            search_attributes=self._start.search_attributes,
+                        )
+                    )
                 continue
             watched = await self._watch()
             if watched is None:
@@ -434,17 +471,24 @@ class TrainingRun:
 
     def _time_to_continue_as_new(self) -> bool:
         info = workflow.info()
-        return info.is_continue_as_new_suggested() or info.get_current_history_length() >= self._policy.history_limit_events
+        return (
+            info.is_continue_as_new_suggested()
+            or info.get_current_history_length() >= self._policy.history_limit_events
+        )
 
     async def _watch(self) -> DetectResult | None:
         """Run detect until it reports, or until a signal or an operator's request cancels it (None)."""
         status = self._status
-        request = DetectInput(run_id=status.run_id, incarnation=status.assignment.incarnation,
-                              total_steps=status.total_steps, policy=self._policy)
-        detect = workflow.start_activity_method(RecoveryActivities.detect, request,
-                                                **stage_options(self._policy.stages.detect))
-        await workflow.wait_condition(
-            lambda: detect.done() or self._signalled_fault() is not None or bool(self._queue))
+        request = DetectInput(
+            run_id=status.run_id,
+            incarnation=status.assignment.incarnation,
+            total_steps=status.total_steps,
+            policy=self._policy,
+        )
+        detect = workflow.start_activity_method(
+            RecoveryActivities.detect, request, **stage_options(self._policy.stages.detect)
+        )
+        await workflow.wait_condition(lambda: detect.done() or self._signalled_fault() is not None or bool(self._queue))
         if detect.done():
             try:
                 return detect.result()
@@ -461,8 +505,13 @@ class TrainingRun:
         self._reported.clear()
         now = workflow.now()
         fault = FaultReport(
-            kind="external", nodes=report.nodes, incarnation=status.assignment.incarnation,
-            occurred_at=report.occurred_at or now, detected_at=now, step=status.step, reason=report.reason,
+            kind="external",
+            nodes=report.nodes,
+            incarnation=status.assignment.incarnation,
+            occurred_at=report.occurred_at or now,
+            detected_at=now,
+            step=status.step,
+            reason=report.reason,
         )
         return DetectResult(fault=fault, progress=RankProgress(step=status.step, at=now))
 
@@ -497,16 +546,28 @@ class TrainingRun:
                 if self._queued("abort") and not self._resume_requested:
                     return False
                 self._resume_requested = False
-                await self._restart(Decision(action="replace", nodes=status.assignment.nodes,
-                                             layout=status.assignment.layout, reason="operator resume on the held nodes"))
+                await self._restart(
+                    Decision(
+                        action="replace",
+                        nodes=status.assignment.nodes,
+                        layout=status.assignment.layout,
+                        reason="operator resume on the held nodes",
+                    )
+                )
                 return False
             if kind == "drain_node":
                 if request.node not in status.assignment.nodes:
                     raise ValueError(f"{request.node} left the assignment before its drain ran")
                 now = workflow.now()
-                fault = FaultReport(kind="operator", nodes=[request.node], incarnation=status.assignment.incarnation,
-                                    occurred_at=now, detected_at=now, step=status.step,
-                                    reason=request.reason or "drained by an operator")
+                fault = FaultReport(
+                    kind="operator",
+                    nodes=[request.node],
+                    incarnation=status.assignment.incarnation,
+                    occurred_at=now,
+                    detected_at=now,
+                    step=status.step,
+                    reason=request.reason or "drained by an operator",
+                )
                 self._queue.remove(pending)
                 completed = await self._recover_all(fault)
                 if completed:
@@ -514,8 +575,9 @@ class TrainingRun:
                 self._finish(pending, f"incident {status.incidents[-1].number}: {status.incidents[-1].outcome}")
                 return completed
             if kind == "reshard":
-                inventory = await self._activity("reschedule", RecoveryActivities.reschedule,
-                                                 RescheduleInput(run_id=status.run_id))
+                inventory = await self._activity(
+                    "reschedule", RecoveryActivities.reschedule, RescheduleInput(run_id=status.run_id)
+                )
                 decision = plan_operator_reshard(inventory, status.assignment, request.dp, self._start.spec.layout.dp)
                 if decision.action == "wait":
                     raise ValueError(decision.reason)
@@ -546,9 +608,17 @@ class TrainingRun:
         if status.state in (RunState.PAUSED, RunState.LAUNCHING, RunState.PENDING) or status.assignment is None:
             return None
         self._set(RunState.STOPPING)
-        stopped = await self._activity("stop", RecoveryActivities.stop, StopInput(
-            run_id=status.run_id, incarnation=status.assignment.incarnation, total_steps=status.total_steps,
-            policy=self._policy, timeout_seconds=self._policy.stop_grace_seconds))
+        stopped = await self._activity(
+            "stop",
+            RecoveryActivities.stop,
+            StopInput(
+                run_id=status.run_id,
+                incarnation=status.assignment.incarnation,
+                total_steps=status.total_steps,
+                policy=self._policy,
+                timeout_seconds=self._policy.stop_grace_seconds,
+            ),
+        )
         status.step = stopped.step
         if not stopped.clean:
             workflow.logger.warning("%s: the ranks were killed (%s)", why, stopped.reason)
@@ -558,12 +628,20 @@ class TrainingRun:
         """Start the next incarnation on `decision`'s nodes from the newest checkpoint."""
         status = self._status
         self._set(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
-        assignment = await self._activity("replace_or_reshard", RecoveryActivities.replace_or_reshard, ReplaceInput(
-            run_id=status.run_id, decision=decision, old_assignment=status.assignment))
+        assignment = await self._activity(
+            "replace_or_reshard",
+            RecoveryActivities.replace_or_reshard,
+            ReplaceInput(run_id=status.run_id, decision=decision, old_assignment=status.assignment),
+        )
         status.assignment, status.layout = assignment, assignment.layout
         self._set(RunState.RESUMING)
-        resumed = await self._activity("resume", RecoveryActivities.resume, ResumeInput(
-            run_id=status.run_id, assignment=assignment, total_steps=status.total_steps, policy=self._policy))
+        resumed = await self._activity(
+            "resume",
+            RecoveryActivities.resume,
+            ResumeInput(
+                run_id=status.run_id, assignment=assignment, total_steps=status.total_steps, policy=self._policy
+            ),
+        )
         status.step = status.total_steps if resumed.completed else resumed.resumed_from_step
         self._set(RunState.TRAINING)
         self._next_fault = resumed.fault
@@ -584,14 +662,22 @@ class TrainingRun:
         min_dp = self._policy.min_dp
         while True:
             self._check_abort()
-            inventory = await self._stage("reschedule", RecoveryActivities.reschedule,
-                                          RescheduleInput(run_id=status.run_id), incident)
-            decision = plan_recovery(inventory, status.assignment, fault.nodes,
-                                     target_dp=self._start.spec.layout.dp, min_dp=min_dp)
+            inventory = await self._stage(
+                "reschedule", RecoveryActivities.reschedule, RescheduleInput(run_id=status.run_id), incident
+            )
+            decision = plan_recovery(
+                inventory, status.assignment, fault.nodes, target_dp=self._start.spec.layout.dp, min_dp=min_dp
+            )
             if decision.action == "reshard" and not workflow.patched(RESHARD_PATCH):
                 # Runs started before resharding existed keep waiting for a spare.
-                decision = plan_recovery(inventory, status.assignment, fault.nodes, target_dp=self._start.spec.layout.dp,
-                                         min_dp=min_dp, allow_reshard=False)
+                decision = plan_recovery(
+                    inventory,
+                    status.assignment,
+                    fault.nodes,
+                    target_dp=self._start.spec.layout.dp,
+                    min_dp=min_dp,
+                    allow_reshard=False,
+                )
             incident.decision = decision
             if decision.action != "wait":
                 status.awaiting_approval = None
@@ -603,18 +689,25 @@ class TrainingRun:
                 try:
                     await workflow.wait_condition(
                         lambda: self._inventory_changed or self._queued("abort"),
-                        timeout=min(self._policy.capacity_poll_seconds, capacity_until - waited))
-                except asyncio.TimeoutError:
+                        timeout=min(self._policy.capacity_poll_seconds, capacity_until - waited),
+                    )
+                except TimeoutError:
                     pass
                 continue
-            reason = (f"no capacity to recover from incident {incident.number}: {decision.reason}; "
-                      f"waited {waited:.0f} s (recovery.capacity_wait_seconds: {self._policy.capacity_wait_seconds:g})")
+            reason = (
+                f"no capacity to recover from incident {incident.number}: {decision.reason}; "
+                f"waited {waited:.0f} s (recovery.capacity_wait_seconds: {self._policy.capacity_wait_seconds:g})"
+            )
             if not workflow.patched(ESCALATE_PATCH) or self._policy.approval_wait_seconds == 0:
-                raise RunFailed(reason + "; return a repaired node with `lazarus chaos return-node` and start the run again")
+                raise RunFailed(
+                    reason + "; return a repaired node with `lazarus chaos return-node` and start the run again"
+                )
             approval = await self._escalate(decision)
             if approval is None:
-                raise RunFailed(reason + f"; no operator approved within {self._policy.approval_wait_seconds:g} s "
-                                         f"(recovery.approval_wait_seconds); the newest checkpoint is kept")
+                raise RunFailed(
+                    reason + f"; no operator approved within {self._policy.approval_wait_seconds:g} s "
+                    f"(recovery.approval_wait_seconds); the newest checkpoint is kept"
+                )
             if approval.action == "reshard_below_minimum":
                 min_dp = 1
             else:
@@ -625,9 +718,10 @@ class TrainingRun:
         self._status.awaiting_approval = decision
         self._set(RunState.WAITING_FOR_APPROVAL)
         try:
-            await workflow.wait_condition(lambda: self._approval is not None or self._queued("abort"),
-                                          timeout=self._policy.approval_wait_seconds)
-        except asyncio.TimeoutError:
+            await workflow.wait_condition(
+                lambda: self._approval is not None or self._queued("abort"), timeout=self._policy.approval_wait_seconds
+            )
+        except TimeoutError:
             return None
         finally:
             self._status.awaiting_approval = None
@@ -654,7 +748,9 @@ class TrainingRun:
         if len(status.incidents) >= self._policy.max_incidents:
             raise RunFailed(f"fault after {len(status.incidents)} recoveries (recovery.max_incidents): {fault.reason}")
         incident = Incident(
-            number=len(status.incidents) + 1, fault=fault, old_assignment=status.assignment,
+            number=len(status.incidents) + 1,
+            fault=fault,
+            old_assignment=status.assignment,
             stages={"detect": StageRecord(started_at=fault.occurred_at, ended_at=fault.detected_at)},
         )
         status.incidents.append(incident)
@@ -662,12 +758,19 @@ class TrainingRun:
 
         try:
             self._set(RunState.DRAINING)
-            drained = await self._stage("drain", RecoveryActivities.drain, DrainInput(
-                run_id=status.run_id, incarnation=fault.incarnation, nodes=fault.nodes,
-                reason=f"incident {incident.number}: {fault.kind}: {fault.reason}",
-                save_grace_seconds=self._policy.save_grace_seconds,
-                detect_seconds=max(0.0, (fault.detected_at - fault.occurred_at).total_seconds()),
-            ), incident)
+            drained = await self._stage(
+                "drain",
+                RecoveryActivities.drain,
+                DrainInput(
+                    run_id=status.run_id,
+                    incarnation=fault.incarnation,
+                    nodes=fault.nodes,
+                    reason=f"incident {incident.number}: {fault.kind}: {fault.reason}",
+                    save_grace_seconds=self._policy.save_grace_seconds,
+                    detect_seconds=max(0.0, (fault.detected_at - fault.occurred_at).total_seconds()),
+                ),
+                incident,
+            )
             status.quarantined_nodes = sorted(set(status.quarantined_nodes) | set(drained.quarantined))
             incident.checkpoint_in_flight = drained.in_flight_checkpoint
             incident.discarded_checkpoints = drained.removed_partial_checkpoints
@@ -677,10 +780,17 @@ class TrainingRun:
                 self._check_abort()
                 self._set(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
                 try:
-                    assignment = await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard,
-                                                   ReplaceInput(run_id=status.run_id, decision=decision,
-                                                                old_assignment=status.assignment,
-                                                                fault_kind=fault.kind), incident)
+                    assignment = await self._stage(
+                        "replace_or_reshard",
+                        RecoveryActivities.replace_or_reshard,
+                        ReplaceInput(
+                            run_id=status.run_id,
+                            decision=decision,
+                            old_assignment=status.assignment,
+                            fault_kind=fault.kind,
+                        ),
+                        incident,
+                    )
                     break
                 except StageRefused as refused:
                     # A spare that died or was taken since the inventory was read: decide again.
@@ -694,9 +804,17 @@ class TrainingRun:
         status.layout = assignment.layout
 
         self._set(RunState.RESUMING)
-        resumed = await self._stage("resume", RecoveryActivities.resume, ResumeInput(
-            run_id=status.run_id, assignment=assignment, total_steps=status.total_steps, policy=self._policy,
-        ), incident)
+        resumed = await self._stage(
+            "resume",
+            RecoveryActivities.resume,
+            ResumeInput(
+                run_id=status.run_id,
+                assignment=assignment,
+                total_steps=status.total_steps,
+                policy=self._policy,
+            ),
+            incident,
+        )
         incident.resumed_from_step = resumed.resumed_from_step
         incident.skipped_checkpoints = resumed.skipped_checkpoints
         incident.lost_steps = max(0, fault.step - resumed.resumed_from_step)

@@ -26,8 +26,10 @@ USER_DDP_SPEC = SPECS / "user-ddp.yaml"
 
 def with_absolute_command(spec: RunSpec) -> RunSpec:
     """The spec with a script path in trainer.command made absolute (relative to the repository)."""
-    command = [part if not part.endswith(".py") or Path(part).is_absolute() else str(REPO / part)
-               for part in spec.trainer.command]
+    command = [
+        part if not part.endswith(".py") or Path(part).is_absolute() else str(REPO / part)
+        for part in spec.trainer.command
+    ]
     return spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"command": command})})
 
 
@@ -80,9 +82,15 @@ def _train_without_fault(home: Path, spec_path: Path) -> dict[int, float]:
     cluster = LocalCluster(home)
     try:
         cluster.create("reference", spec)
-        cluster.commit_assignment("reference", Assignment(
-            incarnation=0, nodes=[f"node-{i}" for i in range(spec.cluster.active_nodes)], layout=spec.layout,
-            master_port=_port()))
+        cluster.commit_assignment(
+            "reference",
+            Assignment(
+                incarnation=0,
+                nodes=[f"node-{i}" for i in range(spec.cluster.active_nodes)],
+                layout=spec.layout,
+                master_port=_port(),
+            ),
+        )
         cluster.start_ranks("reference", 0, resume_step=0)
 
         def finished():
@@ -90,8 +98,12 @@ def _train_without_fault(home: Path, spec_path: Path) -> dict[int, float]:
             assert not any(r.exit and r.exit["code"] for r in ranks), [r.exit for r in ranks]
             return all(r.exit is not None and not r.alive for r in ranks)
 
-        wait_for(lambda: finished() and not cluster.observe("reference", 0).launchers_alive, 180,
-                 f"the reference run of {spec_path.name} to finish", every=0.1)
+        wait_for(
+            lambda: finished() and not cluster.observe("reference", 0).launchers_alive,
+            180,
+            f"the reference run of {spec_path.name} to finish",
+            every=0.1,
+        )
     finally:
         kill_rank_processes(home)
     result = losses(cluster.run_dir("reference"))
@@ -129,8 +141,13 @@ class WorkerProcess:
 
     def __init__(self, env: dict, log: Path):
         self.log = open(log, "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", "lazarus.cli", "worker"], env=env,
-                                        stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lazarus.cli", "worker"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -9,15 +9,15 @@ import uuid
 import pytest
 
 from lazarus.activities.metrics import Metrics
-from lazarus.infra.local import LocalCluster, free_port
 from lazarus.client import start_run
 from lazarus.config import Settings
+from lazarus.infra.local import LocalCluster, free_port
 from lazarus.report import plot_timeline, summarize
-from lazarus.worker import build_worker, serve_metrics
 from lazarus.schema import RunState, load_spec
 from lazarus.schema.stages import OperatorRequest
-from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for
+from lazarus.worker import build_worker, serve_metrics
 from lazarus.workflows.training_run import TrainingRun
+from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -44,7 +44,9 @@ async def test_pause_resume_then_a_recovery_with_metrics_and_report(dev_env, hom
             assert cluster.live_pids(run_id) == []
             await handle.execute_update(TrainingRun.resume, OperatorRequest())
 
-            await asyncio.to_thread(wait_for, lambda: trained_step(run) >= status.step + 15, 120, "training after resume")
+            await asyncio.to_thread(
+                wait_for, lambda: trained_step(run) >= status.step + 15, 120, "training after resume"
+            )
             cluster.kill_node(run_id, "node-2")
             final = await handle.result()
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

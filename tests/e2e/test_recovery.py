@@ -6,19 +6,18 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
 
 from lazarus.activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
-from lazarus.infra.local import LocalCluster
 from lazarus.client import start_run
 from lazarus.config import Settings
+from lazarus.infra.local import LocalCluster
 from lazarus.schema import STAGES, RunState, RunStatus, load_spec
 from lazarus.schema.contract import RunDir, read_json
-
 from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -27,8 +26,12 @@ KILL_AT_STEP = 15
 
 
 def lazarus_env(env, home: Path, queue: str) -> dict:
-    return {**os.environ, "LAZARUS_TEMPORAL_ADDRESS": env.client.service_client.config.target_host,
-            "LAZARUS_HOME": str(home), "LAZARUS_TASK_QUEUE": queue}
+    return {
+        **os.environ,
+        "LAZARUS_TEMPORAL_ADDRESS": env.client.service_client.config.target_host,
+        "LAZARUS_HOME": str(home),
+        "LAZARUS_TASK_QUEUE": queue,
+    }
 
 
 def activity_names_in_web_ui(ui_port: int, workflow_id: str) -> list[str]:
@@ -36,8 +39,11 @@ def activity_names_in_web_ui(ui_port: int, workflow_id: str) -> list[str]:
     url = f"http://127.0.0.1:{ui_port}/api/v1/namespaces/default/workflows/{workflow_id}/history"
     with urllib.request.urlopen(url, timeout=10) as response:
         events = json.load(response)["history"]["events"]
-    return [e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
-            for e in events if "activityTaskScheduledEventAttributes" in e]
+    return [
+        e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
+        for e in events
+        if "activityTaskScheduledEventAttributes" in e
+    ]
 
 
 def assert_last_incarnation_matches(run: RunDir, incident: dict, reference: dict[int, float]) -> None:
@@ -54,9 +60,21 @@ def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, refe
     env = lazarus_env(dev_env, home, f"demo-{uuid.uuid4().hex[:6]}")
     env["LAZARUS_UI_URL"] = f"http://127.0.0.1:{dev_env.ui_port}"
     done = subprocess.run(
-        [sys.executable, "-m", "lazarus.cli", "demo", "--json", "--spec", str(SMALL_SPEC),
-         "--kill-at-step", str(KILL_AT_STEP)],
-        env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "lazarus.cli",
+            "demo",
+            "--json",
+            "--spec",
+            str(SMALL_SPEC),
+            "--kill-at-step",
+            str(KILL_AT_STEP),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     status = json.loads(done.stdout)
@@ -107,15 +125,21 @@ async def test_worker_killed_during_drain_and_resume(dev_env, home, workers, ref
     wait_for(lambda: trained_step(run) >= KILL_AT_STEP, 120, f"step {KILL_AT_STEP}")
     cluster.kill_node(run_id, "node-1")
 
-    marker = wait_for(lambda: (markers / "drain.after_quarantine").exists() and markers / "drain.after_quarantine",
-                      60, "the worker to reach drain")
+    marker = wait_for(
+        lambda: (markers / "drain.after_quarantine").exists() and markers / "drain.after_quarantine",
+        60,
+        "the worker to reach drain",
+    )
     assert int(marker.read_text()) == first.process.pid
     assert cluster.inventory(run_id).node("node-1").role == "quarantined"
     first.kill()
 
     second = workers(armed("resume.after_launch"), tmp_path / "worker-2.log")
-    marker = wait_for(lambda: (markers / "resume.after_launch").exists() and markers / "resume.after_launch",
-                      60, "the second worker to reach resume")
+    marker = wait_for(
+        lambda: (markers / "resume.after_launch").exists() and markers / "resume.after_launch",
+        60,
+        "the second worker to reach resume",
+    )
     assert int(marker.read_text()) == second.process.pid
     second.kill()
 
@@ -129,8 +153,9 @@ async def test_worker_killed_during_drain_and_resume(dev_env, home, workers, ref
     # Exactly one new incarnation, and each of its ranks was started exactly once.
     assert run.incarnations() == [0, 1]
     for rank in range(spec.layout.world_size):
-        starts = [line for line in run.log_file(1, rank).read_text().splitlines()
-                  if line.startswith("lazarus trainer: rank")]
+        starts = [
+            line for line in run.log_file(1, rank).read_text().splitlines() if line.startswith("lazarus trainer: rank")
+        ]
         assert len(starts) == 1, f"rank {rank} of incarnation 1 was started {len(starts)} times"
     assert read_json(run.pid_file(1, 1))["node"] == "node-4"
     assert_last_incarnation_matches(run, incident.model_dump(mode="json"), reference_losses)

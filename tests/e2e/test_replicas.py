@@ -7,13 +7,12 @@ import uuid
 
 import pytest
 
-from lazarus.infra.local import LocalCluster
 from lazarus.config import Settings
 from lazarus.demo import drive_run
-from lazarus.worker import build_worker
+from lazarus.infra.local import LocalCluster
 from lazarus.schema import RunSpec, RunState, RunStatus, load_spec, parse_spec
 from lazarus.schema.contract import RunDir
-
+from lazarus.worker import build_worker
 from tests.e2e.conftest import SMALL_PP_SPEC, SMALL_SPEC, losses
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -80,12 +79,17 @@ async def test_dp2_pp2_hot_spare_replaces_the_dead_node_with_identical_losses(de
     assert_every_sample_once(run, spec)
 
 
-@pytest.mark.parametrize("spec_path, new_dp, nodes, released", [
-    (SMALL_PP_SPEC, 1, ["node-0", "node-1"], ["node-3"]),
-    (SMALL_SPEC, 3, ["node-0", "node-1", "node-3"], []),
-], ids=["dp2xpp2-to-dp1", "dp4-to-dp3"])
-async def test_without_a_spare_the_run_reshards_and_keeps_the_math(dev_env, home, reference, spec_path, new_dp,
-                                                                   nodes, released):
+@pytest.mark.parametrize(
+    "spec_path, new_dp, nodes, released",
+    [
+        (SMALL_PP_SPEC, 1, ["node-0", "node-1"], ["node-3"]),
+        (SMALL_SPEC, 3, ["node-0", "node-1", "node-3"], []),
+    ],
+    ids=["dp2xpp2-to-dp1", "dp4-to-dp3"],
+)
+async def test_without_a_spare_the_run_reshards_and_keeps_the_math(
+    dev_env, home, reference, spec_path, new_dp, nodes, released
+):
     spec = with_changes(spec_path, cluster={"spare_nodes": 0})
     status, run = await run_to_end(dev_env, home, spec, kill_at=15)
 
@@ -104,13 +108,18 @@ async def test_without_a_spare_the_run_reshards_and_keeps_the_math(dev_env, home
     expected = reference(spec_path)
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, spec.trainer.steps + 1))
-    assert {json.loads(line)["dp"] for line in run.metrics_file.read_text().splitlines()
-            if json.loads(line)["incarnation"] == 1} == {new_dp}
+    assert {
+        json.loads(line)["dp"]
+        for line in run.metrics_file.read_text().splitlines()
+        if json.loads(line)["incarnation"] == 1
+    } == {new_dp}
     worst = max(abs(loss - expected[s]) / abs(expected[s]) for s, loss in resumed.items())
     assert worst < 1e-4, f"largest relative loss difference after the reshard: {worst:.2e}"
 
 
-async def test_node_killed_during_an_async_save_never_loads_the_half_written_checkpoint(dev_env, home, reference_losses):
+async def test_node_killed_during_an_async_save_never_loads_the_half_written_checkpoint(
+    dev_env, home, reference_losses
+):
     spec = with_changes(SMALL_SPEC, faults=[{"node": "node-1", "step": 20, "point": "checkpoint"}])
     status, run = await run_to_end(dev_env, home, spec, kill_at=None)
 

@@ -8,11 +8,11 @@ import uuid
 
 import pytest
 
-from lazarus.infra.local import LocalCluster
 from lazarus.config import Settings
 from lazarus.demo import drive_run
-from lazarus.worker import build_worker
+from lazarus.infra.local import LocalCluster
 from lazarus.schema import RunState, load_spec, parse_spec
+from lazarus.worker import build_worker
 from tests.e2e.conftest import USER_DDP_SPEC, losses, with_absolute_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -44,8 +44,13 @@ async def test_user_ddp_script_resumes_from_its_own_checkpoint(dev_env, home, re
 
     # The killed node's logs are kept and shown by `lazarus run logs`.
     killed = incident.fault.nodes[0]
-    shown = subprocess.run([sys.executable, "-m", "lazarus.cli", "run", "logs", run_id, "--node", killed],
-                           env={"LAZARUS_HOME": str(home)}, capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "run", "logs", run_id, "--node", killed],
+        env={"LAZARUS_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert shown.returncode == 0, shown.stderr
     rank = incident.old_assignment.nodes.index(killed)
     lines = shown.stdout.splitlines()
@@ -54,8 +59,12 @@ async def test_user_ddp_script_resumes_from_its_own_checkpoint(dev_env, home, re
 
 
 async def test_a_command_that_exits_at_once_fails_the_run_with_its_log(dev_env, home):
-    spec = parse_spec({"name": "bad-exit", "trainer": {
-        "command": ["python", "-c", "import sys; print('bad config: no such dataset'); sys.exit(3)"]}})
+    spec = parse_spec(
+        {
+            "name": "bad-exit",
+            "trainer": {"command": ["python", "-c", "import sys; print('bad config: no such dataset'); sys.exit(3)"]},
+        }
+    )
     status, _, _ = await run_spec(dev_env, home, spec, kill_at=None)
     assert status.state == RunState.FAILED
     assert "the training program failed: every rank ended before training a step" in status.reason
@@ -67,10 +76,14 @@ async def test_a_command_that_does_not_exist_is_refused(dev_env, home, tmp_path)
     spec = parse_spec({"name": "no-cmd", "trainer": {"command": ["no-such-trainer-binary", "--steps", "5"]}})
     status, _, _ = await run_spec(dev_env, home, spec, kill_at=None)
     assert status.state == RunState.FAILED
-    assert "launch refused (CommandNotFound): trainer.command: 'no-such-trainer-binary' is not an executable" in status.reason
+    assert (
+        "launch refused (CommandNotFound): trainer.command: 'no-such-trainer-binary' is not an executable"
+        in status.reason
+    )
     path = tmp_path / "no-cmd.yaml"
     path.write_text("name: no-cmd\ntrainer:\n  command: [no-such-trainer-binary]\n")
-    done = subprocess.run([sys.executable, "-m", "lazarus.cli", "run", "start", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "run", "start", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert "'no-such-trainer-binary' is not an executable on this node" in done.stderr

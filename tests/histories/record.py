@@ -28,16 +28,16 @@ from pathlib import Path
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from lazarus.infra.local import LocalCluster, free_port
-from lazarus.infra.temporal_server import temporal_cli
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.demo import run_demo
-from lazarus.worker import build_worker
+from lazarus.infra.local import LocalCluster, free_port
+from lazarus.infra.temporal_server import temporal_cli
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.schema.stages import OperatorRequest
-from tests.e2e.conftest import trained_step, wait_for
+from lazarus.worker import build_worker
 from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
+from tests.e2e.conftest import trained_step, wait_for
 
 HERE = Path(__file__).resolve().parent
 SMALL = HERE.parent / "specs" / "small.yaml"
@@ -55,8 +55,11 @@ async def record(name: str, spec, kill_at: int | None = None, drive=None) -> Non
     """Run `spec` on a fresh dev server (the demo's way, or `drive(client, settings, cluster, spec)`), save its history."""
     with tempfile.TemporaryDirectory() as home:
         env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_cli(), data_converter=pydantic_data_converter, port=free_port(),
-            search_attributes=[STATE_ATTRIBUTE, INCIDENTS_ATTRIBUTE])
+            dev_server_existing_path=temporal_cli(),
+            data_converter=pydantic_data_converter,
+            port=free_port(),
+            search_attributes=[STATE_ATTRIBUTE, INCIDENTS_ATTRIBUTE],
+        )
         try:
             settings = Settings(address=env.client.service_client.config.target_host, home=Path(home))
             if drive is None:
@@ -111,11 +114,25 @@ async def main() -> None:
     if "override" in names:
         await record("override", load_spec(SMALL), drive=override)
     if "escalation" in names:
-        await record("escalation", changed(SMALL, cluster={"spare_nodes": 0}, recovery={
-            "min_dp": 4, "capacity_wait_seconds": 2, "capacity_poll_seconds": 1}), drive=escalation)
+        await record(
+            "escalation",
+            changed(
+                SMALL,
+                cluster={"spare_nodes": 0},
+                recovery={"min_dp": 4, "capacity_wait_seconds": 2, "capacity_poll_seconds": 1},
+            ),
+            drive=escalation,
+        )
     if "no_capacity" in names:
-        await record("no_capacity", changed(SMALL, cluster={"spare_nodes": 0}, recovery={
-            "min_dp": 4, "capacity_wait_seconds": 3, "capacity_poll_seconds": 1}), kill_at=15)
+        await record(
+            "no_capacity",
+            changed(
+                SMALL,
+                cluster={"spare_nodes": 0},
+                recovery={"min_dp": 4, "capacity_wait_seconds": 3, "capacity_poll_seconds": 1},
+            ),
+            kill_at=15,
+        )
 
 
 if __name__ == "__main__":

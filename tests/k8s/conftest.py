@@ -62,21 +62,32 @@ def admin(emulator):
     return k8s.CoreV1Api(api_client(emulator.url, "test-admin"))
 
 
-def add_node(admin: k8s.CoreV1Api, name: str, pool: str = "test", spare: bool = False, address: str = "127.0.0.1") -> None:
+def add_node(
+    admin: k8s.CoreV1Api, name: str, pool: str = "test", spare: bool = False, address: str = "127.0.0.1"
+) -> None:
     """A Ready node of the pool (a hot spare if `spare`)."""
     labels = {"lazarus.dev/pool": pool, "kubernetes.io/hostname": name}
     if spare:
         labels["lazarus.dev/spare"] = "true"
-    admin.create_node(k8s.V1Node(
-        metadata=k8s.V1ObjectMeta(name=name, labels=labels),
-        spec=k8s.V1NodeSpec(),
-        status=k8s.V1NodeStatus(conditions=[k8s.V1NodeCondition(type="Ready", status="True", reason="KubeletReady")],
-                                addresses=[k8s.V1NodeAddress(type="InternalIP", address=address)])))
+    admin.create_node(
+        k8s.V1Node(
+            metadata=k8s.V1ObjectMeta(name=name, labels=labels),
+            spec=k8s.V1NodeSpec(),
+            status=k8s.V1NodeStatus(
+                conditions=[k8s.V1NodeCondition(type="Ready", status="True", reason="KubeletReady")],
+                addresses=[k8s.V1NodeAddress(type="InternalIP", address=address)],
+            ),
+        )
+    )
 
 
 def set_ready(admin: k8s.CoreV1Api, name: str, status: str, when: str | None = None) -> None:
     """Set a node's Ready condition ("True", "False" or "Unknown"), as the node controller would."""
-    condition = {"type": "Ready", "status": status, "reason": "NodeStatusUnknown" if status == "Unknown" else "KubeletReady"}
+    condition = {
+        "type": "Ready",
+        "status": status,
+        "reason": "NodeStatusUnknown" if status == "Unknown" else "KubeletReady",
+    }
     if when:
         condition["lastTransitionTime"] = when
     admin.patch_node(name, {"status": {"conditions": [condition]}})

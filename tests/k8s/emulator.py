@@ -29,8 +29,14 @@ from kmock._internal import enums, k8s
 BACKEND_USER_AGENT = "lazarus-backend"
 """User-Agent prefix of the backend's client in tests; requests with it are recorded in `used`."""
 
-_VERBS = {enums.action.LIST: "list", enums.action.WATCH: "watch", enums.action.FETCH: "get",
-          enums.action.CREATE: "create", enums.action.UPDATE: "patch", enums.action.DELETE: "delete"}
+_VERBS = {
+    enums.action.LIST: "list",
+    enums.action.WATCH: "watch",
+    enums.action.FETCH: "get",
+    enums.action.CREATE: "create",
+    enums.action.UPDATE: "patch",
+    enums.action.DELETE: "delete",
+}
 _SET = re.compile(r"^\s*([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
 
 
@@ -99,8 +105,9 @@ def selected(request, obj: dict) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     label_selector = request.params.get("labelSelector", "")
     field_selector = request.params.get("fieldSelector", "")
-    return ((not label_selector or label_selector_matches(label_selector, labels))
-            and (not field_selector or field_selector_matches(field_selector, obj)))
+    return (not label_selector or label_selector_matches(label_selector, labels)) and (
+        not field_selector or field_selector_matches(field_selector, obj)
+    )
 
 
 class ClusterEmulator(KubernetesEmulator):
@@ -109,8 +116,12 @@ class ClusterEmulator(KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         # Declared up front: kmock answers 404 to a list of a resource it has no object of yet.
-        for resource, kind, namespaced in (("v1/nodes", "Node", False), ("v1/pods", "Pod", True),
-                                           ("v1/events", "Event", True), ("v1/configmaps", "ConfigMap", True)):
+        for resource, kind, namespaced in (
+            ("v1/nodes", "Node", False),
+            ("v1/pods", "Pod", True),
+            ("v1/events", "Event", True),
+            ("v1/configmaps", "ConfigMap", True),
+        ):
             self.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced)
         self.used: set[tuple[str, str, str]] = set()  # (verb, API group, resource[/subresource])
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()  # (verb, resource) of the backend
@@ -152,19 +163,31 @@ class ClusterEmulator(KubernetesEmulator):
                         return await self._conflict(request, current, expected)
             else:
                 metadata.setdefault("uid", str(uuid.uuid4()))
-                metadata.setdefault("creationTimestamp",
-                                    datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                metadata.setdefault(
+                    "creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                )
             metadata["resourceVersion"] = str(next(self._versions))
             return await super()._handle(request)
 
     async def _conflict(self, request, current, expected):
         import aiohttp.web
 
-        message = (f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": the object has '
-                   f"been modified; please apply your changes to the latest version and try again "
-                   f"(resourceVersion {expected}, now {current})")
-        return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                          "reason": "Conflict", "code": 409, "message": message}, status=409)
+        message = (
+            f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": the object has '
+            f"been modified; please apply your changes to the latest version and try again "
+            f"(resourceVersion {expected}, now {current})"
+        )
+        return aiohttp.web.json_response(
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "reason": "Conflict",
+                "code": 409,
+                "message": message,
+            },
+            status=409,
+        )
 
     async def _delete_gracefully(self, request):
         """Mark a running pod terminating instead of deleting it, unless the delete is forced;
@@ -179,12 +202,22 @@ class ClusterEmulator(KubernetesEmulator):
             if stored is None or stored.deleted or (grace is not None and int(grace) == 0):
                 return None
             raw = stored.raw
-            if not (raw.get("spec") or {}).get("nodeName") or (raw.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            if not (raw.get("spec") or {}).get("nodeName") or (raw.get("status") or {}).get("phase") in (
+                "Succeeded",
+                "Failed",
+            ):
                 return None
             if not raw["metadata"].get("deletionTimestamp"):
                 now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-                stored.patch({"metadata": {"deletionTimestamp": now, "resourceVersion": str(next(self._versions)),
-                                           "deletionGracePeriodSeconds": int(grace) if grace is not None else 30}})
+                stored.patch(
+                    {
+                        "metadata": {
+                            "deletionTimestamp": now,
+                            "resourceVersion": str(next(self._versions)),
+                            "deletionGracePeriodSeconds": int(grace) if grace is not None else 30,
+                        }
+                    }
+                )
                 await self._buses[request.resource].put({"type": "MODIFIED", "object": stored.raw})
             return aiohttp.web.json_response(stored.raw)
 
@@ -194,14 +227,22 @@ class ClusterEmulator(KubernetesEmulator):
         key = (request.resource, request.namespace, request.name)
         async with self._lock:
             if key not in self._objects or self._objects[key].deleted:
-                return aiohttp.web.json_response({"kind": "Status", "status": "Failure", "reason": "NotFound",
-                                                  "code": 404, "message": f'pods "{request.name}" not found'},
-                                                 status=404)
+                return aiohttp.web.json_response(
+                    {
+                        "kind": "Status",
+                        "status": "Failure",
+                        "reason": "NotFound",
+                        "code": 404,
+                        "message": f'pods "{request.name}" not found',
+                    },
+                    status=404,
+                )
             self._objects[key].delete()
             raw = self._objects[key].last.raw
             await self._buses[request.resource].put({"type": "DELETED", "object": raw})
-        return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201},
-                                         status=201)
+        return aiohttp.web.json_response(
+            {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}, status=201
+        )
 
     async def _serve_list(self, request):
         listed = await super()._serve_list(request)
@@ -210,7 +251,11 @@ class ClusterEmulator(KubernetesEmulator):
 
     async def _serve_watch(self, request):
         async for event in super()._serve_watch(request):
-            if not isinstance(event, dict) or event.get("type") == "ERROR" or selected(request, event.get("object") or {}):
+            if (
+                not isinstance(event, dict)
+                or event.get("type") == "ERROR"
+                or selected(request, event.get("object") or {})
+            ):
                 yield event
 
     async def expire_watches(self, plural: str) -> None:
@@ -218,9 +263,19 @@ class ClusterEmulator(KubernetesEmulator):
         holds the resourceVersion a watch follows (the client must list again)."""
         for resource, bus in list(self._buses.items()):
             if resource.plural == plural:
-                await bus.put({"type": "ERROR", "object": {
-                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired", "code": 410,
-                    "message": "too old resource version"}})
+                await bus.put(
+                    {
+                        "type": "ERROR",
+                        "object": {
+                            "kind": "Status",
+                            "apiVersion": "v1",
+                            "status": "Failure",
+                            "reason": "Expired",
+                            "code": 410,
+                            "message": "too old resource version",
+                        },
+                    }
+                )
 
 
 class EmulatorThread:

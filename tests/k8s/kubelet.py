@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from kubernetes import client as k8s
@@ -27,8 +27,9 @@ from kubernetes.client.rest import ApiException
 class FakeKubelet:
     """Runs the pods of namespace `namespace` on this machine (see the module docstring)."""
 
-    def __init__(self, admin: k8s.CoreV1Api, namespace: str, logs: Path, interval: float = 0.05,
-                 run_containers: bool = True):
+    def __init__(
+        self, admin: k8s.CoreV1Api, namespace: str, logs: Path, interval: float = 0.05, run_containers: bool = True
+    ):
         self.admin = admin
         self.run_containers = run_containers  # False: only confirm deletions (pods stay as the test sets them)
         self.namespace = namespace
@@ -89,11 +90,14 @@ class FakeKubelet:
 
     def _run(self, pod: k8s.V1Pod) -> None:
         container = pod.spec.containers[0]
-        command = [sys.executable if part == "python" else part for part in container.command[:1]] + container.command[1:]
+        command = [sys.executable if part == "python" else part for part in container.command[:1]] + container.command[
+            1:
+        ]
         env = {**os.environ, **{e.name: e.value for e in container.env or []}}
         with open(self.logs / f"{pod.metadata.name}.log", "ab") as log:
             self.processes[pod.metadata.name] = subprocess.Popen(
-                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.started.append(pod.metadata.name)
         self._patch(pod.metadata.name, {"status": {"phase": "Running"}})
 
@@ -109,10 +113,23 @@ class FakeKubelet:
             self.dead.add(node)
             pods = self.admin.list_namespaced_pod(self.namespace, field_selector=f"spec.nodeName={node}").items
             if api_learns:
-                now = datetime.now(timezone.utc).isoformat()
-                self.admin.patch_node(node, {"status": {"conditions": [
-                    {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown", "lastTransitionTime": now,
-                     "message": "Kubelet stopped posting node status."}]}})
+                now = datetime.now(UTC).isoformat()
+                self.admin.patch_node(
+                    node,
+                    {
+                        "status": {
+                            "conditions": [
+                                {
+                                    "type": "Ready",
+                                    "status": "Unknown",
+                                    "reason": "NodeStatusUnknown",
+                                    "lastTransitionTime": now,
+                                    "message": "Kubelet stopped posting node status.",
+                                }
+                            ]
+                        }
+                    },
+                )
                 for pod in pods:
                     self._patch(pod.metadata.name, {"status": {"phase": "Failed", "reason": "NodeLost"}})
             for pod in pods:

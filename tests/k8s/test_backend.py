@@ -21,11 +21,19 @@ from tests.k8s.conftest import add_node, set_ready
 
 
 def k8s_spec(home, active: int = 2, spares: int = 1, pool: str = "test"):
-    return parse_spec({
-        "name": "kube", "layout": {"dp": active}, "trainer": {"steps": 30, "checkpoint_every": 10},
-        "cluster": {"backend": "kubernetes", "active_nodes": active, "spare_nodes": spares,
-                    "kubernetes": {"namespace": "lz", "pool": pool, "mount_path": str(home), "image": "trainer:test"}},
-    })
+    return parse_spec(
+        {
+            "name": "kube",
+            "layout": {"dp": active},
+            "trainer": {"steps": 30, "checkpoint_every": 10},
+            "cluster": {
+                "backend": "kubernetes",
+                "active_nodes": active,
+                "spare_nodes": spares,
+                "kubernetes": {"namespace": "lz", "pool": pool, "mount_path": str(home), "image": "trainer:test"},
+            },
+        }
+    )
 
 
 @pytest.fixture
@@ -40,8 +48,9 @@ def pool(admin):
 def launched(cluster: KubernetesCluster, run_id: str, spec) -> Assignment:
     cluster.create(run_id, spec)
     active = sorted(n.name for n in cluster.inventory(run_id).nodes if n.role == "active")
-    assignment = cluster.commit_assignment(run_id, Assignment(incarnation=0, nodes=active, layout=spec.layout,
-                                                              master_port=1))
+    assignment = cluster.commit_assignment(
+        run_id, Assignment(incarnation=0, nodes=active, layout=spec.layout, master_port=1)
+    )
     cluster.start_ranks(run_id, 0, resume_step=0)
     return assignment
 
@@ -58,7 +67,10 @@ def test_a_run_claims_ordinary_nodes_first_and_sees_the_pools_spares(pool, backe
     assert (pool.read_node("worker-0").metadata.labels or {})[RUN_LABEL] == "r1"
     # A second create (a retried launch) claims nothing more.
     cluster.create("r1", spec)
-    assert sorted(n.metadata.name for n in pool.list_node(label_selector=f"{RUN_LABEL}=r1").items) == ["worker-0", "worker-1"]
+    assert sorted(n.metadata.name for n in pool.list_node(label_selector=f"{RUN_LABEL}=r1").items) == [
+        "worker-0",
+        "worker-1",
+    ]
 
 
 def test_not_enough_free_nodes_is_a_clear_error_and_claims_nothing(pool, backend_api, tmp_path):
@@ -96,8 +108,9 @@ def test_a_stale_claim_loses_to_a_newer_write(pool, backend_api, tmp_path):
     from kubernetes.client.rest import ApiException
 
     with pytest.raises(ApiException) as refused:
-        pool.patch_node("spare-0", {"metadata": {"labels": {RUN_LABEL: "mine"},
-                                                 "resourceVersion": node.metadata.resource_version}})
+        pool.patch_node(
+            "spare-0", {"metadata": {"labels": {RUN_LABEL: "mine"}, "resourceVersion": node.metadata.resource_version}}
+        )
     assert refused.value.status == 409
     assert KubernetesCluster(tmp_path, backend_api)._claim("spare-0", "mine", spare_only=True) is False
 
@@ -114,7 +127,9 @@ def test_quarantine_cordons_taints_labels_and_writes_events(pool, backend_api, e
     cluster.record_stage("r1", "drained", "stopped incarnation 0")
     events = pool.list_namespaced_event("lz").items
     assert {(e.involved_object.kind, e.involved_object.name, e.reason) for e in events} == {
-        ("Node", "worker-1", "Quarantined"), ("ConfigMap", run_object_name("r1"), "Drained")}
+        ("Node", "worker-1", "Quarantined"),
+        ("ConfigMap", run_object_name("r1"), "Drained"),
+    }
     # Returned after repair: uncordoned, untainted, a hot spare of the pool.
     cluster.return_node("r1", "worker-1")
     node = pool.read_node("worker-1")
@@ -128,14 +143,24 @@ def test_rank_pods_are_created_once_pinned_and_tolerate_a_dead_node_briefly(pool
     cluster.start_ranks("r1", 0, resume_step=0)  # retried: 409 on create is success
     pods = pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=r1").items
     assert sorted((p.metadata.name, p.spec.node_name) for p in pods) == [
-        (pod_name("r1", 0, 0), "worker-0"), (pod_name("r1", 0, 1), "worker-1")]
+        (pod_name("r1", 0, 0), "worker-0"),
+        (pod_name("r1", 0, 1), "worker-1"),
+    ]
     pod = next(p for p in pods if p.spec.node_name == "worker-1")
     assert {(t.key, t.toleration_seconds) for t in pod.spec.tolerations} == {
-        ("node.kubernetes.io/not-ready", 10), ("node.kubernetes.io/unreachable", 10)}
+        ("node.kubernetes.io/not-ready", 10),
+        ("node.kubernetes.io/unreachable", 10),
+    }
     # The policy in force (an operator's set_policy) shapes the next incarnation's pods.
     spec = cluster.spec("r1")
-    later = cluster.rank_pod("r1", spec, cluster.assignment("r1", 0), 1, 0,
-                             spec.recovery.model_copy(update={"not_ready_toleration_seconds": 30}))
+    later = cluster.rank_pod(
+        "r1",
+        spec,
+        cluster.assignment("r1", 0),
+        1,
+        0,
+        spec.recovery.model_copy(update={"not_ready_toleration_seconds": 30}),
+    )
     assert {t.toleration_seconds for t in later.spec.tolerations} == {30}
     env = {e.name: e.value for e in pod.spec.containers[0].env}
     assert env["LAZARUS_RUN_DIR"] == f"{tmp_path}/runs/r1" and env["LAZARUS_NODE_INDEX"] == "1"
@@ -169,10 +194,14 @@ def test_replacing_claims_the_spare_exactly_once_and_releases_leftovers(pool, ba
     other = KubernetesCluster(tmp_path, backend_api)
     other.create("r2", k8s_spec(tmp_path, active=1))
     with pytest.raises(ClusterError, match="spare-0 is no longer a free spare"):
-        other.commit_assignment("r2", Assignment(incarnation=1, nodes=["spare-0"], layout=k8s_spec(tmp_path, 1).layout,
-                                                 master_port=1), claims=["spare-0"])
+        other.commit_assignment(
+            "r2",
+            Assignment(incarnation=1, nodes=["spare-0"], layout=k8s_spec(tmp_path, 1).layout, master_port=1),
+            claims=["spare-0"],
+        )
     # A reshard onto fewer nodes gives the leftover back to the pool as a hot spare.
-    cluster.commit_assignment("r1", first.model_copy(update={"incarnation": 2, "nodes": ["spare-0"]}),
-                              releases=["worker-0"])
+    cluster.commit_assignment(
+        "r1", first.model_copy(update={"incarnation": 2, "nodes": ["spare-0"]}), releases=["worker-0"]
+    )
     assert pool.read_node("worker-0").metadata.labels[SPARE_LABEL] == "true"
     assert {n.name: n.role for n in cluster.inventory("r1").nodes}["worker-0"] == "spare"

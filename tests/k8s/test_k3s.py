@@ -48,8 +48,9 @@ def test_claim_quarantine_pods_and_return_on_k3s(k3s_api, tmp_path):
         assert core.read_node(node.metadata.name).metadata.labels[RUN_LABEL] == "k3s"
         from lazarus.schema import Assignment
 
-        cluster.commit_assignment("k3s", Assignment(incarnation=0, nodes=[node.metadata.name], layout=spec.layout,
-                                                    master_port=1))
+        cluster.commit_assignment(
+            "k3s", Assignment(incarnation=0, nodes=[node.metadata.name], layout=spec.layout, master_port=1)
+        )
         cluster.start_ranks("k3s", 0, resume_step=0)
         assert len(core.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=k3s").items) == 1
         # The watches: started by a first wait, then the pod's deletion wakes the run.

@@ -52,8 +52,13 @@ def test_the_example_run_spec_is_a_valid_kubernetes_run():
 def granted() -> set[tuple[str, str, str]]:
     """(verb, API group, resource) the worker's Role and ClusterRole allow."""
     rules = [rule for _, doc in documents() if doc["kind"] in ("Role", "ClusterRole") for rule in doc["rules"]]
-    return {(verb, group, resource) for rule in rules for group in rule["apiGroups"]
-            for resource in rule["resources"] for verb in rule["verbs"]}
+    return {
+        (verb, group, resource)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
 
 
 def test_rbac_grants_exactly_what_the_backend_used():

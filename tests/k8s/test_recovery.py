@@ -9,16 +9,16 @@ import uuid
 
 import pytest
 
+from lazarus.client import start_run
+from lazarus.config import Settings
 from lazarus.infra.kubernetes import (
     QUARANTINE_TAINT,
     RUN_LABEL,
     KubernetesCluster,
     run_object_name,
 )
-from lazarus.client import start_run
-from lazarus.config import Settings
-from lazarus.worker import build_worker
 from lazarus.schema import RunState, load_spec, parse_spec
+from lazarus.worker import build_worker
 from tests.e2e.conftest import SMALL_SPEC, losses, trained_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -27,9 +27,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 def kubernetes_spec(home):
     """The small end-to-end spec (dp4, 60 steps) on the kubernetes backend, run directories under `home`."""
     data = load_spec(SMALL_SPEC).model_dump(mode="json")
-    data["cluster"] = {"backend": "kubernetes", "active_nodes": 4, "spare_nodes": 1,
-                       "kubernetes": {"namespace": "lz", "pool": "test", "mount_path": str(home), "image": "trainer:test",
-                                      "delete_grace_seconds": 1}}
+    data["cluster"] = {
+        "backend": "kubernetes",
+        "active_nodes": 4,
+        "spare_nodes": 1,
+        "kubernetes": {
+            "namespace": "lz",
+            "pool": "test",
+            "mount_path": str(home),
+            "image": "trainer:test",
+            "delete_grace_seconds": 1,
+        },
+    }
     return parse_spec(data)
 
 
@@ -50,8 +59,9 @@ def completed_incident(kubelet, status):
 
 
 @pytest.mark.parametrize("api_learns", [True, False], ids=["api-learns-first", "survivors-report-first"])
-async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(dev_env, admin, clusters, training_pool,
-                                                                  reference_losses, tmp_path, api_learns):
+async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(
+    dev_env, admin, clusters, training_pool, reference_losses, tmp_path, api_learns
+):
     # api_learns=False: the API server still shows the node Ready and its pod Running (as within
     # Kubernetes' 40 s node-monitor grace); the survivors' lost-peer errors must blame it.
     home = tmp_path / "volume"
@@ -70,7 +80,11 @@ async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(dev_env, admin
     assert incident.fault.kind == "node_down" and incident.fault.nodes == ["worker-2"], incident.fault.reason
     assert ("went silent" in incident.fault.reason) == (not api_learns)
     assert incident.decision.action == "replace" and incident.new_assignment.nodes == [
-        "worker-0", "worker-1", "spare-0", "worker-3"]
+        "worker-0",
+        "worker-1",
+        "spare-0",
+        "worker-3",
+    ]
 
     # The lost node is cordoned, tainted and labelled with the run; the spare now belongs to it.
     lost = admin.read_node("worker-2")
@@ -95,24 +109,35 @@ def kubeconfig(path, url: str) -> str:
     """A kubeconfig pointing at the emulator, for a worker running as its own process."""
     import yaml
 
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
-        "users": [{"name": "test", "user": {"token": "test"}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "emulator",
+                "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+                "users": [{"name": "test", "user": {"token": "test"}}],
+                "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}],
+            }
+        )
+    )
     return str(path)
 
 
 async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and_one_claim(
-        dev_env, emulator, admin, training_pool, workers, reference_losses, tmp_path):
+    dev_env, emulator, admin, training_pool, workers, reference_losses, tmp_path
+):
     from lazarus.activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
     from tests.e2e.test_recovery import lazarus_env
 
     home = tmp_path / "volume"
     kubelet = training_pool
     queue = f"k8s-crash-{uuid.uuid4().hex[:6]}"
-    env = {**lazarus_env(dev_env, home, queue), "LAZARUS_BACKEND": "kubernetes",
-           "KUBECONFIG": kubeconfig(tmp_path / "kubeconfig", emulator.url)}
+    env = {
+        **lazarus_env(dev_env, home, queue),
+        "LAZARUS_BACKEND": "kubernetes",
+        "KUBECONFIG": kubeconfig(tmp_path / "kubeconfig", emulator.url),
+    }
     markers = tmp_path / "failpoints"
     armed = lambda name: {**env, ENV_FAILPOINTS: name, ENV_FAILPOINT_DIR: str(markers)}  # noqa: E731
     spec = kubernetes_spec(home)
@@ -139,7 +164,8 @@ async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and
     second_round = [name for name in kubelet.started if f"-{run_id}-1-" in name]
     assert sorted(second_round) == sorted(set(second_round)) and len(second_round) == 4
     for rank in range(spec.layout.world_size):
-        starts = [line for line in run.log_file(1, rank).read_text().splitlines()
-                  if line.startswith("lazarus trainer: rank")]
+        starts = [
+            line for line in run.log_file(1, rank).read_text().splitlines() if line.startswith("lazarus trainer: rank")
+        ]
         assert len(starts) == 1, f"rank {rank} of incarnation 1 was started {len(starts)} times"
     assert losses(run) == reference_losses

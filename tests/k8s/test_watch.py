@@ -38,14 +38,20 @@ def test_the_informer_follows_the_pools_nodes_and_distrusts_its_cache_when_the_s
                 raise ApiException(status=503, reason="the API server is restarting")
         return pool.list_node(**arguments)
 
-    informer = Informer(list_node, "test-pool", lambda kind, node: events.append((kind, node.metadata.name)),
-                        label_selector="lazarus.dev/pool=test").start()
+    informer = Informer(
+        list_node,
+        "test-pool",
+        lambda kind, node: events.append((kind, node.metadata.name)),
+        label_selector="lazarus.dev/pool=test",
+    ).start()
     try:
         assert informer.wait_synced(20)
         assert sorted(informer.objects()) == ["worker-0", "worker-1", "worker-2"]  # not the other pool's node
         set_ready(pool, "worker-1", "Unknown")
-        wait_until(lambda: informer.objects()["worker-1"].status.conditions[0].status == "Unknown",
-                   "the watch to bring worker-1's Ready=Unknown")
+        wait_until(
+            lambda: informer.objects()["worker-1"].status.conditions[0].status == "Unknown",
+            "the watch to bring worker-1's Ready=Unknown",
+        )
         assert ("MODIFIED", "worker-1") in events
         pool.delete_node("worker-2")
         wait_until(lambda: "worker-2" not in informer.objects(), "the watch to bring worker-2's deletion")
@@ -73,8 +79,10 @@ def test_a_run_is_woken_by_its_nodes_and_pods_and_reads_node_health_from_the_wat
     async def scenario():
         # The first wait starts the watches; nothing of the run has changed, so it times out.
         assert await cluster.wait_for_exit("r1", 0, 0.2) is False
-        wait_until(lambda: cluster._informer("nodes", "test").synced and cluster._informer("pods", "lz").synced,
-                   "the watches to sync")
+        wait_until(
+            lambda: cluster._informer("nodes", "test").synced and cluster._informer("pods", "lz").synced,
+            "the watches to sync",
+        )
         # Node health and pods come from the watches now: looking costs the API server no list.
         lists = (emulator.emulator.calls[("list", "nodes")], emulator.emulator.calls[("list", "pods")])
         observation = cluster.observe("r1", 0)
@@ -96,16 +104,19 @@ def test_a_run_is_woken_by_its_nodes_and_pods_and_reads_node_health_from_the_wat
         # An event that came while nobody waited wakes the next wait at once.
         set_ready(pool, "worker-1", "True")
         await asyncio.to_thread(pool.patch_namespaced_pod, pod_name("r1", 0, 0), "lz", {"status": {"phase": "Failed"}})
-        wait_until(lambda: not cluster._running(cluster._informer("pods", "lz").objects()[pod_name("r1", 0, 0)]),
-                   "the watch to bring the pod's failure")
+        wait_until(
+            lambda: not cluster._running(cluster._informer("pods", "lz").objects()[pod_name("r1", 0, 0)]),
+            "the watch to bring the pod's failure",
+        )
         assert await cluster.wait_for_exit("r1", 0, 30) is True
 
     asyncio.run(scenario())
     assert pool.list_node(label_selector=f"{RUN_LABEL}=r1").items  # the run still holds its nodes
 
 
-def test_drain_deletes_pods_on_a_quarantined_node_without_waiting_for_its_dead_kubelet(pool, clusters,
-                                                                                     confirming_kubelet, tmp_path):
+def test_drain_deletes_pods_on_a_quarantined_node_without_waiting_for_its_dead_kubelet(
+    pool, clusters, confirming_kubelet, tmp_path
+):
     # The API server still shows the node Ready and its pod Running (it has not learnt of the
     # death): a graceful delete would leave the pod terminating until the timeout.
     cluster = clusters(tmp_path)

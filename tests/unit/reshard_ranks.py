@@ -14,8 +14,7 @@ from lazarus.schema.contract import RunDir
 from lazarus.trainer import checkpoint
 from lazarus.trainer.train import Trainer
 
-SETTINGS = TrainerSettings(steps=3, global_batch=12, seq_len=16, d_model=32, n_layers=2, n_heads=2,
-                           checkpoint_every=3)
+SETTINGS = TrainerSettings(steps=3, global_batch=12, seq_len=16, d_model=32, n_layers=2, n_heads=2, checkpoint_every=3)
 STEPS = 3
 
 
@@ -43,12 +42,17 @@ def run_rank(rank: int, world: int, port: int, layout: dict, mode: str, folder: 
         progress = checkpoint.load(run, trainer.model, trainer.optimizer, STEPS)
         expected = torch.load(out / f"stage-{trainer.stage}.pt")
         actual = flat_state(trainer)
+
         def same(a, b) -> bool:
             return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
         differ = sorted(key for key in expected if key not in actual or not same(expected[key], actual[key]))
-        report = {"keys": len(expected), "missing_or_different": differ, "extra": sorted(set(actual) - set(expected)),
-                  "progress": progress}
+        report = {
+            "keys": len(expected),
+            "missing_or_different": differ,
+            "extra": sorted(set(actual) - set(expected)),
+            "progress": progress,
+        }
         (out / f"{mode}-rank-{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     os._exit(0)

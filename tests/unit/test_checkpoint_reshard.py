@@ -14,8 +14,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def spawn(world: int, layout: dict, mode: str, folder) -> None:
-    mp.start_processes(run_rank, args=(world, free_port(), layout, mode, str(folder)), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        run_rank, args=(world, free_port(), layout, mode, str(folder)), nprocs=world, join=True, start_method="spawn"
+    )
 
 
 def reports(folder, mode: str, world: int) -> list[dict]:

@@ -8,8 +8,13 @@ import sys
 
 
 def lazarus(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lazarus.cli", *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, starts: str) -> None:
@@ -35,13 +40,19 @@ def test_no_temporal_server():
 
 
 def test_demo_rejects_a_kill_step_past_the_end(tmp_path):
-    done = lazarus("demo", "--kill-at-step", "100000", env={"LAZARUS_HOME": str(tmp_path),
-                                                            "LAZARUS_TEMPORAL_ADDRESS": "127.0.0.1:1"})
+    done = lazarus(
+        "demo",
+        "--kill-at-step",
+        "100000",
+        env={"LAZARUS_HOME": str(tmp_path), "LAZARUS_TEMPORAL_ADDRESS": "127.0.0.1:1"},
+    )
     assert_one_line_error(done, "--kill-at-step 100000 must be between 1 and 299")
 
 
 def test_demo_rejects_negative_spares(tmp_path):
-    done = lazarus("demo", "--spares", "-1", env={"LAZARUS_HOME": str(tmp_path), "LAZARUS_TEMPORAL_ADDRESS": "127.0.0.1:1"})
+    done = lazarus(
+        "demo", "--spares", "-1", env={"LAZARUS_HOME": str(tmp_path), "LAZARUS_TEMPORAL_ADDRESS": "127.0.0.1:1"}
+    )
     assert_one_line_error(done, "--spares -1: cluster.spare_nodes: must be greater than or equal to 0")
 
 

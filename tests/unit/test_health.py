@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from lazarus.activities.health import judge
 from lazarus.infra.local import Observation, RankObservation
@@ -14,13 +14,18 @@ NOW = 1_000_000.0
 
 def rank(r, step=7, alive=True, exit=None, beat_age=0.5, phase="training"):
     heartbeat = {"rank": r, "step": step, "phase": phase, "time": NOW - beat_age}
-    return RankObservation(rank=r, node=f"node-{r}", launched=True, alive=alive, heartbeat=heartbeat,
-                           exit=exit)
+    return RankObservation(rank=r, node=f"node-{r}", launched=True, alive=alive, heartbeat=heartbeat, exit=exit)
 
 
 def observe(*ranks, dead=None, incarnation=2, addresses=None):
-    return Observation(incarnation=incarnation, launched_at=NOW - 100, resume_step=0, ranks=list(ranks),
-                       dead_nodes=dead or {}, node_addresses=addresses or {})
+    return Observation(
+        incarnation=incarnation,
+        launched_at=NOW - 100,
+        resume_step=0,
+        ranks=list(ranks),
+        dead_nodes=dead or {},
+        node_addresses=addresses or {},
+    )
 
 
 def test_healthy_ranks_report_the_slowest_step():
@@ -29,7 +34,7 @@ def test_healthy_ranks_report_the_slowest_step():
 
 
 def test_node_the_backend_saw_die_is_blamed_with_its_death_time():
-    died = datetime.fromtimestamp(NOW - 0.3, timezone.utc)
+    died = datetime.fromtimestamp(NOW - 0.3, UTC)
     verdict = judge(observe(rank(0), rank(1, alive=False), dead={"node-1": died}), POLICY, NOW, NOW - 0.1, 40)
     fault = verdict.fault
     assert fault.kind == "node_down" and fault.nodes == ["node-1"] and fault.incarnation == 2
@@ -39,8 +44,13 @@ def test_node_the_backend_saw_die_is_blamed_with_its_death_time():
 def test_killed_rank_is_blamed_not_the_peers_that_failed_after_it():
     collateral = {"code": 1, "time": NOW - 0.05, "step": 7, "error": "Connection reset by peer"}
     sigkill = {"code": -9, "signal": "SIGKILL", "time": NOW - 0.06, "step": 7, "error": "", "by": "launcher"}
-    verdict = judge(observe(rank(0, alive=False, exit=collateral), rank(1, alive=False, exit=sigkill), rank(2)),
-                    POLICY, NOW, NOW - 0.1, 40)
+    verdict = judge(
+        observe(rank(0, alive=False, exit=collateral), rank(1, alive=False, exit=sigkill), rank(2)),
+        POLICY,
+        NOW,
+        NOW - 0.1,
+        40,
+    )
     assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-1"]
     assert "killed by SIGKILL" in verdict.fault.reason
     # Seen alive at the previous poll: the fault happened after it.
@@ -50,21 +60,26 @@ def test_killed_rank_is_blamed_not_the_peers_that_failed_after_it():
 def test_earliest_error_exit_is_blamed():
     first = {"code": 3, "time": NOW - 2, "step": 7, "error": "ValueError: bad batch"}
     later = {"code": 1, "time": NOW - 1, "step": 7, "error": "Connection reset by peer"}
-    verdict = judge(observe(rank(0, alive=False, exit=later), rank(1, alive=False, exit=first)), POLICY, NOW, NOW - 0.1, 40)
+    verdict = judge(
+        observe(rank(0, alive=False, exit=later), rank(1, alive=False, exit=first)), POLICY, NOW, NOW - 0.1, 40
+    )
     assert verdict.fault.nodes == ["node-1"] and "code 3: ValueError: bad batch" in verdict.fault.reason
     assert verdict.fault.occurred_at.timestamp() == NOW - 2
 
 
 def test_clean_exits_of_every_rank_are_completion():
     done = {"code": 0, "time": NOW - 1, "step": 40, "error": ""}
-    verdict = judge(observe(rank(0, alive=False, exit=done), rank(1, alive=False, exit=done)), POLICY, NOW, NOW - 0.1, 40)
+    verdict = judge(
+        observe(rank(0, alive=False, exit=done), rank(1, alive=False, exit=done)), POLICY, NOW, NOW - 0.1, 40
+    )
     assert verdict.completed and verdict.fault is None and verdict.step == 40
 
 
 def test_clean_exits_before_the_last_step_are_a_stop():
     stopped = {"code": 0, "time": NOW - 1, "step": 17, "error": ""}
-    verdict = judge(observe(rank(0, alive=False, exit=stopped), rank(1, alive=False, exit=stopped)),
-                    POLICY, NOW, NOW - 0.1, 40)
+    verdict = judge(
+        observe(rank(0, alive=False, exit=stopped), rank(1, alive=False, exit=stopped)), POLICY, NOW, NOW - 0.1, 40
+    )
     assert verdict.stopped and not verdict.completed and verdict.fault is None and verdict.step == 17
 
 
@@ -72,13 +87,20 @@ def test_one_rank_finished_while_another_still_runs_is_not_yet_completion():
     done = {"code": 0, "time": NOW - 1, "step": 40, "error": ""}
     verdict = judge(observe(rank(0, alive=False, exit=done), rank(1, step=40)), POLICY, NOW, NOW - 0.1, 40)
     assert not verdict.completed and verdict.fault is None
-    exiting = judge(observe(rank(0, alive=False, exit=done), rank(1, alive=True, exit=done)), POLICY, NOW, NOW - 0.1, 40)
+    exiting = judge(
+        observe(rank(0, alive=False, exit=done), rank(1, alive=True, exit=done)), POLICY, NOW, NOW - 0.1, 40
+    )
     assert not exiting.completed and exiting.fault is None
 
 
 def test_stale_heartbeat_is_a_hang_blaming_the_rank_that_got_least_far():
-    verdict = judge(observe(rank(0, step=12, beat_age=11), rank(1, step=11, beat_age=12), rank(2, step=12, beat_age=11)),
-                    POLICY, NOW, NOW - 0.1, 40)
+    verdict = judge(
+        observe(rank(0, step=12, beat_age=11), rank(1, step=11, beat_age=12), rank(2, step=12, beat_age=11)),
+        POLICY,
+        NOW,
+        NOW - 0.1,
+        40,
+    )
     assert verdict.fault.kind == "hang" and verdict.fault.nodes == ["node-1"]
     assert "no heartbeat for 12.0 s" in verdict.fault.reason
 
@@ -91,8 +113,14 @@ def test_starting_ranks_get_the_startup_grace():
 
 
 def test_a_rank_gone_while_its_launcher_writes_its_record_is_not_judged_yet():
-    pending = RankObservation(rank=1, node="node-1", launched=True, alive=False, launcher_alive=True,
-                              heartbeat={"rank": 1, "step": 7, "phase": "training", "time": NOW - 0.5})
+    pending = RankObservation(
+        rank=1,
+        node="node-1",
+        launched=True,
+        alive=False,
+        launcher_alive=True,
+        heartbeat={"rank": 1, "step": 7, "phase": "training", "time": NOW - 0.5},
+    )
     assert judge(observe(rank(0), pending), POLICY, NOW, NOW - 0.1, 40).fault is None
     pending.launcher_alive = False  # the whole node went: nobody will write it
     assert judge(observe(rank(0), pending), POLICY, NOW, NOW - 0.1, 40).fault.nodes == ["node-1"]
@@ -102,8 +130,15 @@ def test_every_rank_failing_before_its_first_step_is_a_program_error():
     failed = {"code": 3, "time": NOW - 1, "step": 0, "error": "ValueError: no such dataset"}
     starting = dict(step=0, phase="starting")
     first_launch = dict(incarnation=0)
-    both = judge(observe(rank(0, alive=False, exit=failed, **starting), rank(1, alive=False, exit=failed, **starting),
-                         **first_launch), POLICY, NOW, NOW - 0.1, 40)
+    both = judge(
+        observe(
+            rank(0, alive=False, exit=failed, **starting), rank(1, alive=False, exit=failed, **starting), **first_launch
+        ),
+        POLICY,
+        NOW,
+        NOW - 0.1,
+        40,
+    )
     assert both.fault.kind == "program_error" and both.fault.exit_code == 3
     assert "every rank ended before training a step" in both.fault.reason
     # One rank failed a second ago and the other still runs: give it a moment to fail too...
@@ -116,10 +151,17 @@ def test_every_rank_failing_before_its_first_step_is_a_program_error():
 def test_a_node_gone_silent_while_its_peers_lost_it_is_blamed_once_they_had_time_to_report():
     # Rank 2's node died; the backend does not know it yet (its pod still looks alive), so only
     # the survivors' errors arrive: each lost its connection to a peer.
-    lost = lambda at: {"code": 1, "time": at, "step": 7,  # noqa: E731
-                       "error": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.3]:7090"}
-    ranks = (rank(0, alive=False, exit=lost(NOW - 0.5)), rank(1, alive=False, exit=lost(NOW - 0.4)),
-             rank(2, beat_age=0.8))
+    lost = lambda at: {
+        "code": 1,
+        "time": at,
+        "step": 7,  # noqa: E731
+        "error": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.3]:7090",
+    }
+    ranks = (
+        rank(0, alive=False, exit=lost(NOW - 0.5)),
+        rank(1, alive=False, exit=lost(NOW - 0.4)),
+        rank(2, beat_age=0.8),
+    )
     early = judge(observe(*ranks), POLICY, NOW, NOW - 0.1, 40)
     assert early.fault is None  # within the settle time the silent rank may still report
     verdict = judge(observe(*ranks), POLICY, NOW + 2, NOW - 0.1, 40)
@@ -131,23 +173,39 @@ def test_a_rank_that_failed_on_its_own_is_blamed_though_its_peers_are_silent():
     # With NCCL the peers of a crashed rank block in the collective rather than exit: silent,
     # but the first error is not a lost peer, so its rank is the cause.
     crash = {"code": 1, "time": NOW - 3, "step": 7, "error": "RuntimeError: CUDA error: an illegal memory access"}
-    verdict = judge(observe(rank(0, alive=False, exit=crash), rank(1, beat_age=3.5), rank(2, beat_age=3.5)),
-                    POLICY, NOW, NOW - 0.1, 40)
+    verdict = judge(
+        observe(rank(0, alive=False, exit=crash), rank(1, beat_age=3.5), rank(2, beat_age=3.5)),
+        POLICY,
+        NOW,
+        NOW - 0.1,
+        40,
+    )
     assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-0"]
 
 
 def test_a_peer_that_reports_after_the_first_loss_is_not_silent():
     lost = {"code": 1, "time": NOW - 3, "step": 7, "error": "Connection reset by peer"}
     later = {"code": 1, "time": NOW - 2.9, "step": 7, "error": "Connection reset by peer"}
-    verdict = judge(observe(rank(0, alive=False, exit=lost), rank(1, alive=False, exit=later)), POLICY, NOW, NOW - 0.1, 40)
+    verdict = judge(
+        observe(rank(0, alive=False, exit=lost), rank(1, alive=False, exit=later)), POLICY, NOW, NOW - 0.1, 40
+    )
     assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-0"]
 
 
 def test_of_two_silent_nodes_the_one_the_errors_name_is_blamed():
     # node-3 is a survivor slow to notice; the survivors that failed name node-2's address.
-    lost = {"code": 1, "time": NOW - 3, "step": 7,
-            "error": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:7090. This is typically..."}
-    ranks = (rank(0, alive=False, exit=lost), rank(1, alive=False, exit=lost), rank(2, beat_age=3.5), rank(3, beat_age=3.5))
+    lost = {
+        "code": 1,
+        "time": NOW - 3,
+        "step": 7,
+        "error": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:7090. This is typically...",
+    }
+    ranks = (
+        rank(0, alive=False, exit=lost),
+        rank(1, alive=False, exit=lost),
+        rank(2, beat_age=3.5),
+        rank(3, beat_age=3.5),
+    )
     addresses = {f"node-{i}": f"10.0.0.{i}" for i in range(4)}
     verdict = judge(observe(*ranks, addresses=addresses), POLICY, NOW, NOW - 0.1, 40)
     assert verdict.fault.kind == "node_down" and verdict.fault.nodes == ["node-2"]

@@ -25,8 +25,12 @@ def cluster(tmp_path):
 def launch(cluster: LocalCluster, run_id="r1") -> Assignment:
     spec = parse_spec({"name": "r", "cluster": {"active_nodes": 4, "spare_nodes": 1}, "trainer": {"command": SLEEPER}})
     cluster.create(run_id, spec)
-    assignment = cluster.commit_assignment(run_id, Assignment(
-        incarnation=0, nodes=["node-0", "node-1", "node-2", "node-3"], layout=spec.layout, master_port=29999))
+    assignment = cluster.commit_assignment(
+        run_id,
+        Assignment(
+            incarnation=0, nodes=["node-0", "node-1", "node-2", "node-3"], layout=spec.layout, master_port=29999
+        ),
+    )
     cluster.start_ranks(run_id, 0, resume_step=0)
     every_rank_alive(cluster, run_id)
     return assignment
@@ -36,7 +40,9 @@ def every_rank_alive(cluster: LocalCluster, run_id: str, incarnation: int = 0) -
     """Wait until the launchers have started every rank (they do so in the background)."""
     deadline = time.monotonic() + 30
     run = cluster.run_dir(run_id)
-    while not all(r.alive and run.pid_file(incarnation, r.rank).exists() for r in cluster.observe(run_id, incarnation).ranks):
+    while not all(
+        r.alive and run.pid_file(incarnation, r.rank).exists() for r in cluster.observe(run_id, incarnation).ranks
+    ):
         assert time.monotonic() < deadline, "the launchers did not start every rank within 30 s"
         time.sleep(0.01)
 
@@ -98,8 +104,10 @@ def test_stop_right_after_start_leaves_no_process(cluster):
         run_id = f"early-{attempt}"
         spec = parse_spec({"name": "r", "trainer": {"command": SLEEPER}})
         cluster.create(run_id, spec)
-        cluster.commit_assignment(run_id, Assignment(incarnation=0, nodes=[f"node-{i}" for i in range(4)],
-                                                     layout=spec.layout, master_port=29999))
+        cluster.commit_assignment(
+            run_id,
+            Assignment(incarnation=0, nodes=[f"node-{i}" for i in range(4)], layout=spec.layout, master_port=29999),
+        )
         cluster.start_ranks(run_id, 0, resume_step=0)
         cluster.stop_incarnation(run_id, 0)
         assert cluster.live_pids(run_id) == [] and not any(r.alive for r in cluster.observe(run_id, 0).ranks)
@@ -108,8 +116,12 @@ def test_stop_right_after_start_leaves_no_process(cluster):
 def test_a_rank_that_ended_is_not_restarted(cluster):
     spec = parse_spec({"name": "r", "cluster": {"active_nodes": 4, "spare_nodes": 1}, "trainer": {"command": SLEEPER}})
     cluster.create("r1", spec)
-    cluster.commit_assignment("r1", Assignment(incarnation=0, nodes=["node-0", "node-1", "node-2", "node-3"],
-                                               layout=spec.layout, master_port=29999))
+    cluster.commit_assignment(
+        "r1",
+        Assignment(
+            incarnation=0, nodes=["node-0", "node-1", "node-2", "node-3"], layout=spec.layout, master_port=29999
+        ),
+    )
     run = cluster.run_dir("r1")
     run.exit_file(0, 1).parent.mkdir(parents=True, exist_ok=True)
     run.exit_file(0, 1).write_text('{"rank": 1, "code": 0, "time": 0, "step": 5, "error": ""}')

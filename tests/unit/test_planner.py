@@ -10,17 +10,27 @@ import sys
 import pytest
 
 from lazarus.planner import PolicyTable, analytic_ettr, run_policy
-from lazarus.simulate import measured_costs
 from lazarus.schema.scenario import Measured, Scenario
+from lazarus.simulate import measured_costs
 
 
 def closed_form_scenario(**changes) -> Scenario:
     data = {
-        "name": "closed-form", "gpus": 8, "gpus_per_node": 8, "tp": 8, "pp": 1, "dp": 1, "days": 200,
+        "name": "closed-form",
+        "gpus": 8,
+        "gpus_per_node": 8,
+        "tp": 8,
+        "pp": 1,
+        "dp": 1,
+        "days": 200,
         "failures": {"interruptions_per_day": 12},  # MTBF 2 h
         "costs": {"detect": 0, "drain": 0, "reschedule": 0, "replace_or_reshard": 0, "resume": 600},
         "checkpoint": {"interval_minutes": 30, "save_stall_seconds": 0, "load_seconds": 0},
-        "spare_nodes": 100_000, "repair_hours": 1, "policies": ["automatic"], "repetitions": 100, "seed": 7,
+        "spare_nodes": 100_000,
+        "repair_hours": 1,
+        "policies": ["automatic"],
+        "repetitions": 100,
+        "seed": 7,
     }
     data.update(changes)
     return Scenario.model_validate(data)
@@ -30,16 +40,26 @@ def closed_form_scenario(**changes) -> Scenario:
 def test_simulated_ettr_matches_the_closed_form(interval_minutes, resume_seconds):
     scenario = closed_form_scenario(
         checkpoint={"interval_minutes": interval_minutes, "save_stall_seconds": 0, "load_seconds": 0},
-        costs={"detect": 0, "drain": 0, "reschedule": 0, "replace_or_reshard": 0, "resume": resume_seconds})
+        costs={"detect": 0, "drain": 0, "reschedule": 0, "replace_or_reshard": 0, "resume": resume_seconds},
+    )
     expected = analytic_ettr(interval_minutes * 60, 7200, resume_seconds)
     simulated = run_policy(scenario, "automatic").ettr
     assert abs(simulated - expected) / expected < 0.01, (simulated, expected)
 
 
 def test_decisions_come_from_the_workflow_policy():
-    scenario = Scenario.model_validate({
-        "name": "pp", "gpus": 64, "gpus_per_node": 8, "tp": 8, "pp": 2, "dp": 4, "min_dp": 2,
-        "failures": {"interruptions_per_day": 1}})
+    scenario = Scenario.model_validate(
+        {
+            "name": "pp",
+            "gpus": 64,
+            "gpus_per_node": 8,
+            "tp": 8,
+            "pp": 2,
+            "dp": 4,
+            "min_dp": 2,
+            "failures": {"interruptions_per_day": 1},
+        }
+    )
     automatic = PolicyTable(scenario, use_spares=True)
     assert automatic.decide(4, spare_free=True) == ("replace", 4, 0)
     # Without a spare: the broken replica's other node goes back to the pool.
@@ -57,9 +77,21 @@ def test_more_spares_and_faster_recovery_never_lose_ettr():
 
 
 def test_lost_hours_and_useful_work_add_up_to_the_allocation():
-    scenario = Scenario.model_validate({
-        "name": "sum", "gpus": 256, "gpus_per_node": 8, "tp": 8, "pp": 4, "dp": 8, "days": 20, "spare_nodes": 2,
-        "failures": {"interruptions_per_day": 6, "hang_share": 0.3}, "repetitions": 30, "repair_hours": 30})
+    scenario = Scenario.model_validate(
+        {
+            "name": "sum",
+            "gpus": 256,
+            "gpus_per_node": 8,
+            "tp": 8,
+            "pp": 4,
+            "dp": 8,
+            "days": 20,
+            "spare_nodes": 2,
+            "failures": {"interruptions_per_day": 6, "hang_share": 0.3},
+            "repetitions": 30,
+            "repair_hours": 30,
+        }
+    )
     for policy in scenario.policies:
         result = run_policy(scenario, policy)
         allocation_hours = (scenario.gpus + scenario.spare_nodes * scenario.gpus_per_node) * scenario.days * 24
@@ -68,8 +100,16 @@ def test_lost_hours_and_useful_work_add_up_to_the_allocation():
 
 
 def test_measured_costs_come_from_run_status_json(tmp_path):
-    stages = {name: {"seconds": seconds} for name, seconds in
-              [("detect", 0.1), ("drain", 0.05), ("reschedule", 0.01), ("replace_or_reshard", 0.01), ("resume", 4.5)]}
+    stages = {
+        name: {"seconds": seconds}
+        for name, seconds in [
+            ("detect", 0.1),
+            ("drain", 0.05),
+            ("reschedule", 0.01),
+            ("replace_or_reshard", 0.01),
+            ("resume", 4.5),
+        ]
+    }
     path = tmp_path / "status.json"
     path.write_text(json.dumps([{"incidents": [{"stages": stages}]}, {"incidents": [{"stages": stages}]}]))
     costs = measured_costs(str(path))
@@ -80,10 +120,15 @@ def test_simulate_command_prints_json_and_writes_a_plot(tmp_path):
     scenario = tmp_path / "small.yaml"
     scenario.write_text(
         "name: small\ngpus: 128\ngpus_per_node: 8\ntp: 8\npp: 2\ndp: 8\ndays: 10\nspare_nodes: 2\n"
-        "failures: {interruptions_per_day: 5}\nhuman_restart: 1200\nrepetitions: 20\n")
+        "failures: {interruptions_per_day: 5}\nhuman_restart: 1200\nrepetitions: 20\n"
+    )
     plot = tmp_path / "plan.png"
-    done = subprocess.run([sys.executable, "-m", "lazarus.cli", "simulate", str(scenario), "--json", "--plot", str(plot)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "simulate", str(scenario), "--json", "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     names = [p["name"] for p in result["policies"]]
@@ -99,7 +144,8 @@ def test_simulate_command_prints_json_and_writes_a_plot(tmp_path):
 def test_simulate_refuses_a_bad_scenario_in_one_line(tmp_path):
     scenario = tmp_path / "bad.yaml"
     scenario.write_text("name: bad\ngpus: 100\ntp: 8\npp: 2\ndp: 8\nfailures: {interruptions_per_day: 5}\n")
-    done = subprocess.run([sys.executable, "-m", "lazarus.cli", "simulate", str(scenario)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "simulate", str(scenario)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert done.stderr == "lazarus: error: dp*pp*tp = 128 but gpus is 100; make them equal\n"

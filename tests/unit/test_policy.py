@@ -13,8 +13,8 @@ def world(layout: Layout, spares: int, dead_spares: int = 0) -> tuple[Inventory,
     active = layout.nodes
     names = [f"node-{i}" for i in range(active + spares + dead_spares)]
     nodes = [NodeRecord(name=n, role="active") for n in names[:active]]
-    nodes += [NodeRecord(name=n, role="spare") for n in names[active:active + spares]]
-    nodes += [NodeRecord(name=n, role="spare", healthy=False) for n in names[active + spares:]]
+    nodes += [NodeRecord(name=n, role="spare") for n in names[active : active + spares]]
+    nodes += [NodeRecord(name=n, role="spare", healthy=False) for n in names[active + spares :]]
     return Inventory(nodes=nodes), Assignment(incarnation=0, nodes=names[:active], layout=layout, master_port=1)
 
 
@@ -69,9 +69,15 @@ def fits(layout: Layout, dp: int, nodes: int) -> bool:
 
 layouts = st.builds(
     lambda dp, pp, per_node: Layout(dp=dp, pp=pp, tp=1, ranks_per_node=per_node),
-    dp=st.integers(1, 8), pp=st.sampled_from([1, 2, 4]), per_node=st.sampled_from([1, 2]),
-).filter(lambda layout: layout.world_size % layout.ranks_per_node == 0
-         and (layout.pp % layout.ranks_per_node == 0 or layout.ranks_per_node % layout.pp == 0))
+    dp=st.integers(1, 8),
+    pp=st.sampled_from([1, 2, 4]),
+    per_node=st.sampled_from([1, 2]),
+).filter(
+    lambda layout: (
+        layout.world_size % layout.ranks_per_node == 0
+        and (layout.pp % layout.ranks_per_node == 0 or layout.ranks_per_node % layout.pp == 0)
+    )
+)
 
 
 @given(layout=layouts, spares=st.integers(0, 4), dead=st.integers(0, 2), min_dp=st.integers(1, 8), data=st.data())

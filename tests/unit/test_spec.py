@@ -22,12 +22,16 @@ def test_the_defaults_make_a_valid_spec():
 
 def test_layout_must_match_the_active_nodes():
     message = refuse({"layout": {"dp": 8}})
-    assert message.startswith("layout: dp*pp*tp = 8") and "cluster.active_nodes" in message and "layout.dp: 4" in message
+    assert (
+        message.startswith("layout: dp*pp*tp = 8") and "cluster.active_nodes" in message and "layout.dp: 4" in message
+    )
 
 
 def test_negative_interval_is_refused():
-    assert refuse({"recovery": {"heartbeat_interval_seconds": -1}}) == \
-        "recovery.heartbeat_interval_seconds: must be greater than 0 (got -1)"
+    assert (
+        refuse({"recovery": {"heartbeat_interval_seconds": -1}})
+        == "recovery.heartbeat_interval_seconds: must be greater than 0 (got -1)"
+    )
 
 
 def test_negative_stage_timeout_names_the_stage():
@@ -36,7 +40,10 @@ def test_negative_stage_timeout_names_the_stage():
 
 
 def test_unknown_backend_is_refused():
-    assert refuse({"cluster": {"backend": "slurm"}}) == "cluster.backend: 'slurm' is not supported; must be 'local' or 'kubernetes'"
+    assert (
+        refuse({"cluster": {"backend": "slurm"}})
+        == "cluster.backend: 'slurm' is not supported; must be 'local' or 'kubernetes'"
+    )
 
 
 def test_unknown_field_is_refused():
@@ -66,12 +73,15 @@ def test_global_batch_below_dp_is_refused():
 
 def test_hang_threshold_must_exceed_the_interval():
     assert refuse({"recovery": {"heartbeat_interval_seconds": 2, "hang_after_seconds": 1}}).startswith(
-        "recovery.hang_after_seconds: 1.0 must exceed")
+        "recovery.hang_after_seconds: 1.0 must exceed"
+    )
 
 
 def test_detect_timeout_must_exceed_the_progress_interval():
     message = refuse({"recovery": {"progress_every_seconds": 200}})
-    assert message.startswith("recovery.stages.detect.timeout_seconds: 120.0 must exceed recovery.progress_every_seconds")
+    assert message.startswith(
+        "recovery.stages.detect.timeout_seconds: 120.0 must exceed recovery.progress_every_seconds"
+    )
 
 
 def test_node_must_not_hold_parts_of_two_replicas():

@@ -12,19 +12,19 @@ import pytest
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import Assignment, parse_spec
 from lazarus.schema.contract import lock_is_held, read_json
-from tests.waiting import wait_until
 from lazarus.trainer.standby import warm_entry
+from tests.waiting import wait_until
 
 # A rank that reports what it found and exits with a code of its choosing: it imports nothing,
 # so `torch` in sys.modules shows that the standby's imports came with the fork.
-REPORTER = '''
+REPORTER = """
 import json, os, sys
 rank = int(os.environ["RANK"])
 with open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w") as out:
     json.dump({"argv": sys.argv, "path0": sys.path[0], "torch": "torch" in sys.modules, "pid": os.getpid(),
                "ppid": os.getppid(), "world": os.environ["WORLD_SIZE"], "name": __name__}, out)
 sys.exit(int(sys.argv[1]) + rank)
-'''
+"""
 
 
 @pytest.fixture
@@ -40,18 +40,28 @@ def start(cluster: LocalCluster, tmp_path: Path, warm: bool = True) -> Path:
     script.write_text(REPORTER)
     reports = tmp_path / "reports"
     reports.mkdir()
-    spec = parse_spec({"name": "r", "cluster": {"active_nodes": 2, "spare_nodes": 1, "warm_standby": warm},
-                       "layout": {"dp": 2}, "trainer": {"command": ["python", str(script), "10"],
-                                                        "env": {"REPORT_DIR": str(reports)}}})
+    spec = parse_spec(
+        {
+            "name": "r",
+            "cluster": {"active_nodes": 2, "spare_nodes": 1, "warm_standby": warm},
+            "layout": {"dp": 2},
+            "trainer": {"command": ["python", str(script), "10"], "env": {"REPORT_DIR": str(reports)}},
+        }
+    )
     cluster.create("r1", spec)
-    cluster.commit_assignment("r1", Assignment(incarnation=0, nodes=["node-0", "node-1"], layout=spec.layout,
-                                               master_port=29999))
+    cluster.commit_assignment(
+        "r1", Assignment(incarnation=0, nodes=["node-0", "node-1"], layout=spec.layout, master_port=29999)
+    )
     cluster.start_ranks("r1", 0, resume_step=0)
     return reports
 
 
 def test_warm_entry_runs_python_modules_and_scripts_in_place():
-    assert warm_entry(["python", "-m", "lazarus.trainer", "--x"]) == ("module", "lazarus.trainer", ["lazarus.trainer", "--x"])
+    assert warm_entry(["python", "-m", "lazarus.trainer", "--x"]) == (
+        "module",
+        "lazarus.trainer",
+        ["lazarus.trainer", "--x"],
+    )
     assert warm_entry(["python", "train.py", "a"]) == ("path", "train.py", ["train.py", "a"])
     assert warm_entry([sys.executable, "train.py"]) == ("path", "train.py", ["train.py"])
     assert warm_entry(["python", "-c", "pass"]) is None  # exec'd: a flag we do not interpret
@@ -61,8 +71,14 @@ def test_warm_entry_runs_python_modules_and_scripts_in_place():
 def test_a_warm_rank_gets_a_cold_ranks_environment_and_exit_status(cluster, tmp_path):
     reports = start(cluster, tmp_path)
     run = cluster.run_dir("r1")
-    exits = wait_until(lambda: [read_json(run.exit_file(0, r)) for r in (0, 1)]
-                       if all(run.exit_file(0, r).exists() for r in (0, 1)) else None, "both ranks to exit")
+    exits = wait_until(
+        lambda: (
+            [read_json(run.exit_file(0, r)) for r in (0, 1)]
+            if all(run.exit_file(0, r).exists() for r in (0, 1))
+            else None
+        ),
+        "both ranks to exit",
+    )
     assert [e["code"] for e in exits] == [10, 11]  # sys.exit(code) of each rank, recorded by its launcher
     for rank in (0, 1):
         report = json.loads((reports / f"{rank}.json").read_text())
@@ -80,8 +96,14 @@ def test_a_warm_rank_gets_a_cold_ranks_environment_and_exit_status(cluster, tmp_
 def test_a_cold_start_gives_the_same_result(cluster, tmp_path):
     reports = start(cluster, tmp_path, warm=False)
     run = cluster.run_dir("r1")
-    exits = wait_until(lambda: [read_json(run.exit_file(0, r)) for r in (0, 1)]
-                       if all(run.exit_file(0, r).exists() for r in (0, 1)) else None, "both ranks to exit")
+    exits = wait_until(
+        lambda: (
+            [read_json(run.exit_file(0, r)) for r in (0, 1)]
+            if all(run.exit_file(0, r).exists() for r in (0, 1))
+            else None
+        ),
+        "both ranks to exit",
+    )
     assert [e["code"] for e in exits] == [10, 11]
     assert json.loads((reports / "0.json").read_text())["torch"] is False
     assert not run.standby("node-0").exists()
@@ -91,8 +113,10 @@ def test_kill_node_kills_its_standby_and_a_late_order_starts_nothing(cluster, tm
     start(cluster, tmp_path)
     run = cluster.run_dir("r1")
     wait_until(lambda: all(run.exit_file(0, r).exists() for r in (0, 1)), "both ranks to exit")
-    spare = wait_until(lambda: lock_is_held(run.standby("node-2") / "lock") and read_json(run.standby("node-2") / "pid"),
-                       "the spare's standby")
+    spare = wait_until(
+        lambda: lock_is_held(run.standby("node-2") / "lock") and read_json(run.standby("node-2") / "pid"),
+        "the spare's standby",
+    )
     cluster.kill_node("r1", "node-0")
     assert not lock_is_held(run.standby("node-0") / "lock")
     assert lock_is_held(run.standby("node-2") / "lock") and read_json(run.standby("node-2") / "pid") == spare

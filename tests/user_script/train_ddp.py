@@ -55,8 +55,10 @@ def main() -> None:
         session.step_done(step, mean_loss.item() / world)
         if session.checkpoint_due(step):
             if rank == 0:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                           session.checkpoint_dir(step) / "state.pt")
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                    session.checkpoint_dir(step) / "state.pt",
+                )
             dist.barrier()
             session.commit_checkpoint(step)
     session.finish(step)

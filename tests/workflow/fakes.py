@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -41,29 +41,46 @@ ACTIVE = ["node-0", "node-1", "node-2", "node-3"]
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def make_spec(stages: dict | None = None, **recovery):
-    return parse_spec({
-        "name": "wf",
-        "trainer": {"steps": 40},
-        "recovery": {"progress_every_seconds": 1, "capacity_poll_seconds": 5, **recovery, "stages": stages or {}},
-    })
+    return parse_spec(
+        {
+            "name": "wf",
+            "trainer": {"steps": 40},
+            "recovery": {"progress_every_seconds": 1, "capacity_poll_seconds": 5, **recovery, "stages": stages or {}},
+        }
+    )
 
 
 def fault(nodes=("node-2",), step=15, incarnation=0) -> FaultReport:
     at = _now()
-    return FaultReport(kind="node_down", nodes=list(nodes), incarnation=incarnation,
-                       occurred_at=at - timedelta(seconds=0.5), detected_at=at, step=step, reason="test fault")
+    return FaultReport(
+        kind="node_down",
+        nodes=list(nodes),
+        incarnation=incarnation,
+        occurred_at=at - timedelta(seconds=0.5),
+        detected_at=at,
+        step=step,
+        reason="test fault",
+    )
 
 
 class FakeStages:
     """The recovery activities, scripted: detect plays `watch` in order; records each call."""
 
-    def __init__(self, watch: list, spares=("node-4",), drain_failures=0, resume_timeouts=0, resume_sleep=0.0,
-                 spare_returns_at_read: int | None = None, spare_dies_before_claim: bool = False,
-                 drain_gate: asyncio.Event | None = None):
+    def __init__(
+        self,
+        watch: list,
+        spares=("node-4",),
+        drain_failures=0,
+        resume_timeouts=0,
+        resume_sleep=0.0,
+        spare_returns_at_read: int | None = None,
+        spare_dies_before_claim: bool = False,
+        drain_gate: asyncio.Event | None = None,
+    ):
         self.watch = list(watch)
         self.drain_gate = drain_gate
         self.spare_dies_before_claim = spare_dies_before_claim
@@ -89,8 +106,10 @@ class FakeStages:
     @activity.defn(name="launch")
     async def launch(self, request: LaunchInput) -> LaunchResult:
         self._called("launch")
-        return LaunchResult(run_dir="/nowhere", assignment=Assignment(
-            incarnation=0, nodes=ACTIVE, layout=request.spec.layout, master_port=29400))
+        return LaunchResult(
+            run_dir="/nowhere",
+            assignment=Assignment(incarnation=0, nodes=ACTIVE, layout=request.spec.layout, master_port=29400),
+        )
 
     @activity.defn(name="detect")
     async def detect(self, request: DetectInput) -> DetectResult:
@@ -108,8 +127,10 @@ class FakeStages:
         if step == "done":
             return DetectResult(completed=True, progress=RankProgress(step=request.total_steps, at=_now()))
         if isinstance(step, FaultReport):
-            return DetectResult(fault=step.model_copy(update={"incarnation": request.incarnation}),
-                                progress=RankProgress(step=step.step, at=_now()))
+            return DetectResult(
+                fault=step.model_copy(update={"incarnation": request.incarnation}),
+                progress=RankProgress(step=step.step, at=_now()),
+            )
         return DetectResult(progress=RankProgress(step=step, at=_now()))
 
     @activity.defn(name="drain")
@@ -122,8 +143,12 @@ class FakeStages:
             raise RuntimeError(f"transient drain failure on attempt {attempt}")
         for node in request.nodes:
             self.nodes[node] = "quarantined"
-        return DrainResult(quarantined=request.nodes, stopped_ranks=[0, 1, 2, 3], removed_partial_checkpoints=[20],
-                           in_flight_checkpoint=20)
+        return DrainResult(
+            quarantined=request.nodes,
+            stopped_ranks=[0, 1, 2, 3],
+            removed_partial_checkpoints=[20],
+            in_flight_checkpoint=20,
+        )
 
     @activity.defn(name="reschedule")
     async def reschedule(self, request: RescheduleInput) -> Inventory:
@@ -145,8 +170,9 @@ class FakeStages:
             self.nodes[node] = "active"
         for node in decision.released_nodes:
             self.nodes[node] = "spare"
-        return old.model_copy(update={"incarnation": old.incarnation + 1, "nodes": decision.nodes,
-                                      "layout": decision.layout})
+        return old.model_copy(
+            update={"incarnation": old.incarnation + 1, "nodes": decision.nodes, "layout": decision.layout}
+        )
 
     @activity.defn(name="resume")
     async def resume(self, request: ResumeInput) -> ResumeResult:
@@ -167,8 +193,16 @@ class FakeStages:
         return Inventory(nodes=[NodeRecord(name=n, role=role) for n, role in sorted(self.nodes.items())])
 
     def all(self) -> list:
-        return [self.launch, self.detect, self.drain, self.reschedule, self.replace_or_reshard, self.resume,
-                self.stop, self.return_node]
+        return [
+            self.launch,
+            self.detect,
+            self.drain,
+            self.reschedule,
+            self.replace_or_reshard,
+            self.resume,
+            self.stop,
+            self.return_node,
+        ]
 
 
 async def run_workflow(env, stages: FakeStages, spec, during=None) -> RunStatus:
@@ -176,8 +210,11 @@ async def run_workflow(env, stages: FakeStages, spec, during=None) -> RunStatus:
     queue = f"wf-{uuid.uuid4()}"
     async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
         handle = await env.client.start_workflow(
-            TrainingRun.run, RunStart(run_id=f"run-{uuid.uuid4().hex[:8]}", spec=spec),
-            id=f"run-{uuid.uuid4()}", task_queue=queue)
+            TrainingRun.run,
+            RunStart(run_id=f"run-{uuid.uuid4().hex[:8]}", spec=spec),
+            id=f"run-{uuid.uuid4()}",
+            task_queue=queue,
+        )
         if during is not None:
             await during(handle)
         return await handle.result()

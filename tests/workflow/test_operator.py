@@ -13,8 +13,8 @@ from temporalio.worker import Worker
 
 from lazarus.schema import RunStart, RunState, RunStatus
 from lazarus.schema.stages import OperatorRequest
-from tests.workflow.fakes import FakeStages, fault, make_spec
 from lazarus.workflows.training_run import TrainingRun
+from tests.workflow.fakes import FakeStages, fault, make_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,7 +25,8 @@ async def running(env, stages: FakeStages, spec=None):
     queue = f"op-{uuid.uuid4()}"
     async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
         handle = await env.client.start_workflow(
-            TrainingRun.run, RunStart(run_id="op", spec=spec or make_spec()), id=f"op-{uuid.uuid4()}", task_queue=queue)
+            TrainingRun.run, RunStart(run_id="op", spec=spec or make_spec()), id=f"op-{uuid.uuid4()}", task_queue=queue
+        )
         yield handle
 
 
@@ -64,7 +65,12 @@ async def test_pause_checkpoints_and_holds_then_resume_continues(dev_env):
         answer = await handle.execute_update(TrainingRun.resume, OperatorRequest())
         assert answer.state == "TRAINING"
         status = await state_of(handle)
-        assert status.assignment.incarnation == 1 and status.assignment.nodes == ["node-0", "node-1", "node-2", "node-3"]
+        assert status.assignment.incarnation == 1 and status.assignment.nodes == [
+            "node-0",
+            "node-1",
+            "node-2",
+            "node-3",
+        ]
         assert [i.kind for i in status.interventions] == ["pause", "resume"]
         assert stages.names().count("resume") == 1 and stages.names().count("replace_or_reshard") == 1
 
@@ -87,12 +93,15 @@ async def test_drain_node_starts_the_same_recovery_and_refuses_unknown_nodes(dev
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.TRAINING)
         assert "node-9 is not a node of the run's current assignment" in await refused(
-            handle, TrainingRun.drain_node, OperatorRequest(node="node-9"))
+            handle, TrainingRun.drain_node, OperatorRequest(node="node-9")
+        )
         answer = await handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1", reason="ECC"))
         assert answer.message == "incident 1: recovered"
         status = await state_of(handle)
         [incident] = status.incidents
-        assert incident.fault.kind == "operator" and incident.fault.nodes == ["node-1"] and incident.fault.reason == "ECC"
+        assert (
+            incident.fault.kind == "operator" and incident.fault.nodes == ["node-1"] and incident.fault.reason == "ECC"
+        )
         assert status.assignment.nodes == ["node-0", "node-4", "node-2", "node-3"]
         assert status.quarantined_nodes == ["node-1"]
 
@@ -103,9 +112,11 @@ async def test_drain_node_during_another_recovery_runs_after_it(dev_env):
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.DRAINING)
         assert "the run is DRAINING; pause once it trains again" in await refused(
-            handle, TrainingRun.pause, OperatorRequest())
+            handle, TrainingRun.pause, OperatorRequest()
+        )
         assert "the run is DRAINING; reshard once it trains" in await refused(
-            handle, TrainingRun.reshard, OperatorRequest(dp=2))
+            handle, TrainingRun.reshard, OperatorRequest(dp=2)
+        )
         drain = asyncio.ensure_future(handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1")))
         while not (await state_of(handle)).interventions:
             await asyncio.sleep(0.01)
@@ -126,7 +137,8 @@ async def test_return_node_refills_the_pool_and_wakes_a_waiting_run(dev_env):
     spec = make_spec(min_dp=4, capacity_wait_seconds=600, capacity_poll_seconds=300)
     async with running(dev_env, stages, spec) as handle:
         assert "node-0 is not quarantined by this run (quarantined: none)" in await refused(
-            handle, TrainingRun.return_node, OperatorRequest(node="node-0"))
+            handle, TrainingRun.return_node, OperatorRequest(node="node-0")
+        )
         await until_state(handle, RunState.WAITING_FOR_CAPACITY)
         answer = await handle.execute_update(TrainingRun.return_node, OperatorRequest(node="node-2"))
         assert answer.message == "node-2 is a spare again"
@@ -141,7 +153,8 @@ async def test_reshard_by_update_and_its_refusals(dev_env):
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.TRAINING)
         assert "reshard needs dp between 1 and the spec's layout.dp 4" in await refused(
-            handle, TrainingRun.reshard, OperatorRequest(dp=9))
+            handle, TrainingRun.reshard, OperatorRequest(dp=9)
+        )
         assert "already trains with dp=4" in await refused(handle, TrainingRun.reshard, OperatorRequest(dp=4))
         answer = await handle.execute_update(TrainingRun.reshard, OperatorRequest(dp=2))
         assert answer.message == "operator: reshard dp 4 -> 2; node-2, node-3 back to the spare pool"
@@ -155,12 +168,15 @@ async def test_approve_refused_when_nothing_waits_and_set_policy(dev_env):
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.TRAINING)
         assert "nothing is waiting for approval; the run is TRAINING" in await refused(
-            handle, TrainingRun.approve, OperatorRequest(action="wait_longer"))
+            handle, TrainingRun.approve, OperatorRequest(action="wait_longer")
+        )
         message = await refused(handle, TrainingRun.set_policy, OperatorRequest(changes={"hang_after_seconds": -5}))
         assert "recovery.hang_after_seconds: Input should be greater than 0" in message
         assert "needs changes" in await refused(handle, TrainingRun.set_policy, OperatorRequest())
-        await handle.execute_update(TrainingRun.set_policy, OperatorRequest(
-            changes={"hang_after_seconds": 90, "stages": {"drain": {"max_attempts": 9}}}))
+        await handle.execute_update(
+            TrainingRun.set_policy,
+            OperatorRequest(changes={"hang_after_seconds": 90, "stages": {"drain": {"max_attempts": 9}}}),
+        )
         status = await state_of(handle)
         assert status.policy.hang_after_seconds == 90 and status.policy.stages.drain.max_attempts == 9
         assert status.policy.stages.drain.timeout_seconds == 60  # untouched fields keep their values

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from temporalio import workflow
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio import workflow
 from temporalio.worker import Replayer
 from temporalio.workflow import NondeterminismError
 
@@ -19,16 +19,28 @@ HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.j
 
 
 def test_histories_are_committed():
-    assert {path.stem for path in HISTORIES} >= {"hot_spare", "no_spare", "reshard", "no_capacity", "clean",
-                                                 "override", "escalation", "hot_spare_v1", "reshard_v1"}
+    assert {path.stem for path in HISTORIES} >= {
+        "hot_spare",
+        "no_spare",
+        "reshard",
+        "no_capacity",
+        "clean",
+        "override",
+        "escalation",
+        "hot_spare_v1",
+        "reshard_v1",
+    }
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
 async def test_history_replays(path):
     text = path.read_text()
     events = json.loads(text)["events"]
-    activity_types = [e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
-                      for e in events if "activityTaskScheduledEventAttributes" in e]
+    activity_types = [
+        e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
+        for e in events
+        if "activityTaskScheduledEventAttributes" in e
+    ]
     assert {"launch", "detect"} <= set(activity_types)
     replayer = Replayer(workflows=[TrainingRun], data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(WorkflowHistory.from_json(path.stem, text), raise_on_replay_failure=True)

@@ -12,16 +12,25 @@ from temporalio.worker import Worker
 
 from lazarus.schema import RunStart, RunState
 from lazarus.schema.stages import FaultSignal, OperatorRequest
-from tests.workflow.fakes import FakeStages, fault, make_spec, run_workflow
 from lazarus.workflows.training_run import TrainingRun
+from tests.workflow.fakes import FakeStages, fault, make_spec, run_workflow
 
 
 async def test_stages_run_in_order_and_the_incident_is_recorded(time_skipping_env):
     stages = FakeStages(watch=[5, fault(step=15), 25, "done"])
     status = await run_workflow(time_skipping_env, stages, make_spec())
 
-    assert stages.names() == ["launch", "detect", "detect", "drain", "reschedule", "replace_or_reshard",
-                              "resume", "detect", "detect"]
+    assert stages.names() == [
+        "launch",
+        "detect",
+        "detect",
+        "drain",
+        "reschedule",
+        "replace_or_reshard",
+        "resume",
+        "detect",
+        "detect",
+    ]
     assert status.state == RunState.COMPLETED and status.step == 40
     [incident] = status.incidents
     assert list(incident.stages) == ["detect", "drain", "reschedule", "replace_or_reshard", "resume"]
@@ -36,8 +45,16 @@ async def test_stages_run_in_order_and_the_incident_is_recorded(time_skipping_en
 
 async def test_transient_drain_failure_is_retried_per_policy(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], drain_failures=2)
-    spec = make_spec(stages={"drain": {"timeout_seconds": 10, "heartbeat_timeout_seconds": 5,
-                                       "max_attempts": 3, "initial_retry_seconds": 0.1}})
+    spec = make_spec(
+        stages={
+            "drain": {
+                "timeout_seconds": 10,
+                "heartbeat_timeout_seconds": 5,
+                "max_attempts": 3,
+                "initial_retry_seconds": 0.1,
+            }
+        }
+    )
     status = await run_workflow(time_skipping_env, stages, spec)
 
     assert [attempt for name, attempt in stages.calls if name == "drain"] == [1, 2, 3]
@@ -47,8 +64,16 @@ async def test_transient_drain_failure_is_retried_per_policy(time_skipping_env):
 
 async def test_drain_failing_past_its_attempts_fails_the_run_with_the_reason(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], drain_failures=5)
-    spec = make_spec(stages={"drain": {"timeout_seconds": 10, "heartbeat_timeout_seconds": 5,
-                                       "max_attempts": 2, "initial_retry_seconds": 0.1}})
+    spec = make_spec(
+        stages={
+            "drain": {
+                "timeout_seconds": 10,
+                "heartbeat_timeout_seconds": 5,
+                "max_attempts": 2,
+                "initial_retry_seconds": 0.1,
+            }
+        }
+    )
     with pytest.raises(WorkflowFailureError) as failure:
         await run_workflow(time_skipping_env, stages, spec)
 
@@ -62,15 +87,30 @@ async def test_spare_lost_before_its_claim_is_rescheduled(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], spares=("node-4", "node-5"), spare_dies_before_claim=True)
     status = await run_workflow(time_skipping_env, stages, make_spec())
 
-    assert stages.names()[2:8] == ["drain", "reschedule", "replace_or_reshard", "reschedule", "replace_or_reshard", "resume"]
+    assert stages.names()[2:8] == [
+        "drain",
+        "reschedule",
+        "replace_or_reshard",
+        "reschedule",
+        "replace_or_reshard",
+        "resume",
+    ]
     assert status.incidents[0].decision.replacements == {"node-2": "node-5"}
     assert status.incidents[0].new_assignment.nodes == ["node-0", "node-1", "node-5", "node-3"]
 
 
 async def test_resume_past_its_timeout_is_retried(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], resume_timeouts=1, resume_sleep=3)
-    spec = make_spec(stages={"resume": {"timeout_seconds": 1, "heartbeat_timeout_seconds": 1,
-                                        "max_attempts": 3, "initial_retry_seconds": 0.1}})
+    spec = make_spec(
+        stages={
+            "resume": {
+                "timeout_seconds": 1,
+                "heartbeat_timeout_seconds": 1,
+                "max_attempts": 3,
+                "initial_retry_seconds": 0.1,
+            }
+        }
+    )
     status = await run_workflow(time_skipping_env, stages, spec)
 
     assert [attempt for name, attempt in stages.calls if name == "resume"] == [1, 2]
@@ -79,8 +119,16 @@ async def test_resume_past_its_timeout_is_retried(time_skipping_env):
 
 async def test_resume_that_always_times_out_fails_the_run(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], resume_timeouts=9, resume_sleep=3)
-    spec = make_spec(stages={"resume": {"timeout_seconds": 1, "heartbeat_timeout_seconds": 1,
-                                        "max_attempts": 2, "initial_retry_seconds": 0.1}})
+    spec = make_spec(
+        stages={
+            "resume": {
+                "timeout_seconds": 1,
+                "heartbeat_timeout_seconds": 1,
+                "max_attempts": 2,
+                "initial_retry_seconds": 0.1,
+            }
+        }
+    )
     with pytest.raises(WorkflowFailureError) as failure:
         await run_workflow(time_skipping_env, stages, spec)
 
@@ -152,14 +200,18 @@ async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
     from lazarus.infra.temporal_server import temporal_cli
 
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_cli(), data_converter=pydantic_data_converter, port=free_port(),
-        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20"])
+        dev_server_existing_path=temporal_cli(),
+        data_converter=pydantic_data_converter,
+        port=free_port(),
+        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20"],
+    )
     try:
         stages = FakeStages(watch=[fault(step=15), *range(16, 40), "done"])
         queue = f"wf-{uuid.uuid4()}"
         async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
             handle = await env.client.start_workflow(
-                TrainingRun.run, RunStart(run_id="long", spec=make_spec()), id=f"long-{uuid.uuid4()}", task_queue=queue)
+                TrainingRun.run, RunStart(run_id="long", spec=make_spec()), id=f"long-{uuid.uuid4()}", task_queue=queue
+            )
             status = await handle.result()
             first_run = env.client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
             first_history = await first_run.fetch_history()
@@ -177,8 +229,9 @@ async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
 async def start_on(env, stages: FakeStages, spec):
     queue = f"wf-{uuid.uuid4()}"
     worker = Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all())
-    handle = await env.client.start_workflow(TrainingRun.run, RunStart(run_id="esc", spec=spec),
-                                             id=f"esc-{uuid.uuid4()}", task_queue=queue)
+    handle = await env.client.start_workflow(
+        TrainingRun.run, RunStart(run_id="esc", spec=spec), id=f"esc-{uuid.uuid4()}", task_queue=queue
+    )
     return worker, handle
 
 
@@ -192,7 +245,9 @@ async def test_escalation_waits_for_approval_then_reshards_below_the_minimum(tim
         await time_skipping_env.sleep(120)  # past the capacity wait, well inside the approval wait
         status = await handle.query(TrainingRun.status)
         assert status.state == RunState.WAITING_FOR_APPROVAL
-        assert status.awaiting_approval.action == "wait" and "below recovery.min_dp=4" in status.awaiting_approval.reason
+        assert (
+            status.awaiting_approval.action == "wait" and "below recovery.min_dp=4" in status.awaiting_approval.reason
+        )
         answer = await handle.execute_update(TrainingRun.approve, OperatorRequest(action="reshard_below_minimum"))
         assert answer.message.startswith("reshard_below_minimum")
         final = await handle.result()
@@ -250,8 +305,11 @@ async def test_two_hundred_faults_keep_every_history_segment_bounded(time_skippi
             history = await time_skipping_env.client.get_workflow_handle(handle.id, run_id=run_id).fetch_history()
             lengths.append(len(history.events))
             last = history.events[-1]
-            run_id = (last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
-                      if last.HasField("workflow_execution_continued_as_new_event_attributes") else None)
+            run_id = (
+                last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+                if last.HasField("workflow_execution_continued_as_new_event_attributes")
+                else None
+            )
     assert len(final.incidents) == 200 and [i.number for i in final.incidents] == list(range(1, 201))
     assert all(i.outcome == "recovered" for i in final.incidents)
     assert final.segments == len(lengths) > 5
