@@ -392,17 +392,22 @@ async def _update(client, args) -> int:
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError
 
-    from lazarus.schema.stages import OperatorRequest
+    from lazarus.schema import controls
     from lazarus.workflows.training_run import TrainingRun
 
-    request = OperatorRequest(
-        reason=getattr(args, "reason", ""),
-        node=getattr(args, "node", None),
-        dp=getattr(args, "dp", None),
-        action=args.action.replace("-", "_") if args.run_command == "approve" else None,
-        wait_seconds=getattr(args, "wait_seconds", 600.0),
-        changes=_policy_changes(args.changes) if args.run_command == "set-policy" else {},
-    )
+    command = args.run_command
+    if command == "approve":
+        request = controls.ApproveRequest(action=args.action.replace("-", "_"), wait_seconds=args.wait_seconds)
+    elif command == "set-policy":
+        request = controls.SetPolicyRequest(changes=_policy_changes(args.changes))
+    elif command == "reshard":
+        request = controls.ReshardRequest(dp=args.dp)
+    elif command in ("drain-node", "return-node"):
+        model = controls.DrainNodeRequest if command == "drain-node" else controls.ReturnNodeRequest
+        request = model(node=args.node, **({"reason": args.reason} if command == "drain-node" else {}))
+    else:
+        model = {"pause": controls.PauseRequest, "resume": controls.ResumeRequest, "abort": controls.AbortRequest}
+        request = model[command](reason=args.reason)
     update = getattr(TrainingRun, UPDATES[args.run_command])
     try:
         answer = await client.get_workflow_handle(args.run_id).execute_update(update, request)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
 
 from pydantic import Field
 
@@ -105,18 +104,6 @@ class ResumeResult(Record):
     completed: bool = Field(False, description="The restored checkpoint was the last step: nothing left to train.")
 
 
-class FaultSignal(Record):
-    """`report_fault` signal: an external detector or an operator blames nodes."""
-
-    nodes: list[str] = Field(
-        min_length=1, description="Nodes to treat as faulty; names not in the current assignment are ignored."
-    )
-    reason: str = Field("reported by signal", description="Why, in the reporter's words.")
-    occurred_at: datetime | None = Field(
-        None, description="When the fault happened, if the reporter knows (UTC); else when the signal arrived."
-    )
-
-
 class StopInput(Record):
     """Checkpoint and stop an incarnation (operator's pause, abort or reshard)."""
 
@@ -144,23 +131,3 @@ class ReturnNodeInput(Record):
 
     run_id: str = Field(description="Run id.")
     node: str = Field(description="Node name.")
-
-
-class OperatorRequest(Record):
-    """Arguments of an operator's update; which fields matter depends on the update."""
-
-    reason: str = Field("", description="Why, in the operator's words (pause, abort, drain_node).")
-    node: str | None = Field(None, description="Node to drain or return (drain_node, return_node).")
-    dp: int | None = Field(None, ge=1, description="Data-parallel degree to run at (reshard).")
-    action: Literal["reshard_below_minimum", "wait_longer"] | None = Field(
-        None, description="approve: reshard below recovery.min_dp, or wait longer for capacity."
-    )
-    wait_seconds: float = Field(600.0, gt=0, description="approve with wait_longer: how much longer (seconds).")
-    changes: dict = Field(default_factory=dict, description="set_policy: recovery policy fields and their new values.")
-
-
-class OperatorAnswer(Record):
-    """What an operator's update did."""
-
-    message: str = Field(description="What happened, in words.")
-    state: str = Field(description="The run's state afterwards.")

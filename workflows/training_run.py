@@ -35,13 +35,22 @@ with workflow.unsafe.imports_passed_through():
         StageRecord,
     )
     from lazarus.schema.run import RecoveryPolicy, StagePolicy
+    from lazarus.schema.controls import (
+        AbortRequest,
+        ApproveRequest,
+        DrainNodeRequest,
+        FaultSignal,
+        OperatorAnswer,
+        PauseRequest,
+        ReshardRequest,
+        ResumeRequest,
+        ReturnNodeRequest,
+        SetPolicyRequest,
+    )
     from lazarus.schema.stages import (
         DetectInput,
         DrainInput,
-        FaultSignal,
         LaunchInput,
-        OperatorAnswer,
-        OperatorRequest,
         ReplaceInput,
         RescheduleInput,
         ResumeInput,
@@ -95,7 +104,7 @@ class Pending:
     """An accepted operator request waiting for the main loop."""
 
     intervention: Intervention
-    request: OperatorRequest
+    request: PauseRequest | AbortRequest | DrainNodeRequest | ReshardRequest
     answer: OperatorAnswer | None = None
     error: str | None = None
 
@@ -140,7 +149,7 @@ class TrainingRun:
         self._next_fault: FaultReport | None = None  # a fault that hit an operator's restart
         self._resume_requested = False
         self._restarts = 0  # incarnations started on an operator's request
-        self._approval: OperatorRequest | None = None
+        self._approval: ApproveRequest | None = None
         self._inventory_changed = False
         self._node_lock = asyncio.Lock()
 
@@ -169,7 +178,7 @@ class TrainingRun:
     def _queued(self, kind: str) -> bool:
         return any(p.intervention.kind == kind for p in self._queue)
 
-    async def _carry_out(self, kind: str, request: OperatorRequest, detail: str) -> OperatorAnswer:
+    async def _carry_out(self, kind: str, request, detail: str) -> OperatorAnswer:
         """Queue a request for the main loop and wait for its answer."""
         pending = Pending(Intervention(kind=kind, detail=detail, requested_at=workflow.now()), request)
         self._status.interventions.append(pending.intervention)
@@ -181,12 +190,12 @@ class TrainingRun:
         return pending.answer
 
     @workflow.update
-    async def pause(self, request: OperatorRequest) -> OperatorAnswer:
+    async def pause(self, request: PauseRequest) -> OperatorAnswer:
         """Checkpoint, stop the ranks, hold the nodes; `resume` continues on the same nodes."""
         return await self._carry_out("pause", request, request.reason)
 
     @pause.validator
-    def _validate_pause(self, request: OperatorRequest) -> None:
+    def _validate_pause(self, request: PauseRequest) -> None:
         self._refuse_if_ended()
         if self._status.state == RunState.PAUSED or self._queued("pause"):
             raise ValueError("the run is already paused (or pausing)")
@@ -194,7 +203,7 @@ class TrainingRun:
             raise ValueError(f"the run is {self._status.state.value}; pause once it trains again")
 
     @workflow.update
-    async def resume(self, request: OperatorRequest) -> OperatorAnswer:
+    async def resume(self, request: ResumeRequest) -> OperatorAnswer:
         """Continue a paused run from its checkpoint, on the nodes it held."""
         self._resume_requested = True
         pending = Pending(Intervention(kind="resume", detail=request.reason, requested_at=workflow.now()), request)
@@ -206,29 +215,29 @@ class TrainingRun:
         return OperatorAnswer(message=pending.intervention.outcome, state=self._status.state.value)
 
     @resume.validator
-    def _validate_resume(self, request: OperatorRequest) -> None:
+    def _validate_resume(self, request: ResumeRequest) -> None:
         self._refuse_if_ended()
         if self._status.state != RunState.PAUSED or self._resume_requested:
             raise ValueError(f"only a paused run can be resumed; the run is {self._status.state.value}")
 
     @workflow.update
-    async def abort(self, request: OperatorRequest) -> OperatorAnswer:
+    async def abort(self, request: AbortRequest) -> OperatorAnswer:
         """Stop the run cleanly (checkpoint first when it trains); the newest checkpoint is kept."""
         return await self._carry_out("abort", request, request.reason)
 
     @abort.validator
-    def _validate_abort(self, request: OperatorRequest) -> None:
+    def _validate_abort(self, request: AbortRequest) -> None:
         self._refuse_if_ended()
         if self._queued("abort"):
             raise ValueError("an abort is already under way")
 
     @workflow.update
-    async def drain_node(self, request: OperatorRequest) -> OperatorAnswer:
+    async def drain_node(self, request: DrainNodeRequest) -> OperatorAnswer:
         """Treat a node as faulty: the same recovery as a detected fault (after any recovery under way)."""
         return await self._carry_out("drain_node", request, f"{request.node}: {request.reason}")
 
     @drain_node.validator
-    def _validate_drain_node(self, request: OperatorRequest) -> None:
+    def _validate_drain_node(self, request: DrainNodeRequest) -> None:
         self._refuse_if_ended()
         nodes = self._status.assignment.nodes if self._status.assignment else []
         if not request.node:
@@ -239,7 +248,7 @@ class TrainingRun:
             raise ValueError("the run is paused; resume it first, or return the node later")
 
     @workflow.update
-    async def return_node(self, request: OperatorRequest) -> OperatorAnswer:
+    async def return_node(self, request: ReturnNodeRequest) -> OperatorAnswer:
         """A repaired node rejoins the spare pool (a run waiting for capacity sees it at once)."""
         intervention = Intervention(kind="return_node", detail=request.node or "", requested_at=workflow.now())
         self._status.interventions.append(intervention)
@@ -256,19 +265,19 @@ class TrainingRun:
         return OperatorAnswer(message=intervention.outcome, state=self._status.state.value)
 
     @return_node.validator
-    def _validate_return_node(self, request: OperatorRequest) -> None:
+    def _validate_return_node(self, request: ReturnNodeRequest) -> None:
         self._refuse_if_ended()
         if request.node not in self._status.quarantined_nodes:
             quarantined = ", ".join(self._status.quarantined_nodes) or "none"
             raise ValueError(f"{request.node} is not quarantined by this run (quarantined: {quarantined})")
 
     @workflow.update
-    async def reshard(self, request: OperatorRequest) -> OperatorAnswer:
+    async def reshard(self, request: ReshardRequest) -> OperatorAnswer:
         """Run at `dp` replicas: checkpoint, stop, re-plan on the current nodes and free spares, resume."""
         return await self._carry_out("reshard", request, f"dp={request.dp}")
 
     @reshard.validator
-    def _validate_reshard(self, request: OperatorRequest) -> None:
+    def _validate_reshard(self, request: ReshardRequest) -> None:
         self._refuse_if_ended()
         target = self._start.spec.layout.dp
         if request.dp is None or not 1 <= request.dp <= target:
@@ -283,7 +292,7 @@ class TrainingRun:
             raise ValueError(f"the run is {self._status.state.value}; reshard once it trains")
 
     @workflow.update
-    async def approve(self, request: OperatorRequest) -> OperatorAnswer:
+    async def approve(self, request: ApproveRequest) -> OperatorAnswer:
         """Answer an escalation: reshard below recovery.min_dp, or wait longer for capacity."""
         self._approval = request
         intervention = Intervention(kind="approve", detail=f"{request.action}", requested_at=workflow.now())
@@ -294,7 +303,7 @@ class TrainingRun:
         return OperatorAnswer(message=intervention.outcome, state=self._status.state.value)
 
     @approve.validator
-    def _validate_approve(self, request: OperatorRequest) -> None:
+    def _validate_approve(self, request: ApproveRequest) -> None:
         self._refuse_if_ended()
         if self._status.state != RunState.WAITING_FOR_APPROVAL or self._approval is not None:
             raise ValueError(f"nothing is waiting for approval; the run is {self._status.state.value}")
@@ -302,7 +311,7 @@ class TrainingRun:
             raise ValueError("approve needs an action: reshard_below_minimum or wait_longer")
 
     @workflow.update
-    def set_policy(self, request: OperatorRequest) -> OperatorAnswer:
+    def set_policy(self, request: SetPolicyRequest) -> OperatorAnswer:
         """Change recovery policy fields; they apply from the next activity on."""
         self._status.policy = self._merged_policy(request)
 
@@ -327,13 +336,13 @@ class TrainingRun:
         return OperatorAnswer(message="policy updated", state=self._status.state.value)
 
     @set_policy.validator
-    def _validate_set_policy(self, request: OperatorRequest) -> None:
+    def _validate_set_policy(self, request: SetPolicyRequest) -> None:
         self._refuse_if_ended()
         if not request.changes:
             raise ValueError("set_policy needs changes, e.g. {hang_after_seconds: 60}")
         self._merged_policy(request)
 
-    def _merged_policy(self, request: OperatorRequest) -> RecoveryPolicy:
+    def _merged_policy(self, request: SetPolicyRequest) -> RecoveryPolicy:
         def merge(base: dict, changes: dict) -> dict:
             merged = dict(base)
             for key, value in changes.items():
@@ -713,7 +722,7 @@ class TrainingRun:
             else:
                 capacity_until = waited + approval.wait_seconds
 
-    async def _escalate(self, decision: Decision) -> OperatorRequest | None:
+    async def _escalate(self, decision: Decision) -> ApproveRequest | None:
         """Ask a human: wait for approve or abort, up to the policy's approval wait."""
         self._status.awaiting_approval = decision
         self._set(RunState.WAITING_FOR_APPROVAL)

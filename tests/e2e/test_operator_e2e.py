@@ -14,7 +14,7 @@ from lazarus.config import Settings
 from lazarus.infra.local import LocalCluster, free_port
 from lazarus.report import plot_timeline, summarize
 from lazarus.schema import RunState, load_spec
-from lazarus.schema.stages import OperatorRequest
+from lazarus.schema import controls
 from lazarus.worker import build_worker, serve_metrics
 from lazarus.workflows.training_run import TrainingRun
 from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for
@@ -36,13 +36,13 @@ async def test_pause_resume_then_a_recovery_with_metrics_and_report(dev_env, hom
             handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
             await asyncio.to_thread(wait_for, lambda: trained_step(run) >= 12, 120, "step 12")
 
-            paused = await handle.execute_update(TrainingRun.pause, OperatorRequest(reason="test"))
+            paused = await handle.execute_update(TrainingRun.pause, controls.PauseRequest(reason="test"))
             status = await handle.query(TrainingRun.status)
             assert status.state == RunState.PAUSED and paused.state == "PAUSED"
             # The ranks checkpointed the step they stopped at (not a multiple of 10) and exited.
             assert run.newest_checkpoint()[0] == status.step and status.step % 10 != 0
             assert cluster.live_pids(run_id) == []
-            await handle.execute_update(TrainingRun.resume, OperatorRequest())
+            await handle.execute_update(TrainingRun.resume, controls.ResumeRequest())
 
             await asyncio.to_thread(
                 wait_for, lambda: trained_step(run) >= status.step + 15, 120, "training after resume"

@@ -34,7 +34,7 @@ from lazarus.demo import run_demo
 from lazarus.infra.local import LocalCluster, free_port
 from lazarus.infra.temporal_server import temporal_cli
 from lazarus.schema import RunState, load_spec, parse_spec
-from lazarus.schema.stages import OperatorRequest
+from lazarus.schema import controls
 from lazarus.worker import build_worker
 from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 from tests.e2e.conftest import trained_step, wait_for
@@ -83,11 +83,11 @@ async def override(client, settings, cluster, spec) -> None:
     run = cluster.run_dir("override")
     handle = await start_run(client, settings, spec, "override")
     await asyncio.to_thread(wait_for, lambda: trained_step(run) >= 12, 120, "step 12")
-    await handle.execute_update(TrainingRun.pause, OperatorRequest(reason="record"))
-    await handle.execute_update(TrainingRun.resume, OperatorRequest())
-    await handle.execute_update(TrainingRun.set_policy, OperatorRequest(changes={"hang_after_seconds": 60}))
-    await handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1", reason="record"))
-    await handle.execute_update(TrainingRun.reshard, OperatorRequest(dp=2))
+    await handle.execute_update(TrainingRun.pause, controls.PauseRequest(reason="record"))
+    await handle.execute_update(TrainingRun.resume, controls.ResumeRequest())
+    await handle.execute_update(TrainingRun.set_policy, controls.SetPolicyRequest(changes={"hang_after_seconds": 60}))
+    await handle.execute_update(TrainingRun.drain_node, controls.DrainNodeRequest(node="node-1", reason="record"))
+    await handle.execute_update(TrainingRun.reshard, controls.ReshardRequest(dp=2))
     await handle.result()
 
 
@@ -99,7 +99,7 @@ async def escalation(client, settings, cluster, spec) -> None:
     cluster.kill_node("escalation", "node-2")
     while (await handle.query(TrainingRun.status)).state != RunState.WAITING_FOR_APPROVAL:
         await asyncio.sleep(0.1)
-    await handle.execute_update(TrainingRun.approve, OperatorRequest(action="reshard_below_minimum"))
+    await handle.execute_update(TrainingRun.approve, controls.ApproveRequest(action="reshard_below_minimum"))
     await handle.result()
 
 

@@ -12,7 +12,7 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from lazarus.schema import RunStart, RunState, RunStatus
-from lazarus.schema.stages import OperatorRequest
+from lazarus.schema import controls
 from lazarus.workflows.training_run import TrainingRun
 from tests.workflow.fakes import FakeStages, fault, make_spec
 
@@ -44,7 +44,7 @@ async def until_state(handle: WorkflowHandle, *states: RunState) -> RunStatus:
     raise AssertionError(f"run never reached {states}; it is {status.state}")
 
 
-async def refused(handle: WorkflowHandle, update, request: OperatorRequest) -> str:
+async def refused(handle: WorkflowHandle, update, request) -> str:
     with pytest.raises(WorkflowUpdateFailedError) as failure:
         await handle.execute_update(update, request)
     return str(failure.value.cause)
@@ -54,15 +54,17 @@ async def test_pause_checkpoints_and_holds_then_resume_continues(dev_env):
     stages = FakeStages(watch=["block", "block", "done"])
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.TRAINING)
-        assert "only a paused run can be resumed" in await refused(handle, TrainingRun.resume, OperatorRequest())
+        assert "only a paused run can be resumed" in await refused(handle, TrainingRun.resume, controls.ResumeRequest())
 
-        answer = await handle.execute_update(TrainingRun.pause, OperatorRequest(reason="maintenance"))
+        answer = await handle.execute_update(TrainingRun.pause, controls.PauseRequest(reason="maintenance"))
         assert answer.state == "PAUSED" and "checkpoint step-17" in answer.message
         assert stages.names().count("stop") == 1
-        assert "already paused" in await refused(handle, TrainingRun.pause, OperatorRequest())
-        assert "resume it first" in await refused(handle, TrainingRun.drain_node, OperatorRequest(node="node-1"))
+        assert "already paused" in await refused(handle, TrainingRun.pause, controls.PauseRequest())
+        assert "resume it first" in await refused(
+            handle, TrainingRun.drain_node, controls.DrainNodeRequest(node="node-1")
+        )
 
-        answer = await handle.execute_update(TrainingRun.resume, OperatorRequest())
+        answer = await handle.execute_update(TrainingRun.resume, controls.ResumeRequest())
         assert answer.state == "TRAINING"
         status = await state_of(handle)
         assert status.assignment.incarnation == 1 and status.assignment.nodes == [
@@ -79,13 +81,13 @@ async def test_abort_stops_cleanly_and_later_updates_are_refused(dev_env):
     stages = FakeStages(watch=["block"])
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.TRAINING)
-        answer = await handle.execute_update(TrainingRun.abort, OperatorRequest(reason="budget cut"))
+        answer = await handle.execute_update(TrainingRun.abort, controls.AbortRequest(reason="budget cut"))
         assert "aborted by an operator: budget cut; checkpoint step-17 kept" in answer.message
         final = await handle.result()
         assert final.state == RunState.ABORTED and final.ended_at is not None
         assert stages.names().count("stop") == 1
         with pytest.raises(RPCError, match="workflow execution already completed"):
-            await handle.execute_update(TrainingRun.abort, OperatorRequest())
+            await handle.execute_update(TrainingRun.abort, controls.AbortRequest())
 
 
 async def test_drain_node_starts_the_same_recovery_and_refuses_unknown_nodes(dev_env):
@@ -93,9 +95,11 @@ async def test_drain_node_starts_the_same_recovery_and_refuses_unknown_nodes(dev
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.TRAINING)
         assert "node-9 is not a node of the run's current assignment" in await refused(
-            handle, TrainingRun.drain_node, OperatorRequest(node="node-9")
+            handle, TrainingRun.drain_node, controls.DrainNodeRequest(node="node-9")
         )
-        answer = await handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1", reason="ECC"))
+        answer = await handle.execute_update(
+            TrainingRun.drain_node, controls.DrainNodeRequest(node="node-1", reason="ECC")
+        )
         assert answer.message == "incident 1: recovered"
         status = await state_of(handle)
         [incident] = status.incidents
@@ -112,12 +116,14 @@ async def test_drain_node_during_another_recovery_runs_after_it(dev_env):
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.DRAINING)
         assert "the run is DRAINING; pause once it trains again" in await refused(
-            handle, TrainingRun.pause, OperatorRequest()
+            handle, TrainingRun.pause, controls.PauseRequest()
         )
         assert "the run is DRAINING; reshard once it trains" in await refused(
-            handle, TrainingRun.reshard, OperatorRequest(dp=2)
+            handle, TrainingRun.reshard, controls.ReshardRequest(dp=2)
         )
-        drain = asyncio.ensure_future(handle.execute_update(TrainingRun.drain_node, OperatorRequest(node="node-1")))
+        drain = asyncio.ensure_future(
+            handle.execute_update(TrainingRun.drain_node, controls.DrainNodeRequest(node="node-1"))
+        )
         while not (await state_of(handle)).interventions:
             await asyncio.sleep(0.01)
         gate.set()  # the first recovery goes on; the operator's drain waits for it
@@ -137,10 +143,10 @@ async def test_return_node_refills_the_pool_and_wakes_a_waiting_run(dev_env):
     spec = make_spec(min_dp=4, capacity_wait_seconds=600, capacity_poll_seconds=300)
     async with running(dev_env, stages, spec) as handle:
         assert "node-0 is not quarantined by this run (quarantined: none)" in await refused(
-            handle, TrainingRun.return_node, OperatorRequest(node="node-0")
+            handle, TrainingRun.return_node, controls.ReturnNodeRequest(node="node-0")
         )
         await until_state(handle, RunState.WAITING_FOR_CAPACITY)
-        answer = await handle.execute_update(TrainingRun.return_node, OperatorRequest(node="node-2"))
+        answer = await handle.execute_update(TrainingRun.return_node, controls.ReturnNodeRequest(node="node-2"))
         assert answer.message == "node-2 is a spare again"
         status = await until_state(handle, RunState.TRAINING)
         # Woken at once, not at the next 300 s poll: the returned node took its own place back.
@@ -153,10 +159,10 @@ async def test_reshard_by_update_and_its_refusals(dev_env):
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.TRAINING)
         assert "reshard needs dp between 1 and the spec's layout.dp 4" in await refused(
-            handle, TrainingRun.reshard, OperatorRequest(dp=9)
+            handle, TrainingRun.reshard, controls.ReshardRequest(dp=9)
         )
-        assert "already trains with dp=4" in await refused(handle, TrainingRun.reshard, OperatorRequest(dp=4))
-        answer = await handle.execute_update(TrainingRun.reshard, OperatorRequest(dp=2))
+        assert "already trains with dp=4" in await refused(handle, TrainingRun.reshard, controls.ReshardRequest(dp=4))
+        answer = await handle.execute_update(TrainingRun.reshard, controls.ReshardRequest(dp=2))
         assert answer.message == "operator: reshard dp 4 -> 2; node-2, node-3 back to the spare pool"
         status = await state_of(handle)
         assert status.layout.dp == 2 and status.assignment.nodes == ["node-0", "node-1"]
@@ -168,14 +174,16 @@ async def test_approve_refused_when_nothing_waits_and_set_policy(dev_env):
     async with running(dev_env, stages) as handle:
         await until_state(handle, RunState.TRAINING)
         assert "nothing is waiting for approval; the run is TRAINING" in await refused(
-            handle, TrainingRun.approve, OperatorRequest(action="wait_longer")
+            handle, TrainingRun.approve, controls.ApproveRequest(action="wait_longer")
         )
-        message = await refused(handle, TrainingRun.set_policy, OperatorRequest(changes={"hang_after_seconds": -5}))
+        message = await refused(
+            handle, TrainingRun.set_policy, controls.SetPolicyRequest(changes={"hang_after_seconds": -5})
+        )
         assert "recovery.hang_after_seconds: Input should be greater than 0" in message
-        assert "needs changes" in await refused(handle, TrainingRun.set_policy, OperatorRequest())
+        assert "needs changes" in await refused(handle, TrainingRun.set_policy, controls.SetPolicyRequest())
         await handle.execute_update(
             TrainingRun.set_policy,
-            OperatorRequest(changes={"hang_after_seconds": 90, "stages": {"drain": {"max_attempts": 9}}}),
+            controls.SetPolicyRequest(changes={"hang_after_seconds": 90, "stages": {"drain": {"max_attempts": 9}}}),
         )
         status = await state_of(handle)
         assert status.policy.hang_after_seconds == 90 and status.policy.stages.drain.max_attempts == 9

@@ -11,7 +11,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
 from lazarus.schema import RunStart, RunState
-from lazarus.schema.stages import FaultSignal, OperatorRequest
+from lazarus.schema.controls import FaultSignal
+from lazarus.schema import controls
 from lazarus.workflows.training_run import TrainingRun
 from tests.workflow.fakes import FakeStages, fault, make_spec, run_workflow
 
@@ -248,7 +249,9 @@ async def test_escalation_waits_for_approval_then_reshards_below_the_minimum(tim
         assert (
             status.awaiting_approval.action == "wait" and "below recovery.min_dp=4" in status.awaiting_approval.reason
         )
-        answer = await handle.execute_update(TrainingRun.approve, OperatorRequest(action="reshard_below_minimum"))
+        answer = await handle.execute_update(
+            TrainingRun.approve, controls.ApproveRequest(action="reshard_below_minimum")
+        )
         assert answer.message.startswith("reshard_below_minimum")
         final = await handle.result()
     assert final.state == RunState.COMPLETED
@@ -263,7 +266,9 @@ async def test_escalation_wait_longer_then_capacity_returns(time_skipping_env):
     async with worker:
         await time_skipping_env.sleep(120)
         assert (await handle.query(TrainingRun.status)).state == RunState.WAITING_FOR_APPROVAL
-        await handle.execute_update(TrainingRun.approve, OperatorRequest(action="wait_longer", wait_seconds=600))
+        await handle.execute_update(
+            TrainingRun.approve, controls.ApproveRequest(action="wait_longer", wait_seconds=600)
+        )
         final = await handle.result()
     assert final.state == RunState.COMPLETED
     assert final.incidents[0].decision.replacements == {"node-2": "node-9"}
@@ -286,7 +291,7 @@ async def test_abort_while_waiting_for_approval(time_skipping_env):
     worker, handle = await start_on(time_skipping_env, stages, make_spec(**ESCALATING))
     async with worker:
         await time_skipping_env.sleep(120)
-        answer = await handle.execute_update(TrainingRun.abort, OperatorRequest(reason="give up"))
+        answer = await handle.execute_update(TrainingRun.abort, controls.AbortRequest(reason="give up"))
         final = await handle.result()
     assert "aborted by an operator during recovery" in answer.message
     assert final.state == RunState.ABORTED and final.incidents[0].outcome == "failed"

@@ -1,0 +1,115 @@
+"""What operators and external detectors send a run: one input model per update, the answer, the signal."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from lazarus.schema.records import Record
+
+LEGACY_DEFAULTS: dict[str, Any] = {
+    "reason": "",
+    "node": None,
+    "dp": None,
+    "action": None,
+    "wait_seconds": 600.0,
+    "changes": {},
+}
+"""Fields of the one request model every update took before each got its own, at their defaults.
+
+Histories recorded then carry all of them in every update's input; a replay must still decode
+those, so each model drops the ones it does not declare while they hold these values. Any other
+unknown field is refused, as everywhere in the schema."""
+
+
+class ControlRequest(Record):
+    """Base of the update inputs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_legacy_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value
+            for key, value in data.items()
+            if key in cls.model_fields or key not in LEGACY_DEFAULTS or value != LEGACY_DEFAULTS[key]
+        }
+
+
+class PauseRequest(ControlRequest):
+    """`pause`: checkpoint, stop the ranks, hold the nodes."""
+
+    reason: str = Field("", description="Why, in the operator's words (recorded on the intervention).")
+
+
+class ResumeRequest(ControlRequest):
+    """`resume`: continue a paused run on the nodes it held."""
+
+    reason: str = Field("", description="Why, in the operator's words.")
+
+
+class AbortRequest(ControlRequest):
+    """`abort`: stop the run cleanly; the newest checkpoint is kept."""
+
+    reason: str = Field("", description="Why, in the operator's words (part of the run's final reason).")
+
+
+class DrainNodeRequest(ControlRequest):
+    """`drain_node`: treat a node as faulty, with the same recovery as a detected fault."""
+
+    node: str = Field(min_length=1, description="Node of the current assignment to drain.")
+    reason: str = Field("", description="Why, in the operator's words (recorded on the incident).")
+
+
+class ReturnNodeRequest(ControlRequest):
+    """`return_node`: a repaired node rejoins the run's spare pool."""
+
+    node: str = Field(min_length=1, description="A node this run quarantined.")
+
+
+class ReshardRequest(ControlRequest):
+    """`reshard`: run at `dp` replicas (checkpoint, stop, re-plan, resume)."""
+
+    dp: int = Field(ge=1, description="Data-parallel degree to run at (replicas), at most the spec's layout.dp.")
+    reason: str = Field("", description="Why, in the operator's words.")
+
+
+class ApproveRequest(ControlRequest):
+    """`approve`: answer an escalation (state WAITING_FOR_APPROVAL)."""
+
+    action: Literal["reshard_below_minimum", "wait_longer"] = Field(
+        description="reshard_below_minimum: reshard below recovery.min_dp; wait_longer: keep waiting for capacity."
+    )
+    wait_seconds: float = Field(600.0, gt=0, description="With wait_longer: how much longer to wait (seconds).")
+
+
+class SetPolicyRequest(ControlRequest):
+    """`set_policy`: change recovery policy fields; they apply from the next activity on."""
+
+    changes: dict = Field(
+        default_factory=dict,
+        description="Recovery policy fields and their new values, nested as in the spec, "
+        "e.g. {hang_after_seconds: 60, stages: {drain: {max_attempts: 9}}}.",
+    )
+
+
+class OperatorAnswer(Record):
+    """What an operator's update did."""
+
+    message: str = Field(description="What happened, in words.")
+    state: str = Field(description="The run's state afterwards.")
+
+
+class FaultSignal(Record):
+    """`report_fault` signal: an external detector or an operator blames nodes."""
+
+    nodes: list[str] = Field(
+        min_length=1, description="Nodes to treat as faulty; names not in the current assignment are ignored."
+    )
+    reason: str = Field("reported by signal", description="Why, in the reporter's words.")
+    occurred_at: datetime | None = Field(
+        None, description="When the fault happened, if the reporter knows (UTC); else when the signal arrived."
+    )
