@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from lazarus.infra.local import Observation, RankObservation
+from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import FaultReport
-from lazarus.schema.run import RecoveryPolicy
 
 PROGRAM_ERROR_SETTLE_SECONDS = 2.0
 """How long after the first rank of a fresh run fails before its first step the others get to

@@ -43,8 +43,9 @@ from lazarus.schema.contract import (
     RunDir,
     read_json,
 )
+from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment, Inventory, NodeRecord
-from lazarus.schema.run import KubernetesSettings, RecoveryPolicy, RunSpec
+from lazarus.schema.run import KubernetesSettings, RunSpec
 
 POOL_LABEL = "lazarus.dev/pool"
 RUN_LABEL = "lazarus.dev/run"

@@ -39,8 +39,9 @@ from lazarus.schema.contract import (
     take_lock,
     write_json_atomic,
 )
+from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment, Inventory, NodeRecord
-from lazarus.schema.run import RecoveryPolicy, RunSpec
+from lazarus.schema.run import RunSpec
 
 __all__ = ["ClusterError", "LocalCluster", "Observation", "RankObservation", "free_port"]
 

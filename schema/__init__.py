@@ -2,6 +2,7 @@
 
 from lazarus.schema.layout import Layout
 from lazarus.schema.load import SpecError, load_spec, parse_spec
+from lazarus.schema.policy import RecoveryPolicy, StagePolicies, StagePolicy
 from lazarus.schema.records import (
     STAGES,
     Assignment,
@@ -17,15 +18,7 @@ from lazarus.schema.records import (
     RunStatus,
     StageRecord,
 )
-from lazarus.schema.run import (
-    ClusterSpec,
-    FaultInjection,
-    RecoveryPolicy,
-    RunSpec,
-    StagePolicies,
-    StagePolicy,
-    TrainerSettings,
-)
+from lazarus.schema.run import ClusterSpec, FaultInjection, RunSpec, TrainerSettings
 
 __all__ = [
     "STAGES",

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from lazarus.schema.records import Record
+from lazarus.schema.base import Record
 
 LEGACY_DEFAULTS: dict[str, Any] = {
     "reason": "",

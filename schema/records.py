@@ -6,19 +6,15 @@ from datetime import datetime
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from lazarus.schema.base import Record
 from lazarus.schema.layout import Layout
-from lazarus.schema.run import RecoveryPolicy, RunSpec
+from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.run import RunSpec
 
 STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
 """The recovery stages, in order; also the Temporal activity type names."""
-
-
-class Record(BaseModel):
-    """Base for records: unknown fields are refused so a renamed field fails loudly."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class RunState(str, Enum):

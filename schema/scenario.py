@@ -6,7 +6,7 @@ from typing import Literal, Union
 
 from pydantic import Field, model_validator
 
-from lazarus.schema.run import Strict
+from lazarus.schema.base import Strict
 
 POLICIES = ("automatic", "reshard-only", "wait-for-human")
 """automatic: hot spares, else reshard (Lazarus's policy); reshard-only: never use spares;

@@ -6,8 +6,10 @@ from datetime import datetime
 
 from pydantic import Field
 
-from lazarus.schema.records import Assignment, Decision, FaultReport, Record
-from lazarus.schema.run import RecoveryPolicy, RunSpec
+from lazarus.schema.base import Record
+from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.records import Assignment, Decision, FaultReport
+from lazarus.schema.run import RunSpec
 
 
 class LaunchInput(Record):

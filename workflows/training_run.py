@@ -22,19 +22,6 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from lazarus.activities.recovery import RecoveryActivities
-    from lazarus.schema.records import (
-        Decision,
-        DetectResult,
-        FaultReport,
-        Incident,
-        Intervention,
-        RankProgress,
-        RunStart,
-        RunState,
-        RunStatus,
-        StageRecord,
-    )
-    from lazarus.schema.run import RecoveryPolicy, StagePolicy
     from lazarus.schema.controls import (
         AbortRequest,
         ApproveRequest,
@@ -46,6 +33,19 @@ with workflow.unsafe.imports_passed_through():
         ResumeRequest,
         ReturnNodeRequest,
         SetPolicyRequest,
+    )
+    from lazarus.schema.policy import RecoveryPolicy, StagePolicy
+    from lazarus.schema.records import (
+        Decision,
+        DetectResult,
+        FaultReport,
+        Incident,
+        Intervention,
+        RankProgress,
+        RunStart,
+        RunState,
+        RunStatus,
+        StageRecord,
     )
     from lazarus.schema.stages import (
         DetectInput,

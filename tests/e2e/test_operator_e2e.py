@@ -13,8 +13,7 @@ from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.infra.local import LocalCluster, free_port
 from lazarus.report import plot_timeline, summarize
-from lazarus.schema import RunState, load_spec
-from lazarus.schema import controls
+from lazarus.schema import RunState, controls, load_spec
 from lazarus.worker import build_worker, serve_metrics
 from lazarus.workflows.training_run import TrainingRun
 from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for

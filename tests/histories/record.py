@@ -33,8 +33,7 @@ from lazarus.config import Settings
 from lazarus.demo import run_demo
 from lazarus.infra.local import LocalCluster, free_port
 from lazarus.infra.temporal_server import temporal_cli
-from lazarus.schema import RunState, load_spec, parse_spec
-from lazarus.schema import controls
+from lazarus.schema import RunState, controls, load_spec, parse_spec
 from lazarus.worker import build_worker
 from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 from tests.e2e.conftest import trained_step, wait_for

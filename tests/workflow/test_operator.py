@@ -11,8 +11,7 @@ from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from lazarus.schema import RunStart, RunState, RunStatus
-from lazarus.schema import controls
+from lazarus.schema import RunStart, RunState, RunStatus, controls
 from lazarus.workflows.training_run import TrainingRun
 from tests.workflow.fakes import FakeStages, fault, make_spec
 

@@ -10,9 +10,8 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from lazarus.schema import RunStart, RunState
+from lazarus.schema import RunStart, RunState, controls
 from lazarus.schema.controls import FaultSignal
-from lazarus.schema import controls
 from lazarus.workflows.training_run import TrainingRun
 from tests.workflow.fakes import FakeStages, fault, make_spec, run_workflow
 

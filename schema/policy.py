@@ -1,0 +1,135 @@
+"""What a user writes about recovery: how faults are detected, how recovery behaves, and every
+stage's timeouts and retries (the spec's `recovery` section)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from lazarus.schema.base import Strict
+
+
+class StagePolicy(Strict):
+    """Timeout and retry policy of one activity (one recovery stage)."""
+
+    timeout_seconds: float = Field(gt=0, description="Start-to-close timeout of one attempt (seconds).")
+    heartbeat_timeout_seconds: float = Field(
+        gt=0, description="An attempt that does not heartbeat for this long is presumed lost (seconds)."
+    )
+    max_attempts: int = Field(5, ge=0, description="Attempts before the stage counts as failed; 0 means unlimited.")
+    initial_retry_seconds: float = Field(0.5, gt=0, description="Wait before the first retry (seconds).")
+    retry_backoff: float = Field(2.0, ge=1, description="Factor by which each retry's wait grows (dimensionless).")
+    max_retry_seconds: float = Field(10.0, gt=0, description="Longest wait between retries (seconds).")
+
+
+def _stage(timeout: float, heartbeat: float, attempts: int = 5) -> StagePolicy:
+    return StagePolicy(timeout_seconds=timeout, heartbeat_timeout_seconds=heartbeat, max_attempts=attempts)
+
+
+class StagePolicies(Strict):
+    """Per-activity timeouts and retries; `launch` starts incarnation 0, the rest are the recovery stages."""
+
+    launch: StagePolicy = Field(
+        default_factory=lambda: _stage(120, 10), description="Create the run's cluster state and start incarnation 0."
+    )
+    detect: StagePolicy = Field(
+        default_factory=lambda: _stage(120, 5, attempts=0),
+        description="Watch the run; returns a fault, a progress snapshot or completion.",
+    )
+    drain: StagePolicy = Field(
+        default_factory=lambda: _stage(60, 5),
+        description="Quarantine faulty nodes and stop every rank of the incarnation.",
+    )
+    reschedule: StagePolicy = Field(
+        default_factory=lambda: _stage(30, 5), description="Read the node inventory for the recovery decision."
+    )
+    replace_or_reshard: StagePolicy = Field(
+        default_factory=lambda: _stage(30, 5), description="Claim spares and write the next incarnation's assignment."
+    )
+    resume: StagePolicy = Field(
+        default_factory=lambda: _stage(300, 10),
+        description="Start the next incarnation and wait for its first new step.",
+    )
+    stop: StagePolicy = Field(
+        default_factory=lambda: _stage(180, 10),
+        description="Checkpoint and stop the ranks (pause, abort, operator's reshard); past the timeout they are killed.",
+    )
+    return_node: StagePolicy = Field(
+        default_factory=lambda: _stage(30, 5), description="Return a repaired node to the spare pool."
+    )
+
+
+class RecoveryPolicy(Strict):
+    """How faults are detected and how recovery behaves; every stage's timeouts and retries."""
+
+    heartbeat_interval_seconds: float = Field(
+        0.1,
+        gt=0,
+        le=60,
+        description="How often detect reads rank heartbeats and node health, and heartbeats to Temporal (seconds).",
+    )
+    hang_after_seconds: float = Field(
+        30.0, gt=0, description="A rank whose last heartbeat is older than this counts as hung (seconds)."
+    )
+    startup_grace_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Time a new incarnation may take to its first heartbeat before it counts as hung (seconds).",
+    )
+    progress_every_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Detect returns a progress snapshot (step) to the workflow at least this often (seconds).",
+    )
+    min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
+    capacity_wait_seconds: float = Field(
+        300.0, ge=0, description="How long to wait for a free spare before the run fails (seconds)."
+    )
+    capacity_poll_seconds: float = Field(
+        5.0, gt=0, description="How often the inventory is read again while waiting for capacity (seconds)."
+    )
+    approval_wait_seconds: float = Field(
+        3600.0,
+        ge=0,
+        description="After the capacity wait, how long to wait for an operator's approve or abort before the run stops (seconds); the only time a human is asked.",
+    )
+    stop_grace_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="How long ranks get to checkpoint and exit on a pause, abort or operator's reshard before they are killed (seconds).",
+    )
+    history_limit_events: int = Field(
+        10000,
+        ge=100,
+        description="The workflow continues as new once its history has this many events, or when Temporal suggests it (events).",
+    )
+    max_incidents: int = Field(
+        20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents)."
+    )
+    save_grace_seconds: float = Field(
+        1.0,
+        ge=0,
+        description="Drain waits this long for a checkpoint being written at the fault to commit before discarding it (seconds).",
+    )
+    not_ready_toleration_seconds: int = Field(
+        10,
+        ge=0,
+        description=(
+            "Kubernetes backend: how long a rank pod stays bound to a node that is not ready or unreachable "
+            "before Kubernetes evicts it, its pods' tolerations (seconds; Kubernetes' default is 300)."
+        ),
+    )
+    stages: StagePolicies = Field(default_factory=StagePolicies, description="Per-stage timeouts and retry policies.")
+
+    @model_validator(mode="after")
+    def _hang_longer_than_interval(self) -> RecoveryPolicy:
+        if self.hang_after_seconds <= self.heartbeat_interval_seconds:
+            raise ValueError(
+                f"recovery.hang_after_seconds: {self.hang_after_seconds} must exceed "
+                f"recovery.heartbeat_interval_seconds {self.heartbeat_interval_seconds}; raise it to several intervals"
+            )
+        if self.stages.detect.timeout_seconds <= self.progress_every_seconds:
+            raise ValueError(
+                f"recovery.stages.detect.timeout_seconds: {self.stages.detect.timeout_seconds} must exceed "
+                f"recovery.progress_every_seconds {self.progress_every_seconds}, or every watch times out"
+            )
+        return self
