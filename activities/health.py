@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from lazarus.infra.local import Observation, RankObservation
+from lazarus.infra.backend import Observation, RankObservation
+from lazarus.schema.contract import RankExit
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import FaultReport
 
@@ -31,9 +32,9 @@ PEER_LOST_ERRORS = (
 raised one is a witness of a fault elsewhere, not its cause."""
 
 
-def lost_a_peer(exit_record: dict) -> bool:
+def lost_a_peer(ended: RankExit) -> bool:
     """Whether a rank's exit record says it ended because a peer went away."""
-    error = (exit_record.get("error") or "").lower()
+    error = ended.error.lower()
     return any(part in error for part in PEER_LOST_ERRORS)
 
 
@@ -54,10 +55,10 @@ def _at(seconds: float) -> datetime:
 def _ended(rank: RankObservation) -> str:
     if rank.exit is None:
         return f"rank {rank.rank} on {rank.node} ended without an exit record (killed with its node)"
-    if rank.exit.get("signal"):
-        return f"rank {rank.rank} on {rank.node} was killed by {rank.exit['signal']}"
-    error = f": {rank.exit['error']}" if rank.exit.get("error") else ""
-    return f"rank {rank.rank} on {rank.node} exited with code {rank.exit['code']}{error}"
+    if rank.exit.signal:
+        return f"rank {rank.rank} on {rank.node} was killed by {rank.exit.signal}"
+    error = f": {rank.exit.error}" if rank.exit.error else ""
+    return f"rank {rank.rank} on {rank.node} exited with code {rank.exit.code}{error}"
 
 
 def _silent_nodes(ranks: list[RankObservation], since: float) -> set[str]:
@@ -70,10 +71,63 @@ def _silent_nodes(ranks: list[RankObservation], since: float) -> set[str]:
         node
         for node, on_node in by_node.items()
         if all(
-            r.launched and r.alive and r.exit is None and (r.heartbeat is None or r.heartbeat["time"] <= since)
+            r.launched and r.alive and r.exit is None and (r.heartbeat is None or r.heartbeat.time <= since)
             for r in on_node
         )
     }
+
+
+@dataclass(frozen=True)
+class _Look:
+    """One observation with what judging it needs: the policy, the clock, the run's length."""
+
+    observation: Observation
+    policy: RecoveryPolicy
+    now: float
+    last_poll: float
+    total_steps: int
+
+    @property
+    def ranks(self) -> list[RankObservation]:
+        return self.observation.ranks
+
+    @property
+    def steps(self) -> list[int]:
+        return [r.heartbeat.step if r.heartbeat else self.observation.resume_step for r in self.ranks]
+
+    @property
+    def step(self) -> int:
+        """Progress: the step every rank has completed."""
+        return min(self.steps, default=self.observation.resume_step)
+
+    @property
+    def fresh_and_untrained(self) -> bool:
+        """The run's first launch, before any rank completed a step."""
+        trained = any(r.heartbeat and r.heartbeat.first_step_at for r in self.ranks)
+        return self.observation.incarnation == 0 and not trained
+
+    def fault(self, kind: str, blamed: list[RankObservation], occurred: float, reason: str, nodes=None) -> Verdict:
+        """A verdict of fault `kind`, blaming `blamed` (their nodes, unless `nodes` is given)."""
+        beats = [r.heartbeat.time for r in blamed if r.heartbeat]
+        first = blamed[0] if blamed else None
+        ended = first.exit if first else None
+        return Verdict(
+            self.step,
+            FaultReport(
+                kind=kind,
+                nodes=sorted(set(nodes or (r.node for r in blamed))),
+                incarnation=self.observation.incarnation,
+                occurred_at=_at(occurred),
+                detected_at=_at(self.now),
+                step=max(self.steps, default=self.step),
+                last_heartbeat_at=_at(max(beats)) if beats else None,
+                reason=reason,
+                rank=first.rank if first else None,
+                exit_code=ended.code if ended and not ended.signal else None,
+                signal=ended.signal if ended else None,
+                error=ended.error if ended else "",
+            ),
+        )
 
 
 def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float, total_steps: int) -> Verdict:
@@ -84,133 +138,121 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
     Blame, in order: nodes the backend saw die; ranks gone without an exit record (a
     kill); nodes gone silent while every rank that failed lost a peer (a node whose death
     the backend has not learnt yet: its ranks cannot report, the survivors can; of several
-    silent nodes, those whose address the errors name); the
-    earliest rank that exited with an error (its peers fail after it); the rank with the
-    oldest heartbeat once heartbeats are stale. Every rank gone with code 0
-    is completion at the last step, and a stop (on request) before it.
+    silent nodes, those whose address the errors name); the earliest rank that exited with
+    an error (its peers fail after it); the rank with the oldest heartbeat once heartbeats
+    are stale. Every rank gone with code 0 is completion at the last step, and a stop (on
+    request) before it.
     """
-    ranks = observation.ranks
-    steps = [r.heartbeat["step"] if r.heartbeat else observation.resume_step for r in ranks]
-    step = min(steps, default=observation.resume_step)
-    incarnation = observation.incarnation
+    look = _Look(observation, policy, now, last_poll, total_steps)
+    for check in (_dead_nodes, _exits, _all_ended_cleanly, _hangs):
+        verdict = check(look)
+        if verdict is not None:
+            return verdict
+    return Verdict(look.step)
 
-    def fault(kind: str, blamed: list[RankObservation], occurred: float, reason: str, nodes=None) -> Verdict:
-        beats = [r.heartbeat["time"] for r in blamed if r.heartbeat]
-        first = blamed[0] if blamed else None
-        ended = first.exit if first and first.exit else {}
-        return Verdict(
-            step,
-            FaultReport(
-                kind=kind,
-                nodes=sorted(set(nodes or (r.node for r in blamed))),
-                incarnation=incarnation,
-                occurred_at=_at(occurred),
-                detected_at=_at(now),
-                step=max(steps, default=step),
-                last_heartbeat_at=_at(max(beats)) if beats else None,
-                reason=reason,
-                rank=first.rank if first else None,
-                exit_code=ended.get("code") if ended and not ended.get("signal") else None,
-                signal=ended.get("signal"),
-                error=ended.get("error", ""),
-            ),
-        )
 
-    if observation.dead_nodes:
-        nodes = sorted(observation.dead_nodes)
-        blamed = [r for r in ranks if r.node in observation.dead_nodes]
-        died = min(observation.dead_nodes.values()).timestamp()
-        return fault("node_down", blamed, died, f"backend reports node {', '.join(nodes)} dead", nodes)
+def _dead_nodes(look: _Look) -> Verdict | None:
+    dead = look.observation.dead_nodes
+    if not dead:
+        return None
+    blamed = [r for r in look.ranks if r.node in dead]
+    died = min(dead.values()).timestamp()
+    return look.fault("node_down", blamed, died, f"backend reports node {', '.join(sorted(dead))} dead", sorted(dead))
 
+
+def _exits(look: _Look) -> Verdict | None:
+    """Ranks that ended before the last step: killed, failed on their own, or lost a peer."""
     # A rank gone without an exit record while its launcher lives: the launcher is about to
     # write one. Judge it on the next look, when the record says how it ended.
-    gone = [r for r in ranks if r.launched and not r.alive and (r.exit is not None or not r.launcher_alive)]
-    killed = [r for r in gone if r.exit is None or r.exit.get("signal")]
-    failed = sorted(
-        (r for r in gone if r.exit is not None and not r.exit.get("signal") and r.exit["code"] != 0),
-        key=lambda r: r.exit["time"],
-    )
+    gone = [r for r in look.ranks if r.launched and not r.alive and (r.exit is not None or not r.launcher_alive)]
+    killed = [r for r in gone if r.exit is None or r.exit.signal]
     if killed:
-        return fault("rank_exit", killed, last_poll, "; ".join(_ended(r) for r in killed))
-    trained = any(r.heartbeat and r.heartbeat.get("first_step_at") for r in ranks)
-    fresh = observation.incarnation == 0
-    if fresh and failed and not trained:
+        return look.fault("rank_exit", killed, look.last_poll, "; ".join(_ended(r) for r in killed))
+    failed = sorted((r for r in gone if r.exit.code != 0), key=lambda r: r.exit.time)
+    if not failed:
+        return None
+    first = failed[0]
+    if look.fresh_and_untrained:
         # The run's first launch failing before a step: if every rank ends on its own within
         # a moment of the first, it is the program (a bad flag, a missing file), not a node.
-        first = failed[0]
-        if all(r.exit is not None and not r.alive for r in ranks):
-            return fault(
-                "program_error",
-                [first],
-                first.exit["time"],
-                f"every rank ended before training a step; first: {_ended(first)}",
-            )
-        if now - first.exit["time"] < PROGRAM_ERROR_SETTLE_SECONDS:
-            return Verdict(step)
-    if failed:
-        first = failed[0]
-        if all(lost_a_peer(r.exit) for r in failed):
-            silent_nodes = _silent_nodes(ranks, since=first.exit["time"])
-            # Where the errors name the lost peer's address (gloo does), a silent node they name is
-            # the dead one; one they do not name is a survivor slow to notice.
-            named = {
-                node
-                for node, address in observation.node_addresses.items()
-                if any(f"[{address}]" in (r.exit.get("error") or "") for r in failed)
-            }
-            if silent_nodes & named:
-                silent_nodes &= named
-            if silent_nodes:
-                if now - first.exit["time"] < PEER_LOSS_SETTLE_SECONDS:
-                    return Verdict(step)
-                silent = [r for r in ranks if r.node in silent_nodes]
-                return fault(
-                    "node_down",
-                    silent,
-                    first.exit["time"],
-                    f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
-                    f"while its peers lost their connections to it; first: {_ended(first)}",
-                    sorted(silent_nodes),
-                )
-        return fault("rank_exit", [first], first.exit["time"], _ended(first))
+        if all(r.exit is not None and not r.alive for r in look.ranks):
+            reason = f"every rank ended before training a step; first: {_ended(first)}"
+            return look.fault("program_error", [first], first.exit.time, reason)
+        if look.now - first.exit.time < PROGRAM_ERROR_SETTLE_SECONDS:
+            return Verdict(look.step)
+    if all(lost_a_peer(r.exit) for r in failed):
+        verdict = _silent_peer(look, failed)
+        if verdict is not None:
+            return verdict
+    return look.fault("rank_exit", [first], first.exit.time, _ended(first))
 
+
+def _silent_peer(look: _Look, failed: list[RankObservation]) -> Verdict | None:
+    """Every rank that failed lost a peer: blame the nodes gone silent (once their ranks had time
+    to report), those the errors name where they name any; None when no node is silent."""
+    first = failed[0]
+    silent_nodes = _silent_nodes(look.ranks, since=first.exit.time)
+    # Where the errors name the lost peer's address (gloo does), a silent node they name is the
+    # dead one; one they do not name is a survivor slow to notice.
+    named = {
+        node
+        for node, address in look.observation.node_addresses.items()
+        if any(f"[{address}]" in r.exit.error for r in failed)
+    }
+    if silent_nodes & named:
+        silent_nodes &= named
+    if not silent_nodes:
+        return None
+    if look.now - first.exit.time < PEER_LOSS_SETTLE_SECONDS:
+        return Verdict(look.step)
+    silent = [r for r in look.ranks if r.node in silent_nodes]
+    reason = (
+        f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
+        f"while its peers lost their connections to it; first: {_ended(first)}"
+    )
+    return look.fault("node_down", silent, first.exit.time, reason, sorted(silent_nodes))
+
+
+def _all_ended_cleanly(look: _Look) -> Verdict | None:
+    """Every rank exited with code 0: completion at the last step, a stop before it."""
     # Ended only once every process is gone too (the exit record is written just before a rank
     # exits, and each node's launcher outlives its ranks by a moment).
-    if (
-        ranks
-        and not observation.launchers_alive
-        and all(r.exit is not None and r.exit["code"] == 0 and not r.alive for r in ranks)
-    ):
-        last = min(r.exit["step"] for r in ranks)
-        if fresh and last < total_steps and not trained:
-            return fault(
-                "program_error",
-                ranks,
-                max(r.exit["time"] for r in ranks),
-                f"every rank exited with code 0 at step {last} without training a step "
-                f"(trainer.steps is {total_steps})",
-            )
-        return Verdict(last, completed=last >= total_steps, stopped=last < total_steps)
+    ranks = look.ranks
+    if not ranks or look.observation.launchers_alive:
+        return None
+    if not all(r.exit is not None and r.exit.code == 0 and not r.alive for r in ranks):
+        return None
+    last = min(r.exit.step for r in ranks)
+    if look.fresh_and_untrained and last < look.total_steps:
+        reason = (
+            f"every rank exited with code 0 at step {last} without training a step "
+            f"(trainer.steps is {look.total_steps})"
+        )
+        return look.fault("program_error", ranks, max(r.exit.time for r in ranks), reason)
+    return Verdict(last, completed=last >= look.total_steps, stopped=last < look.total_steps)
 
+
+def _hangs(look: _Look) -> Verdict | None:
+    """A rank whose heartbeat is older than the policy allows (the startup grace before its first)."""
     stale = []
-    for r in ranks:
+    for r in look.ranks:
         if not r.alive or r.exit is not None:
             continue
-        if r.heartbeat is None or r.heartbeat["phase"] == "starting":
-            since = r.heartbeat["time"] if r.heartbeat else observation.launched_at
-            if since is not None and now - since > policy.startup_grace_seconds:
-                stale.append((r, now - since))
-        elif now - r.heartbeat["time"] > policy.hang_after_seconds:
-            stale.append((r, now - r.heartbeat["time"]))
-    if stale:
-        # Every rank stalls behind a hung one in the next collective; the hung one is the
-        # one that got least far (lowest step, then oldest heartbeat).
-        def lag(item):
-            rank, age = item
-            return (rank.heartbeat["step"] if rank.heartbeat else -1, -age)
+        if r.heartbeat is None or r.heartbeat.phase == "starting":
+            since = r.heartbeat.time if r.heartbeat else look.observation.launched_at
+            if since is not None and look.now - since > look.policy.startup_grace_seconds:
+                stale.append((r, look.now - since))
+        elif look.now - r.heartbeat.time > look.policy.hang_after_seconds:
+            stale.append((r, look.now - r.heartbeat.time))
+    if not stale:
+        return None
 
-        culprit, age = min(stale, key=lag)
-        return fault(
-            "hang", [culprit], now - age, f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s"
-        )
-    return Verdict(step)
+    # Every rank stalls behind a hung one in the next collective; the hung one is the one that
+    # got least far (lowest step, then oldest heartbeat).
+    def lag(item):
+        rank, age = item
+        return (rank.heartbeat.step if rank.heartbeat else -1, -age)
+
+    culprit, age = min(stale, key=lag)
+    reason = f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s"
+    return look.fault("hang", [culprit], look.now - age, reason)

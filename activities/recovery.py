@@ -21,8 +21,7 @@ from temporalio.exceptions import ApplicationError
 from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.health import judge
 from lazarus.activities.metrics import Metrics, Span
-from lazarus.infra.local import free_port
-from lazarus.infra.runfiles import ClusterError, RunFiles
+from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
 from lazarus.schema.stages import (
     DetectInput,
@@ -74,10 +73,32 @@ def _permanent(error: Exception, kind: str) -> ApplicationError:
     return ApplicationError(str(error), type=kind, non_retryable=True)
 
 
+async def in_thread(call, *args):
+    """Run a blocking backend call in a thread, heartbeating while it runs, so that a call that
+    outlasts the activity's heartbeat timeout (a drain waiting for pods to go) is not taken for
+    a lost worker."""
+    timeout = activity.info().heartbeat_timeout
+    every = timeout.total_seconds() / 3 if timeout else None
+    task = asyncio.ensure_future(asyncio.to_thread(call, *args))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every)
+            if done:
+                return task.result()
+            activity.heartbeat()
+    finally:
+        task.cancel()  # on cancellation: the thread runs on, its result is dropped
+
+
+def _touch(path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+
+
 class RecoveryActivities:
     """launch, detect, drain, reschedule, replace_or_reshard and resume, over one backend."""
 
-    def __init__(self, cluster: RunFiles, failpoints: Failpoints | None = None, metrics: Metrics | None = None):
+    def __init__(self, cluster: ClusterBackend, failpoints: Failpoints | None = None, metrics: Metrics | None = None):
         self.cluster = cluster
         self.failpoints = failpoints or Failpoints()
         self.metrics = metrics or Metrics()
@@ -86,10 +107,11 @@ class RecoveryActivities:
     @timed("launch")
     async def launch(self, request: LaunchInput) -> LaunchResult:
         """Create the run's directory and inventory, assign the active nodes, start incarnation 0."""
-        if request.spec.cluster.backend != self.cluster.backend:
+        wanted = request.spec.cluster.backend
+        if wanted != self.cluster.backend:
             raise ApplicationError(
-                f"cluster.backend is {request.spec.cluster.backend!r} but this worker drives the {self.cluster.backend!r} "
-                f"backend; start a worker with `lazarus worker --backend {request.spec.cluster.backend}`",
+                f"cluster.backend is {wanted!r} but this worker drives the {self.cluster.backend!r} "
+                f"backend; start a worker with `lazarus worker --backend {wanted}`",
                 type="WrongBackend",
                 non_retryable=True,
             )
@@ -98,22 +120,22 @@ class RecoveryActivities:
             if missing:
                 raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
         try:
-            run = await asyncio.to_thread(self.cluster.create, request.run_id, request.spec)
+            run = await in_thread(self.cluster.create, request.run_id, request.spec)
         except ClusterError as error:
             raise _permanent(error, "RunDirectoryConflict") from None
-        inventory = await asyncio.to_thread(self.cluster.inventory, request.run_id)
+        inventory = await in_thread(self.cluster.inventory, request.run_id)
         active = sorted((n.name for n in inventory.nodes if n.role == "active"), key=natural_order)
-        assignment = await asyncio.to_thread(
+        assignment = await in_thread(
             self.cluster.commit_assignment,
             request.run_id,
             Assignment(
                 incarnation=0,
                 nodes=active,
                 layout=request.spec.layout,
-                master_port=free_port(),
+                master_port=await in_thread(self.cluster.rendezvous_port, request.run_id),
             ),
         )
-        await asyncio.to_thread(self.cluster.start_ranks, request.run_id, 0, 0, None, request.spec.recovery)
+        await in_thread(self.cluster.start_ranks, request.run_id, 0, 0, None, request.spec.recovery)
         return LaunchResult(run_dir=str(run.root), assignment=assignment)
 
     async def _note(self, run_id: str, stage: str, message: str) -> None:
@@ -121,7 +143,7 @@ class RecoveryActivities:
         if not self.cluster.records_stages:
             return
         try:
-            await asyncio.to_thread(self.cluster.record_stage, run_id, stage, message)
+            await in_thread(self.cluster.record_stage, run_id, stage, message)
         except Exception as error:  # noqa: BLE001 - the audit trail of record is the workflow history
             activity.logger.warning("could not record %s for run %s: %s", stage, run_id, error)
 
@@ -134,12 +156,12 @@ class RecoveryActivities:
         exited = False
         while True:
             now = time.time()
-            observation = await asyncio.to_thread(self.cluster.observe, run_id, incarnation)
+            observation = await in_thread(self.cluster.observe, run_id, incarnation)
             verdict = judge(observation, policy, now, last_poll, total_steps)
             if verdict.fault is not None and verdict.fault.rank is not None:
-                verdict.fault.log_tail = self.cluster.log_tail(run_id, incarnation, verdict.fault.rank)
+                verdict.fault.log_tail = await in_thread(self.cluster.log_tail, run_id, incarnation, verdict.fault.rank)
             if verdict.completed:
-                await asyncio.to_thread(self.cluster.release_standbys, run_id)
+                await in_thread(self.cluster.release_standbys, run_id)
             if verdict.fault or verdict.completed or verdict.stopped or (until and until(verdict, now)):
                 return verdict, now
             last_poll = now
@@ -163,7 +185,7 @@ class RecoveryActivities:
         fault = verdict.fault
         if verdict.stopped:
             # Nobody asked (the workflow stops detect before it asks): treat it as a failure.
-            assignment = self.cluster.assignment(request.run_id, request.incarnation)
+            assignment = await in_thread(self.cluster.assignment, request.run_id, request.incarnation)
             at = datetime.fromtimestamp(now, UTC)
             fault = FaultReport(
                 kind="rank_exit",
@@ -188,15 +210,15 @@ class RecoveryActivities:
         if activity.info().attempt == 1:
             self.metrics.stage_seconds.labels("detect").observe(request.detect_seconds)
         try:
-            await asyncio.to_thread(self.cluster.quarantine, request.run_id, request.nodes, request.reason)
+            await in_thread(self.cluster.quarantine, request.run_id, request.nodes, request.reason)
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
-        in_flight, committed = await asyncio.to_thread(
+        in_flight, committed = await in_thread(
             self.cluster.await_checkpoint_in_flight, request.run_id, request.incarnation, request.save_grace_seconds
         )
-        stopped = await asyncio.to_thread(self.cluster.stop_incarnation, request.run_id, request.incarnation)
-        removed = self.cluster.remove_partial_checkpoints(request.run_id)
+        stopped = await in_thread(self.cluster.stop_incarnation, request.run_id, request.incarnation)
+        removed = await in_thread(self.cluster.remove_partial_checkpoints, request.run_id)
         await self._note(
             request.run_id,
             "drained",
@@ -215,7 +237,7 @@ class RecoveryActivities:
     @timed("reschedule")
     async def reschedule(self, request: RescheduleInput) -> Inventory:
         """The run's inventory: which spares are free, which nodes are quarantined."""
-        inventory = await asyncio.to_thread(self.cluster.inventory, request.run_id)
+        inventory = await in_thread(self.cluster.inventory, request.run_id)
         await self._note(request.run_id, "rescheduled", f"free spares: {', '.join(inventory.free_spares()) or 'none'}")
         return inventory
 
@@ -229,11 +251,11 @@ class RecoveryActivities:
             nodes=decision.nodes,
             layout=decision.layout,
             master_addr=old.master_addr,
-            master_port=free_port(),
+            master_port=await in_thread(self.cluster.rendezvous_port, request.run_id),
         )
         claims = [node for node in decision.nodes if node not in old.nodes]
         try:
-            recorded = await asyncio.to_thread(
+            recorded = await in_thread(
                 self.cluster.commit_assignment, request.run_id, proposed, claims, decision.released_nodes
             )
         except ClusterError as error:
@@ -252,13 +274,12 @@ class RecoveryActivities:
     async def resume(self, request: ResumeInput) -> ResumeResult:
         """Start the incarnation from the newest complete checkpoint; return after its first new step."""
         run_id, incarnation = request.run_id, request.assignment.incarnation
-        newest, skipped = await asyncio.to_thread(self.cluster.run_dir(run_id).newest_checkpoint)
+        newest, skipped = await in_thread(self.cluster.run_dir(run_id).newest_checkpoint)
         if newest >= request.total_steps:
-            await asyncio.to_thread(self.cluster.release_standbys, run_id)
+            await in_thread(self.cluster.release_standbys, run_id)
             return ResumeResult(resumed_from_step=newest, skipped_checkpoints=skipped, completed=True)
-        launch = await asyncio.to_thread(self.cluster.start_ranks, run_id, incarnation, newest, skipped, request.policy)
-        resumed_from = launch["resume_step"]
-        skipped = {int(step): why for step, why in launch.get("skipped", {}).items()}
+        launch = await in_thread(self.cluster.start_ranks, run_id, incarnation, newest, skipped, request.policy)
+        resumed_from, skipped = launch.resume_step, launch.skipped
         await self.failpoints.reach("resume.after_launch")
 
         def trained_past_checkpoint(verdict, _now) -> bool:
@@ -272,8 +293,8 @@ class RecoveryActivities:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
         # Every rank records when it finished its first step; the step is done when the
         # last of them has, whatever the poll interval was.
-        beats = [r.heartbeat for r in self.cluster.observe(run_id, incarnation).ranks]
-        first = max(b["first_step_at"] for b in beats if b and "first_step_at" in b)
+        observation = await in_thread(self.cluster.observe, run_id, incarnation)
+        first = max(r.heartbeat.first_step_at for r in observation.ranks if r.heartbeat and r.heartbeat.first_step_at)
         return ResumeResult(
             resumed_from_step=resumed_from,
             skipped_checkpoints=skipped,
@@ -287,18 +308,16 @@ class RecoveryActivities:
         """Ask the incarnation to checkpoint and exit; past the timeout, or on a fault, kill it."""
         run_id, incarnation = request.run_id, request.incarnation
         run = self.cluster.run_dir(run_id)
-        stop_file = run.stop_file(incarnation)
-        stop_file.parent.mkdir(parents=True, exist_ok=True)
-        stop_file.touch()
+        await in_thread(_touch, run.stop_file(incarnation))
         deadline = time.time() + request.timeout_seconds
         verdict, _ = await self._watch(
             run_id, incarnation, request.policy, request.total_steps, until=lambda _, now: now >= deadline
         )
         clean = verdict.stopped or verdict.completed
         if not clean:
-            await asyncio.to_thread(self.cluster.stop_incarnation, run_id, incarnation)
-            self.cluster.remove_partial_checkpoints(run_id)
-        newest, _ = await asyncio.to_thread(run.newest_checkpoint)
+            await in_thread(self.cluster.stop_incarnation, run_id, incarnation)
+            await in_thread(self.cluster.remove_partial_checkpoints, run_id)
+        newest, _ = await in_thread(run.newest_checkpoint)
         reason = (
             ""
             if clean
@@ -317,6 +336,6 @@ class RecoveryActivities:
     async def return_node(self, request: ReturnNodeInput) -> Inventory:
         """A repaired node rejoins the run's spare pool."""
         try:
-            return self.cluster.return_node(request.run_id, request.node)
+            return await in_thread(self.cluster.return_node, request.run_id, request.node)
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None

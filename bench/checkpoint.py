@@ -31,11 +31,11 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lazarus.infra.local import free_port  # noqa: E402
-from lazarus.schema import load_spec  # noqa: E402
-from lazarus.schema.contract import COMMIT_MARKER, RunDir  # noqa: E402
-from lazarus.trainer import checkpoint  # noqa: E402
-from lazarus.trainer.train import Trainer  # noqa: E402
+from lazarus.infra.backend import free_port
+from lazarus.schema import load_spec
+from lazarus.schema.rundir import COMMIT_MARKER, RunDir
+from lazarus.trainer import checkpoint
+from lazarus.trainer.train import Trainer
 
 
 def _rank(

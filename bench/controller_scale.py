@@ -31,21 +31,13 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
-
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
-from lazarus.infra.local import LocalCluster, Observation, RankObservation, free_port
-from lazarus.infra.temporal_server import (
-    DYNAMIC_CONFIG,
-    output_to_stderr,
-    quiet_runtime,
-    temporal_cli,
-)
+from lazarus.infra.backend import Observation, RankObservation
+from lazarus.infra.local import LocalCluster
+from lazarus.infra.temporal_server import local_environment, quiet_runtime
 from lazarus.schema import RunState, parse_spec
-from lazarus.schema.contract import read_json, write_json_atomic
-from lazarus.schema.run import RunSpec
+from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit
 from lazarus.worker import build_worker
 
 
@@ -63,52 +55,42 @@ class SimulatedCluster(LocalCluster):
         self.startup_seconds = startup_seconds
         self._launched: dict[tuple[str, int], float] = {}
         self._stopped: set[tuple[str, int]] = set()
-        self._specs: dict[str, RunSpec] = {}
 
-    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped=None, policy=None) -> dict:
-        run = self._existing(run_id)
-        launch_file = run.incarnation(incarnation) / "launch.json"
-        record = read_json(launch_file)
-        if record is None:
-            record = {"resume_step": resume_step, "skipped": {}, "launched_at": time.time()}
-            write_json_atomic(launch_file, record)
-        self._launched.setdefault((run_id, incarnation), record["launched_at"])
+    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped=None, policy=None) -> LaunchRecord:
+        record = self.record_launch(run_id, incarnation, resume_step, skipped)
+        self._launched.setdefault((run_id, incarnation), record.launched_at)
         return record
 
     def observe(self, run_id: str, incarnation: int) -> Observation:
-        run = self._existing(run_id)
-        assignment = self.assignment(run_id, incarnation)
-        spec = self._specs.get(run_id) or self._specs.setdefault(
-            run_id, RunSpec.model_validate_json(run.spec_file.read_text())
-        )
-        launch = read_json(run.incarnation(incarnation) / "launch.json") or {}
+        run, assignment = self._incarnation(run_id, incarnation)
+        spec = self.spec(run_id)
         dead = {n.name: n.died_at for n in self.inventory(run_id).nodes if not n.healthy and n.name in assignment.nodes}
+        observation = self._observation(run, incarnation, dead)
         now = time.time()
         launched = self._launched.get((run_id, incarnation))
-        resume = launch.get("resume_step", 0)
         running = launched is not None and (run_id, incarnation) not in self._stopped
         trained = 0 if launched is None else int((now - launched - self.startup_seconds) * self.steps_per_second)
-        step = min(resume + max(trained, 0), spec.trainer.steps)
+        step = min(observation.resume_step + max(trained, 0), spec.trainer.steps)
         finished = running and step >= spec.trainer.steps
         first = None if launched is None else launched + self.startup_seconds + 1 / self.steps_per_second
-        observation = Observation(incarnation, launch.get("launched_at"), resume, dead_nodes=dead)
         layout = assignment.layout
         for rank in range(layout.world_size):
             node = assignment.nodes[layout.node_of_rank(rank)]
             alive = running and node not in dead and not finished
             beat = None
             if running:
-                beat = {"step": step, "time": now, "phase": "training" if trained > 0 else "starting"}
-                if trained > 0:
-                    beat["first_step_at"] = first
-            exit_record = {"rank": rank, "code": 0, "step": step, "time": now} if finished else None
+                phase = "training" if trained > 0 else "starting"
+                beat = Heartbeat(
+                    rank=rank, step=step, time=now, phase=phase, first_step_at=first if trained > 0 else None
+                )
+            ended = RankExit(rank=rank, code=0, step=step, time=now) if finished else None
             observation.ranks.append(
-                RankObservation(rank, node, launched is not None, alive, beat, exit_record, launcher_alive=alive)
+                RankObservation(rank, node, launched is not None, alive, beat, ended, launcher_alive=alive)
             )
         observation.launchers_alive = sum(1 for r in observation.ranks if r.launcher_alive)
         return observation
 
-    def stop_incarnation(self, run_id: str, incarnation: int, timeout: float = 30.0) -> list[int]:
+    def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
         self._stopped.add((run_id, incarnation))
         return list(range(self.assignment(run_id, incarnation).layout.world_size))
 
@@ -160,14 +142,7 @@ async def events_per_incident(client, run_id: str) -> int | None:
 
 
 async def bench(runs: int, spread: float, seed: int, say) -> dict:
-    with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_cli(),
-            data_converter=pydantic_data_converter,
-            port=free_port(),
-            runtime=quiet_runtime(),
-            dev_server_extra_args=DYNAMIC_CONFIG,
-        )
+    env = await local_environment(runtime=quiet_runtime())
     rng = random.Random(seed)
     try:
         with tempfile.TemporaryDirectory() as home:

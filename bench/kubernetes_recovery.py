@@ -32,20 +32,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ and tests/ are not installed packages
 
 from kubernetes import client as k8s
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
 
 from bench.recovery import COLUMNS, row
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.infra.kubernetes import KubernetesCluster
-from lazarus.infra.local import free_port
-from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
+from lazarus.infra.temporal_server import local_environment
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.worker import build_worker
-from tests.k8s.conftest import add_node, api_client
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
 from tests.k8s.kubelet import FakeKubelet
+from tests.support.kubernetes import add_node, api_client
 
 SCENARIOS = {"api-learns-first": True, "survivors-report-first": False}
 
@@ -108,13 +105,7 @@ async def one_kill(client, home: Path, run_id: str, api_learns: bool, say) -> di
 
 
 async def bench(kills: int, quiet: bool) -> dict[str, list[dict]]:
-    with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_cli(),
-            data_converter=pydantic_data_converter,
-            port=free_port(),
-            dev_server_extra_args=DYNAMIC_CONFIG,
-        )
+    env = await local_environment()
     started = time.monotonic()
 
     def say(message: str) -> None:

@@ -33,16 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
-
 from lazarus.activities.metrics import Metrics
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
-from lazarus.infra.local import LocalCluster, free_port
-from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, temporal_cli
+from lazarus.infra.local import LocalCluster
+from lazarus.infra.temporal_server import local_environment
 from lazarus.schema import STAGES, RunState, load_spec
-from lazarus.schema.contract import read_json
+from lazarus.schema.contract import read_heartbeat
 from lazarus.worker import build_worker
 
 COLUMNS = [*STAGES, "MTTR", "lost_steps"]
@@ -65,10 +62,13 @@ def resume_parts(run, incident, resume_started: float) -> dict:
     """Resume's share of the MTTR by the new incarnation's slowest rank: rank processes started
     (fork or exec, imports, session), rendezvous done, checkpoint restored, first step done."""
     k = incident.new_assignment.incarnation
-    beats = [read_json(run.heartbeat_file(k, rank)) or {} for rank in range(incident.new_assignment.layout.world_size)]
+    beats = [read_heartbeat(run, k, rank) for rank in range(incident.new_assignment.layout.world_size)]
     marks = (
         [resume_started]
-        + [max(b.get("phases", {}).get(p, float("nan")) for b in beats) for p in ("starting", "joined", "restored")]
+        + [
+            max(b.phases.get(p, float("nan")) if b else float("nan") for b in beats)
+            for p in ("starting", "joined", "restored")
+        ]
         + [incident.first_step_at.timestamp()]
     )
     return {part: marks[i + 1] - marks[i] for i, part in enumerate(RESUME_PARTS)}
@@ -117,13 +117,7 @@ def _kill_node(home: str, run_id: str, node: str) -> list[int]:
 async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -> list[dict]:
     spec = load_spec(spec_path)
     kill_at = kill_at or default_kill_step(spec)
-    with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_cli(),
-            data_converter=pydantic_data_converter,
-            port=free_port(),
-            dev_server_extra_args=DYNAMIC_CONFIG,
-        )
+    env = await local_environment()
     rows, splits = [], []
     metrics = Metrics()
     chaos = None

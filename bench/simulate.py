@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lazarus.planner import run_policy  # noqa: E402
-from lazarus.simulate import load_scenario  # noqa: E402
+from lazarus.planner import run_policy
+from lazarus.simulate import load_scenario
 
 
 def main() -> None:
@@ -33,9 +33,8 @@ def main() -> None:
         result = run_policy(scenario, policy, args.repetitions)
         seconds = time.perf_counter() - start
         total += seconds
-        print(
-            f"{policy:<16}{seconds:>9.2f}{result.faults_per_run * args.repetitions / seconds:>12,.0f}{result.ettr:>9.2%}"
-        )
+        faults_per_second = result.faults_per_run * args.repetitions / seconds
+        print(f"{policy:<16}{seconds:>9.2f}{faults_per_second:>12,.0f}{result.ettr:>9.2%}")
     print(f"{'all policies':<16}{total:>9.2f}")
 
 

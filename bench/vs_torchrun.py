@@ -37,7 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lazarus.infra.local import LocalCluster, free_port  # noqa: E402
+from lazarus.infra.backend import free_port
+from lazarus.infra.local import LocalCluster
 
 SCRIPT = ROOT / "bench" / "elastic_train.py"
 CHECKPOINT_EVERY = 20
@@ -182,23 +183,14 @@ def torchrun_trial(tuned: bool, kill_at: int, timeout: float, folder: Path) -> T
 
 
 async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder: Path) -> list[Trial]:
-    from temporalio.contrib.pydantic import pydantic_data_converter
-    from temporalio.testing import WorkflowEnvironment
 
     from lazarus.client import start_run
     from lazarus.config import Settings
-    from lazarus.infra.temporal_server import DYNAMIC_CONFIG, output_to_stderr, quiet_runtime, temporal_cli
+    from lazarus.infra.temporal_server import local_environment, quiet_runtime
     from lazarus.schema import parse_spec
     from lazarus.worker import build_worker
 
-    with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_cli(),
-            data_converter=pydantic_data_converter,
-            port=free_port(),
-            runtime=quiet_runtime(),
-            dev_server_extra_args=DYNAMIC_CONFIG,
-        )
+    env = await local_environment(runtime=quiet_runtime())
     cluster = LocalCluster(folder / "home")
     trials = []
     try:

@@ -1,29 +1,33 @@
-"""What every backend keeps in the run directory (schema/contract.py), whoever runs the ranks:
-the spec, each incarnation's assignment and launch record, logs and checkpoints."""
+"""What every backend keeps in the run directory, whoever runs the ranks: the spec, each
+incarnation's assignment and launch record, what each rank reported, logs and checkpoints.
+
+The backends (infra/local.py, infra/kubernetes.py) build on RunFiles, so the part of an
+observation that comes from files, and the preamble of every call about an incarnation, are
+written once here.
+"""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
+from datetime import datetime
 from pathlib import Path
 
-from lazarus.schema.contract import COMMIT_MARKER, RunDir, read_json, write_json_atomic
+from lazarus.infra.backend import ClusterError, Observation, RankObservation
+from lazarus.schema.contract import LaunchRecord, read_exit, read_heartbeat, read_launch, write_launch
+from lazarus.schema.files import write_json_atomic, write_once
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
+from lazarus.schema.rundir import COMMIT_MARKER, RunDir
 
-
-class ClusterError(RuntimeError):
-    """The backend cannot do what was asked (unknown run or node, a stuck process)."""
+COMMIT_POLL_SECONDS = 0.02
+"""How often drain looks for the commit marker of a checkpoint in flight (seconds)."""
 
 
 class RunFiles:
     """Run directories under `home/runs/<run_id>`."""
 
-    backend = "files"
-
     records_stages = False
-    """Whether record_stage writes anywhere (so callers can skip the call)."""
 
     def __init__(self, home: str | Path):
         self.home = Path(home).resolve()
@@ -38,6 +42,14 @@ class RunFiles:
         if not run.spec_file.exists():
             raise ClusterError(f"no run {run_id!r} under {self.home / 'runs'}")
         return run
+
+    def _incarnation(self, run_id: str, incarnation: int) -> tuple[RunDir, Assignment]:
+        """The run's directory and the incarnation's assignment; ClusterError when either is missing."""
+        run = self._existing(run_id)
+        assignment = self.assignment(run_id, incarnation)
+        if assignment is None:
+            raise ClusterError(f"incarnation {incarnation} of run {run_id!r} has no assignment")
+        return run, assignment
 
     def spec(self, run_id: str) -> RunSpec:
         """The run's spec as recorded at launch (read once per run)."""
@@ -58,43 +70,55 @@ class RunFiles:
 
     def assignment(self, run_id: str, incarnation: int) -> Assignment | None:
         """The recorded assignment of an incarnation, if any."""
-        data = read_json(self.run_dir(run_id).assignment_file(incarnation))
-        return None if data is None else Assignment.model_validate(data)
+        path = self.run_dir(run_id).assignment_file(incarnation)
+        return Assignment.model_validate_json(path.read_text()) if path.exists() else None
 
     def record_assignment(self, run_id: str, assignment: Assignment) -> Assignment:
-        """Write the incarnation's assignment unless one exists; returns the one recorded first.
-
-        A hard link of a complete temporary file is atomic and fails if the name exists, also
-        on a shared filesystem where locks may not be: two writers cannot both win.
-        """
+        """Write the incarnation's assignment unless one exists; returns the one recorded first."""
         path = self.run_dir(run_id).assignment_file(assignment.incarnation)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-        temporary.write_text(assignment.model_dump_json())
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            pass
-        finally:
-            temporary.unlink()
+        write_once(path, assignment.model_dump_json())
         return Assignment.model_validate_json(path.read_text())
 
-    def record_launch(self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None) -> dict:
-        """The incarnation's launch record ({resume_step, skipped, launched_at}), written by the first launch.
+    def record_launch(
+        self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None
+    ) -> LaunchRecord:
+        """The incarnation's launch record, written by its first launch (a retried launch restores
+        the same checkpoint as the ranks the first attempt may have started)."""
+        proposed = LaunchRecord(resume_step=resume_step, skipped=skipped or {}, launched_at=time.time())
+        return write_launch(self._existing(run_id), incarnation, proposed)
 
-        A retried launch restores the same checkpoint as the ranks the first attempt may have
-        started, and reports the same skipped checkpoints.
-        """
-        launch_file = self._existing(run_id).incarnation(incarnation) / "launch.json"
-        record = read_json(launch_file)
-        if record is None:
-            record = {
-                "resume_step": resume_step,
-                "skipped": {str(k): v for k, v in (skipped or {}).items()},
-                "launched_at": time.time(),
-            }
-            write_json_atomic(launch_file, record)
-        return record
+    @staticmethod
+    def _observation(
+        run: RunDir, incarnation: int, dead_nodes: dict[str, datetime], addresses: dict[str, str] | None = None
+    ) -> Observation:
+        """An observation of what the files say (the launch record) and the dead nodes given; no ranks yet."""
+        launch = read_launch(run, incarnation)
+        return Observation(
+            incarnation,
+            launch.launched_at if launch else None,
+            launch.resume_step if launch else 0,
+            dead_nodes=dead_nodes,
+            node_addresses=addresses or {},
+        )
+
+    @staticmethod
+    def _rank(
+        run: RunDir, assignment: Assignment, rank: int, launched: bool, alive: bool | None, launcher_alive: bool
+    ) -> RankObservation:
+        """A rank as its files say, with the backend's view of its processes: `alive` whether the
+        rank's own process runs, or None where the backend sees only its node's launcher (then a
+        rank lives while its launcher does and it has no exit record). A rank with an exit record
+        was launched, if only to fail (its launcher records a command it could not start)."""
+        ended = read_exit(run, assignment.incarnation, rank)
+        return RankObservation(
+            rank=rank,
+            node=assignment.nodes[assignment.layout.node_of_rank(rank)],
+            launched=launched or ended is not None,
+            alive=alive if alive is not None else launcher_alive and ended is None,
+            heartbeat=read_heartbeat(run, assignment.incarnation, rank),
+            exit=ended,
+            launcher_alive=launcher_alive,
+        )
 
     def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
         """The last lines of a rank's log ('' if it has none)."""
@@ -126,7 +150,7 @@ class RunFiles:
         while not (run.checkpoint(step) / COMMIT_MARKER).is_file():
             if not alive() or time.monotonic() > deadline:
                 return step, False
-            time.sleep(0.02)
+            time.sleep(COMMIT_POLL_SECONDS)
         return step, True
 
     def remove_partial_checkpoints(self, run_id: str) -> list[int]:

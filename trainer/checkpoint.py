@@ -11,7 +11,6 @@ file) as the `COMMITTED` marker, atomically, last. A folder without it is never 
 from __future__ import annotations
 
 import shutil
-import sys
 import threading
 from concurrent.futures import Future
 
@@ -24,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lazarus.schema.contract import RunDir, commit_checkpoint
+from lazarus.schema.rundir import RunDir
+from lazarus.trainer.session import commit_or_say_why
 
 # Optimizer state keyed by parameter name (`state.blocks.3.qkv.weight.exp_avg`, and the same
 # for param_groups): each pipeline stage then has keys of its own. Unflattened, every stage
@@ -85,17 +85,9 @@ class Checkpointer:
         self._commit(step)
 
     def _commit(self, step: int) -> None:
-        if self.rank != 0:
-            return
-        if not commit_checkpoint(self.run, step, self.incarnation):
-            print(
-                f"lazarus trainer: incarnation {self.incarnation} was ended by the controller; "
-                f"checkpoint of step {step} not committed, none purged",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        self._purge()
+        # A refused commit purges nothing either: the checkpoints belong to the next incarnation.
+        if self.rank == 0 and commit_or_say_why(self.run, step, self.incarnation):
+            self._purge()
 
     def _purge(self) -> None:
         complete = self.run.checkpoint_steps()

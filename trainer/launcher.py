@@ -29,15 +29,14 @@ from lazarus.schema.contract import (
     ENV_NODE,
     ENV_NODE_INDEX,
     ENV_RUN_DIR,
-    RunDir,
-    lock_is_held,
-    process_start_time,
-    read_json,
-    take_lock,
-    write_json_atomic,
+    RankExit,
+    read_heartbeat,
+    write_exit,
 )
+from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
+from lazarus.schema.rundir import RunDir
 
 NODE_NICENESS = 5
 """Scheduling priority added to a node's launcher and ranks (`nice`)."""
@@ -95,22 +94,21 @@ def _error_summary(path: Path) -> str:
 
 
 def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> None:
-    """Write the rank's exit record unless the rank wrote one itself."""
-    path = run.exit_file(incarnation, rank)
-    if path.exists():
-        return
-    beat = read_json(run.heartbeat_file(incarnation, rank)) or {}
-    record = {
-        "rank": rank,
-        "code": returncode,
-        "step": beat.get("step", 0),
-        "time": time.time(),
-        "error": _error_summary(run.error_file(incarnation, rank)),
-        "by": "launcher",
-    }
-    if returncode < 0:
-        record["signal"] = signal.Signals(-returncode).name
-    write_json_atomic(path, record)
+    """Record how a rank's process ended, unless the rank recorded it itself."""
+    beat = read_heartbeat(run, incarnation, rank)
+    write_exit(
+        run,
+        incarnation,
+        RankExit(
+            rank=rank,
+            code=returncode,
+            step=beat.step if beat else 0,
+            time=time.time(),
+            error=_error_summary(run.error_file(incarnation, rank)),
+            signal=signal.Signals(-returncode).name if returncode < 0 else None,
+            by="launcher",
+        ),
+    )
 
 
 def start_cold(command: list[str], env: dict, log, lock_fd: int):
@@ -133,21 +131,14 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     os.nice(NODE_NICENESS)
     # Record this launcher's process group before any rank exists: the controller kills the
     # node by killing the group, which its ranks join when they are forked.
-    write_json_atomic(
-        run.node_pid_file(incarnation, node_index),
-        {
-            "pid": os.getpid(),
-            "pgid": os.getpgid(0),
-            "start_time": process_start_time(os.getpid()),
-            "node": assignment.nodes[node_index],
-        },
-    )
+    node = assignment.nodes[node_index]
+    me = {"pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid()), "node": node}
+    write_json_atomic(run.node_pid_file(incarnation, node_index), me)
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
-    layout = assignment.layout
-    command = rank_command(spec.trainer.command)
+    per_node = assignment.layout.ranks_per_node
     children: dict[int, object] = {}
     watched: list[int] = []
-    for rank in range(node_index * layout.ranks_per_node, (node_index + 1) * layout.ranks_per_node):
+    for rank in range(node_index * per_node, (node_index + 1) * per_node):
         fd = take_lock(run.lock_file(incarnation, rank))
         if fd is None:
             watched.append(rank)  # started by an earlier launcher of this node; wait for it too
@@ -156,32 +147,11 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
             if run.exit_file(incarnation, rank).exists():
                 continue  # it ran and ended; a restarted rank could not rejoin its peers
             env = rank_environment(spec, assignment, run, incarnation, node_index, rank, base_env)
-            log_path = run.log_file(incarnation, rank)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            run.error_file(incarnation, rank).parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "ab") as log:
-                try:
-                    # The rank inherits the locked descriptor: the lock lives exactly as long as it does.
-                    child = start_rank(command, env, log, fd)
-                except OSError as error:
-                    log.write(f"lazarus launcher: cannot start {command[0]}: {error.strerror}\n".encode())
-                    write_json_atomic(
-                        run.exit_file(incarnation, rank),
-                        {
-                            "rank": rank,
-                            "code": 127,
-                            "step": 0,
-                            "time": time.time(),
-                            "by": "launcher",
-                            "error": f"cannot start {command[0]!r}: {error.strerror} (trainer.command)",
-                        },
-                    )
-                    continue
-            children[rank] = child
-            write_json_atomic(
-                run.pid_file(incarnation, rank),
-                {"pid": child.pid, "start_time": process_start_time(child.pid), "node": assignment.nodes[node_index]},
-            )
+            child = _start(run, incarnation, rank, rank_command(spec.trainer.command), env, fd, start_rank)
+            if child is not None:
+                children[rank] = child
+                record = {"pid": child.pid, "start_time": process_start_time(child.pid), "node": node}
+                write_json_atomic(run.pid_file(incarnation, rank), record)
         finally:
             os.close(fd)
     for rank, child in children.items():
@@ -190,6 +160,23 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
         while lock_is_held(run.lock_file(incarnation, rank)):
             time.sleep(0.05)
     return 0
+
+
+def _start(run: RunDir, incarnation: int, rank: int, command: list[str], env: dict, lock_fd: int, start_rank):
+    """Start one rank with its output in its log; None, with an exit record saying why, when the
+    command cannot start."""
+    log_path = run.log_file(incarnation, rank)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    run.error_file(incarnation, rank).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        try:
+            # The rank inherits the locked descriptor: the lock lives exactly as long as it does.
+            return start_rank(command, env, log, lock_fd)
+        except OSError as error:
+            log.write(f"lazarus launcher: cannot start {command[0]}: {error.strerror}\n".encode())
+            why = f"cannot start {command[0]!r}: {error.strerror} (trainer.command)"
+    write_exit(run, incarnation, RankExit(rank=rank, code=127, step=0, time=time.time(), error=why, by="launcher"))
+    return None
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ contract without it. It needs only the environment the launcher sets.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -34,12 +33,31 @@ from lazarus.schema.contract import (
     ENV_NODE,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
-    RunDir,
-    commit_checkpoint,
-    write_json_atomic,
+    Heartbeat,
+    MetricsLine,
+    MetricsLog,
+    Phase,
+    RankExit,
+    write_exit,
+    write_heartbeat,
 )
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
+from lazarus.schema.rundir import RunDir, commit_checkpoint
+
+
+def commit_or_say_why(run: RunDir, step: int, incarnation: int) -> bool:
+    """Commit checkpoint `step` (its manifest, last); when the controller has ended the incarnation,
+    commit nothing, say so on stderr, and return False."""
+    if commit_checkpoint(run, step, incarnation):
+        return True
+    print(
+        f"lazarus trainer: incarnation {incarnation} was ended by the controller; checkpoint of step {step} "
+        "not committed",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
 
 
 class TrainingSession:
@@ -61,7 +79,8 @@ class TrainingSession:
         self.layout = Assignment.model_validate_json(run.assignment_file(incarnation).read_text()).layout
         self.first_step_at: float | None = None
         self._phases: dict[str, float] = {}  # phase -> when this rank first reported it
-        self._metrics = open(run.metrics_file, "a") if rank == 0 else None
+        self._step = resume_step  # newest step reported, for the exit record
+        self._metrics = MetricsLog(run) if rank == 0 else None
         self.heartbeat(resume_step, "starting")
 
     @classmethod
@@ -119,35 +138,30 @@ class TrainingSession:
 
         Until then the folder does not count and is never restored.
         """
-        if self.rank != 0:
-            return
-        if not commit_checkpoint(self.run, step, self.incarnation):
-            print(
-                f"lazarus trainer: incarnation {self.incarnation} was ended by the controller; "
-                f"checkpoint of step {step} not committed",
-                file=sys.stderr,
-                flush=True,
-            )
+        if self.rank == 0:
+            commit_or_say_why(self.run, step, self.incarnation)
 
-    def heartbeat(self, step: int, phase: str = "training") -> None:
+    def heartbeat(self, step: int, phase: Phase = "training") -> None:
         """Tell the controller this rank completed `step` (call after every optimizer step)."""
         now = time.time()
         if phase == "training" and self.first_step_at is None:
             self.first_step_at = now
         self._phases.setdefault(phase, now)
-        record = {"rank": self.rank, "step": step, "phase": phase, "time": now, "phases": self._phases}
-        if self.first_step_at is not None:
-            record["first_step_at"] = self.first_step_at
-        write_json_atomic(self.run.heartbeat_file(self.incarnation, self.rank), record)
+        self._step = step
+        write_heartbeat(
+            self.run,
+            self.incarnation,
+            Heartbeat(
+                rank=self.rank, step=step, phase=phase, time=now, phases=self._phases, first_step_at=self.first_step_at
+            ),
+        )
 
     def log_metrics(self, step: int, loss: float, **extra) -> None:
         """Rank 0: one line of metrics.jsonl for `step` (other ranks: nothing)."""
         if self._metrics:
-            self._metrics.write(
-                json.dumps({"step": step, "loss": loss, "incarnation": self.incarnation, "dp": self.layout.dp, **extra})
-                + "\n"
+            self._metrics.append(
+                MetricsLine(step=step, loss=loss, incarnation=self.incarnation, dp=self.layout.dp, **extra)
             )
-            self._metrics.flush()
 
     def step_done(self, step: int, loss: float | None = None) -> None:
         """Heartbeat, and on rank 0 the metrics line: the one call per step."""
@@ -178,9 +192,15 @@ class TrainingSession:
     def finish(self, step: int, stopped: bool = False) -> None:
         """Record that this rank ended on its own at `step` (the run is complete at total_steps)."""
         self.heartbeat(step, "stopped" if stopped else "done")
-        write_json_atomic(
-            self.run.exit_file(self.incarnation, self.rank),
-            {"rank": self.rank, "code": 0, "step": step, "time": time.time(), "error": ""},
-        )
+        write_exit(self.run, self.incarnation, RankExit(rank=self.rank, code=0, step=step, time=time.time()))
         if self._metrics:
             self._metrics.close()
+
+    def fail(self, code: int, error: str) -> None:
+        """Record that this rank is ending with `code` because of `error` (its last line is kept)."""
+        last = error.strip().splitlines()[-1] if error.strip() else ""
+        write_exit(
+            self.run,
+            self.incarnation,
+            RankExit(rank=self.rank, code=code, step=self._step, time=time.time(), error=last),
+        )

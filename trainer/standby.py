@@ -37,14 +37,10 @@ from lazarus.schema.contract import (
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_STANDBY_LOCK_FD,
-    RunDir,
-    lock_is_held,
-    process_start_time,
-    read_json,
-    take_lock,
-    write_json_atomic,
 )
+from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
+from lazarus.schema.rundir import RunDir
 
 IDLE_EXIT_SECONDS = 30.0
 """How long a standby waits with no live launcher in its run before it exits (seconds)."""
@@ -69,6 +65,7 @@ _ANY_PYTHON_IMPORTS = [
     "torch.nn.parallel",
     "torch.distributed.checkpoint",
     "torch._dynamo",
+    "lazarus.session",
 ]
 
 _fork_safe = True
@@ -96,7 +93,7 @@ def warm_up(command: list[str]) -> list[str]:
     for name in _BUILT_IN_IMPORTS if command == BUILT_IN_TRAINER else _ANY_PYTHON_IMPORTS:
         try:
             __import__(name)
-        except Exception:  # a user's environment without torch still runs its ranks, cold
+        except Exception:  # noqa: BLE001 - a user's environment without torch still runs its ranks, cold
             failed.append(name)
     return failed
 
@@ -140,7 +137,7 @@ def _run_in_place(command: list[str], env: dict) -> int:
         code = 0
     except SystemExit as error:
         code = _exit_code(error)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - nothing may unwind from a forked rank into the standby's loop
         traceback.print_exc()
         code = 1
     # What interpreter shutdown would do (as multiprocessing's forked children do): wait for
@@ -148,13 +145,13 @@ def _run_in_place(command: list[str], env: dict) -> int:
     try:
         threading._shutdown()
         atexit._run_exitfuncs()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - as above: the exit code says it failed
         traceback.print_exc()
         code = code or 1
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a closed or broken stream must not change the exit code
             pass
     return code
 
@@ -226,7 +223,7 @@ def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -
             ENV_RESUME_STEP: str(order["resume_step"]),
         }
         code = launch_node(run, incarnation, index, env, start_rank=fork_starter([node_lock]))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a forked launcher ends here, whatever happened
         traceback.print_exc()
     finally:
         sys.stdout.flush()

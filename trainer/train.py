@@ -11,11 +11,10 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 from datetime import timedelta
 
-from lazarus.schema.contract import ENV_FAIL_AT, write_json_atomic
+from lazarus.schema.contract import ENV_FAIL_AT
 from lazarus.schema.layout import Layout
 from lazarus.schema.run import RunSpec, TrainerSettings
 from lazarus.trainer.session import TrainingSession
@@ -163,10 +162,50 @@ class Trainer:
         return loss, stop > 0
 
 
+def join(session: TrainingSession, spec: RunSpec) -> None:
+    """Join the incarnation's process group: NCCL on GPUs, gloo on CPUs, one thread per rank."""
+    import torch
+    import torch.distributed as dist
+
+    # One thread per rank: several ranks share few cores, and oversubscription costs ~10x.
+    torch.set_num_threads(1)
+    # NCCL on GPUs (the launcher sets TORCH_NCCL_ASYNC_ERROR_HANDLING, so a broken collective
+    # fails instead of hanging), gloo on CPUs; either way a collective gives up after the
+    # policy's hang threshold, by which time detect has already reported the hang.
+    if torch.cuda.is_available():
+        torch.cuda.set_device(session.rank % session.layout.ranks_per_node)
+    session.wait_for_store()
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo",
+        timeout=timedelta(seconds=spec.recovery.hang_after_seconds + 30),
+    )
+    session.heartbeat(session.resume_step, "joined")
+
+
+class SamplesLog:
+    """What the data-loading rank of a replica trained on, a line per step (the data position's audit)."""
+
+    def __init__(self, session: TrainingSession, trainer: Trainer):
+        path = session.run.samples_file(session.incarnation, session.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file, self.trainer = open(path, "a"), trainer
+
+    def write(self, step: int, samples: int) -> None:
+        """Step `step` trained on the replica's share of the global batch starting at sample `samples`."""
+        first = samples + self.trainer.offsets.start
+        line = {
+            "step": step,
+            "replica": self.trainer.replica,
+            "start": first,
+            "stop": first + len(self.trainer.offsets),
+        }
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+
 def train(session: TrainingSession) -> tuple[int, bool]:
     """Train from the resume step to the last step; returns the last step trained and whether
     the controller stopped the run before it."""
-    import torch
     import torch.distributed as dist
 
     from lazarus.trainer import checkpoint
@@ -175,20 +214,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
     layout, settings = session.layout, spec.trainer
     check_layout(layout, settings, session.world_size)
-
-    # One thread per rank: several ranks share few cores, and oversubscription costs ~10x.
-    torch.set_num_threads(1)
-    # NCCL on GPUs (the launcher sets TORCH_NCCL_ASYNC_ERROR_HANDLING, so a broken collective
-    # fails instead of hanging), gloo on CPUs; either way a collective gives up after the
-    # policy's hang threshold, by which time detect has already reported the hang.
-    if torch.cuda.is_available():
-        torch.cuda.set_device(session.rank % layout.ranks_per_node)
-    session.wait_for_store()
-    dist.init_process_group(
-        "nccl" if torch.cuda.is_available() else "gloo",
-        timeout=timedelta(seconds=spec.recovery.hang_after_seconds + 30),
-    )
-    session.heartbeat(session.resume_step, "joined")
+    join(session, spec)
     trainer = Trainer(settings, layout, session.rank)
     checkpointer = checkpoint.Checkpointer(
         run, session.incarnation, settings.keep_checkpoints, asynchronous=settings.async_checkpoint
@@ -199,13 +225,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
         progress = checkpoint.load(run, trainer.model, trainer.optimizer, session.resume_step)
         step, samples = progress["step"], progress["samples"]
     session.heartbeat(step, "restored")
-
-    consumed = None
-    if trainer.first_stage:
-        # The data-loading rank of each replica records which samples it trained on.
-        consumed_path = run.samples_file(session.incarnation, session.rank)
-        consumed_path.parent.mkdir(parents=True, exist_ok=True)
-        consumed = open(consumed_path, "a")
+    consumed = SamplesLog(session, trainer) if trainer.first_stage else None
 
     stopped = False
     while step < settings.steps:
@@ -213,14 +233,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
         # Rank 0's stop request rides on the step's own collectives (no extra one per step).
         loss, stopped = trainer.step(samples, stop_requested=session.stop_requested(agree=lambda asked: asked))
         if consumed:
-            first = samples + trainer.offsets.start
-            consumed.write(
-                json.dumps(
-                    {"step": step + 1, "replica": trainer.replica, "start": first, "stop": first + len(trainer.offsets)}
-                )
-                + "\n"
-            )
-            consumed.flush()
+            consumed.write(step + 1, samples)
         step += 1
         samples += settings.global_batch
 
@@ -253,16 +266,7 @@ def main() -> None:
             message = str(error.code)
         else:
             code, message = 1, f"{type(error).__name__}: {error}"
-        write_json_atomic(
-            session.run.exit_file(session.incarnation, session.rank),
-            {
-                "rank": session.rank,
-                "code": code,
-                "step": session.resume_step,
-                "time": time.time(),
-                "error": message.strip().splitlines()[-1] if message.strip() else "",
-            },
-        )
+        session.fail(code, message)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -11,12 +11,14 @@ import pytest
 from lazarus.activities.metrics import Metrics
 from lazarus.client import start_run
 from lazarus.config import Settings
-from lazarus.infra.local import LocalCluster, free_port
+from lazarus.infra.backend import free_port
+from lazarus.infra.local import LocalCluster
 from lazarus.report import plot_timeline, summarize
 from lazarus.schema import RunState, controls, load_spec
 from lazarus.worker import build_worker, serve_metrics
 from lazarus.workflows.training_run import TrainingRun
-from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for
+from tests.support.runs import SMALL_SPEC, losses, trained_step
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -33,7 +35,7 @@ async def test_pause_resume_then_a_recovery_with_metrics_and_report(dev_env, hom
     try:
         async with build_worker(dev_env.client, queue, cluster, metrics=metrics):
             handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
-            await asyncio.to_thread(wait_for, lambda: trained_step(run) >= 12, 120, "step 12")
+            await asyncio.to_thread(wait_until, lambda: trained_step(run) >= 12, "step 12", 120)
 
             paused = await handle.execute_update(TrainingRun.pause, controls.PauseRequest(reason="test"))
             status = await handle.query(TrainingRun.status)
@@ -44,7 +46,7 @@ async def test_pause_resume_then_a_recovery_with_metrics_and_report(dev_env, hom
             await handle.execute_update(TrainingRun.resume, controls.ResumeRequest())
 
             await asyncio.to_thread(
-                wait_for, lambda: trained_step(run) >= status.step + 15, 120, "training after resume"
+                wait_until, lambda: trained_step(run) >= status.step + 15, "training after resume", 120
             )
             cluster.kill_node(run_id, "node-2")
             final = await handle.result()

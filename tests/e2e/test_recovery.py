@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -17,21 +15,15 @@ from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import STAGES, RunState, RunStatus, load_spec
-from lazarus.schema.contract import RunDir, read_json
-from tests.e2e.conftest import SMALL_SPEC, losses, trained_step, wait_for
+from lazarus.schema.files import read_json
+from lazarus.schema.rundir import RunDir
+from tests.support.runs import SMALL_SPEC, losses, trained_step
+from tests.support.waiting import wait_until
+from tests.support.workers import lazarus_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 KILL_AT_STEP = 15
-
-
-def lazarus_env(env, home: Path, queue: str) -> dict:
-    return {
-        **os.environ,
-        "LAZARUS_TEMPORAL_ADDRESS": env.client.service_client.config.target_host,
-        "LAZARUS_HOME": str(home),
-        "LAZARUS_TASK_QUEUE": queue,
-    }
 
 
 def activity_names_in_web_ui(ui_port: int, workflow_id: str) -> list[str]:
@@ -113,7 +105,9 @@ async def test_worker_killed_during_drain_and_resume(dev_env, home, workers, ref
     queue = f"crash-{uuid.uuid4().hex[:6]}"
     env = lazarus_env(dev_env, home, queue)
     markers = tmp_path / "failpoints"
-    armed = lambda name: {**env, ENV_FAILPOINTS: name, ENV_FAILPOINT_DIR: str(markers)}  # noqa: E731
+
+    def armed(name: str) -> dict:
+        return {**env, ENV_FAILPOINTS: name, ENV_FAILPOINT_DIR: str(markers)}
 
     spec = load_spec(SMALL_SPEC)
     run_id = f"crash-{uuid.uuid4().hex[:6]}"
@@ -122,12 +116,11 @@ async def test_worker_killed_during_drain_and_resume(dev_env, home, workers, ref
     first = workers(armed("drain.after_quarantine"), tmp_path / "worker-1.log")
     handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
 
-    wait_for(lambda: trained_step(run) >= KILL_AT_STEP, 120, f"step {KILL_AT_STEP}")
+    wait_until(lambda: trained_step(run) >= KILL_AT_STEP, f"step {KILL_AT_STEP}", timeout=120)
     cluster.kill_node(run_id, "node-1")
 
-    marker = wait_for(
+    marker = wait_until(
         lambda: (markers / "drain.after_quarantine").exists() and markers / "drain.after_quarantine",
-        60,
         "the worker to reach drain",
     )
     assert int(marker.read_text()) == first.process.pid
@@ -135,9 +128,8 @@ async def test_worker_killed_during_drain_and_resume(dev_env, home, workers, ref
     first.kill()
 
     second = workers(armed("resume.after_launch"), tmp_path / "worker-2.log")
-    marker = wait_for(
+    marker = wait_until(
         lambda: (markers / "resume.after_launch").exists() and markers / "resume.after_launch",
-        60,
         "the second worker to reach resume",
     )
     assert int(marker.read_text()) == second.process.pid

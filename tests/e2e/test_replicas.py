@@ -11,9 +11,10 @@ from lazarus.config import Settings
 from lazarus.demo import drive_run
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import RunSpec, RunState, RunStatus, load_spec, parse_spec
-from lazarus.schema.contract import RunDir
+from lazarus.schema.contract import read_metrics
+from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker
-from tests.e2e.conftest import SMALL_PP_SPEC, SMALL_SPEC, losses
+from tests.support.runs import SMALL_PP_SPEC, SMALL_SPEC, losses
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -108,11 +109,7 @@ async def test_without_a_spare_the_run_reshards_and_keeps_the_math(
     expected = reference(spec_path)
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, spec.trainer.steps + 1))
-    assert {
-        json.loads(line)["dp"]
-        for line in run.metrics_file.read_text().splitlines()
-        if json.loads(line)["incarnation"] == 1
-    } == {new_dp}
+    assert {m.dp for m in read_metrics(run) if m.incarnation == 1} == {new_dp}
     worst = max(abs(loss - expected[s]) / abs(expected[s]) for s, loss in resumed.items())
     assert worst < 1e-4, f"largest relative loss difference after the reshard: {worst:.2e}"
 

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
+from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.demo import drive_run
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.worker import build_worker
-from tests.e2e.conftest import USER_DDP_SPEC, losses, with_absolute_command
+from tests.support.runs import REPO, USER_DDP_SPEC, losses, trained_step, with_absolute_command
+from tests.support.waiting import wait_until
+from tests.support.workers import lazarus_env
+
+SHADOWS = ("trainer.py", "spec/__init__.py", "infra/__init__.py", "schema/__init__.py", "workflows/__init__.py")
+"""Modules a user's project commonly has, named like Lazarus's floors."""
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -87,3 +95,42 @@ async def test_a_command_that_does_not_exist_is_refused(dev_env, home, tmp_path)
     )
     assert done.returncode == 2
     assert "'no-such-trainer-binary' is not an executable on this node" in done.stderr
+
+
+def user_project(folder: Path) -> None:
+    """A user's project: the DDP script as `train.py` beside modules named like Lazarus's floors,
+    each of which fails loudly if anything imports it."""
+    folder.mkdir()
+    shutil.copy(REPO / "tests" / "user_script" / "train_ddp.py", folder / "train.py")
+    for name in SHADOWS:
+        path = folder / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"raise ImportError('the project\\'s own {name} was imported instead of Lazarus\\'s')\n")
+
+
+async def test_a_script_beside_its_own_trainer_spec_and_infra_recovers(dev_env, home, workers, reference, tmp_path):
+    """The worker runs in the project's folder (its launchers and standbys too) and the ranks run
+    `python train.py` from there: nothing of Lazarus may import the project's modules instead."""
+    project = tmp_path / "project"
+    user_project(project)
+    spec = load_spec(USER_DDP_SPEC)
+    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"command": ["python", "train.py"]})})
+    queue = f"shadow-{uuid.uuid4().hex[:6]}"
+    workers(lazarus_env(dev_env, home, queue), tmp_path / "worker.log", cwd=project)
+    run_id = f"shadow-{uuid.uuid4().hex[:6]}"
+    cluster = LocalCluster(home)
+    run = cluster.run_dir(run_id)
+    handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
+    wait_until(lambda: trained_step(run) >= 60, "step 60", timeout=120)
+    cluster.kill_node(run_id, "node-2")
+    status = await handle.result()
+
+    assert status.state == RunState.COMPLETED and status.step == 150, status.reason
+    [incident] = status.incidents
+    assert incident.fault.nodes == ["node-2"] and incident.outcome == "recovered"
+    resumed = losses(run, incarnation=1)
+    assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 151))
+    expected = reference(USER_DDP_SPEC)
+    assert {s: loss for s, loss in resumed.items() if loss != expected[s]} == {}
+    logs = [path.read_text() for path in run.root.rglob("*log") if path.is_file()]
+    assert logs and not any("imported instead of Lazarus" in log for log in logs)

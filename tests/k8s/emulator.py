@@ -295,7 +295,7 @@ class EmulatorThread:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._main())
-        except BaseException as error:  # surfaced by start()
+        except BaseException as error:  # noqa: BLE001 - surfaced by start()
             self._error = error
             self._ready.set()
 

@@ -28,9 +28,16 @@ class FakeKubelet:
     """Runs the pods of namespace `namespace` on this machine (see the module docstring)."""
 
     def __init__(
-        self, admin: k8s.CoreV1Api, namespace: str, logs: Path, interval: float = 0.05, run_containers: bool = True
+        self,
+        admin: k8s.CoreV1Api,
+        namespace: str,
+        logs: Path,
+        interval: float = 0.05,
+        run_containers: bool = True,
+        confirm_after: float = 0.0,
     ):
         self.admin = admin
+        self.confirm_after = confirm_after  # seconds a live kubelet takes to confirm a pod's deletion
         self.run_containers = run_containers  # False: only confirm deletions (pods stay as the test sets them)
         self.namespace = namespace
         self.logs = logs
@@ -53,7 +60,7 @@ class FakeKubelet:
             try:
                 with self._lock:
                     self._sync()
-            except BaseException as error:  # surfaced by the test through `errors`
+            except BaseException as error:  # noqa: BLE001 - surfaced by the test through `errors`
                 self.errors.append(error)
 
     def _patch(self, name: str, body: dict) -> None:
@@ -81,7 +88,8 @@ class FakeKubelet:
             phase = pod.status.phase if pod.status else None
             if pod.metadata.deletion_timestamp:
                 self._kill(name)
-                self._confirm_deletion(name)
+                if (datetime.now(UTC) - pod.metadata.deletion_timestamp).total_seconds() >= self.confirm_after:
+                    self._confirm_deletion(name)
             elif self.run_containers and name not in self.processes and phase in (None, "Pending"):
                 self._run(pod)
             elif name in self.processes and self.processes[name].poll() is not None and phase == "Running":

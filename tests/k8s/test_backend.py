@@ -6,18 +6,19 @@ import threading
 
 import pytest
 
-from lazarus.infra.kubernetes import (
+from lazarus.infra.backend import ClusterError
+from lazarus.infra.kubernetes import KubernetesCluster
+from lazarus.infra.kubernetes_objects import (
     QUARANTINE_LABEL,
     QUARANTINE_TAINT,
     RUN_LABEL,
     SPARE_LABEL,
-    KubernetesCluster,
     pod_name,
+    rank_pod,
     run_object_name,
 )
-from lazarus.infra.runfiles import ClusterError
 from lazarus.schema import Assignment, parse_spec
-from tests.k8s.conftest import add_node, set_ready
+from tests.support.kubernetes import add_node, set_ready
 
 
 def k8s_spec(home, active: int = 2, spares: int = 1, pool: str = "test"):
@@ -49,7 +50,8 @@ def launched(cluster: KubernetesCluster, run_id: str, spec) -> Assignment:
     cluster.create(run_id, spec)
     active = sorted(n.name for n in cluster.inventory(run_id).nodes if n.role == "active")
     assignment = cluster.commit_assignment(
-        run_id, Assignment(incarnation=0, nodes=active, layout=spec.layout, master_port=1)
+        run_id,
+        Assignment(incarnation=0, nodes=active, layout=spec.layout, master_port=cluster.rendezvous_port(run_id)),
     )
     cluster.start_ranks(run_id, 0, resume_step=0)
     return assignment
@@ -153,7 +155,7 @@ def test_rank_pods_are_created_once_pinned_and_tolerate_a_dead_node_briefly(pool
     }
     # The policy in force (an operator's set_policy) shapes the next incarnation's pods.
     spec = cluster.spec("r1")
-    later = cluster.rank_pod(
+    later = rank_pod(
         "r1",
         spec,
         cluster.assignment("r1", 0),

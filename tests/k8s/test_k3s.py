@@ -9,9 +9,10 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config
 
-from lazarus.infra.kubernetes import QUARANTINE_TAINT, RUN_LABEL, KubernetesCluster
+from lazarus.infra.kubernetes import KubernetesCluster
+from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL
 from tests.k8s.test_backend import k8s_spec
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 
 def docker_engine() -> str | None:
@@ -55,7 +56,7 @@ def test_claim_quarantine_pods_and_return_on_k3s(k3s_api, tmp_path):
         assert len(core.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=k3s").items) == 1
         # The watches: started by a first wait, then the pod's deletion wakes the run.
         asyncio.run(cluster.wait_for_exit("k3s", 0, 0.1))
-        wait_until(lambda: cluster._informer("pods", "lz").synced, "the pod watch to sync")
+        wait_until(lambda: cluster.watches.cached("pods", "lz") is not None, "the pod watch to sync")
         cluster.stop_incarnation("k3s", 0)
         assert asyncio.run(cluster.wait_for_exit("k3s", 0, 30)) is True
         cluster.quarantine("k3s", [node.metadata.name], "test")

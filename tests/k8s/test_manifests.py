@@ -3,14 +3,17 @@ rules grant exactly what the backend uses (no more, no less)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client as k8s
 
+from lazarus.infra.backend import ClusterBackend
 from lazarus.schema import load_spec
-from tests.k8s.conftest import USED
+from tests.support.backends import Harness, every_rank_training
+from tests.support.waiting import wait_until
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "infra" / "k8s"
 RUN_SPECS = {"run.yaml"}  # Lazarus run specs kept beside the manifests
@@ -61,9 +64,53 @@ def granted() -> set[tuple[str, str, str]]:
     }
 
 
-def test_rbac_grants_exactly_what_the_backend_used():
-    """Runs last (conftest): USED holds every call the backend made to an emulator in this session."""
-    if not USED:
-        pytest.skip("no test of the Kubernetes backend ran in this session, so there is nothing to compare")
-    assert sorted(USED - granted()) == [], "the backend used these without a grant in infra/k8s/rbac.yaml"
-    assert sorted(granted() - USED) == [], "infra/k8s/rbac.yaml grants these but the backend never used them"
+class Recorder:
+    """The backend with a record of which of its methods were called."""
+
+    def __init__(self, cluster):
+        self.cluster, self.called = cluster, set()
+
+    def __getattr__(self, name):
+        self.called.add(name)
+        return getattr(self.cluster, name)
+
+
+def drive_every_method(harness: Harness) -> set[str]:
+    """Call every method of the backend's Protocol, in the order a run's life calls them (its
+    watches included); returns the names called."""
+    recorder = Recorder(harness.cluster)
+    harness.cluster = recorder
+    cluster = recorder
+    old = harness.launch("r1")  # create, inventory, rendezvous_port, commit_assignment, start_ranks
+    every_rank_training(harness, "r1")  # observe
+    assert asyncio.run(cluster.wait_for_exit("r1", 0, 0.5)) is False  # starts the node and pod watches
+    watches = harness.cluster.cluster.watches
+    wait_until(
+        lambda: watches.cached("nodes", "test") is not None and watches.cached("pods", "lz") is not None,
+        "the watches to list (they watch next)",
+    )
+    cluster.await_checkpoint_in_flight("r1", 0, 0.0)
+    lost, spare = harness.active[1], harness.spares[0]
+    cluster.quarantine("r1", [lost], "node_down: test")
+    assert cluster.stop_incarnation("r1", 0) == [0, 1]
+    cluster.remove_partial_checkpoints("r1")
+    assert cluster.assignment("r1", 0) == old and cluster.run_dir("r1").root.is_dir()
+    new = old.model_copy(update={"incarnation": 1, "nodes": [harness.active[0], spare]})
+    cluster.commit_assignment("r1", new, claims=[spare])
+    cluster.log_tail("r1", 0, 0)
+    cluster.return_node("r1", lost)
+    cluster.record_stage("r1", "replaced", "incarnation 1")
+    cluster.release_standbys("r1")
+    cluster.close()
+    return recorder.called
+
+
+def test_rbac_grants_exactly_what_the_backend_uses(kubernetes_backend, emulator):
+    """The backend driven through every method of its Protocol on an emulator of this test's own:
+    what it asked the API server for is what infra/k8s/rbac.yaml grants, no more, no less."""
+    called = drive_every_method(kubernetes_backend)
+    protocol = {name for name, value in vars(ClusterBackend).items() if callable(value) and not name.startswith("_")}
+    assert protocol <= called, f"the scenario leaves out {sorted(protocol - called)}"
+    used = emulator.emulator.used
+    assert sorted(used - granted()) == [], "the backend used these without a grant in infra/k8s/rbac.yaml"
+    assert sorted(granted() - used) == [], "infra/k8s/rbac.yaml grants these but the backend never used them"

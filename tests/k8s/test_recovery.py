@@ -11,15 +11,11 @@ import pytest
 
 from lazarus.client import start_run
 from lazarus.config import Settings
-from lazarus.infra.kubernetes import (
-    QUARANTINE_TAINT,
-    RUN_LABEL,
-    KubernetesCluster,
-    run_object_name,
-)
+from lazarus.infra.kubernetes import KubernetesCluster
+from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL, run_object_name
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.worker import build_worker
-from tests.e2e.conftest import SMALL_SPEC, losses, trained_step
+from tests.support.runs import SMALL_SPEC, losses, trained_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -128,7 +124,7 @@ async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and
     dev_env, emulator, admin, training_pool, workers, reference_losses, tmp_path
 ):
     from lazarus.activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
-    from tests.e2e.test_recovery import lazarus_env
+    from tests.support.workers import lazarus_env
 
     home = tmp_path / "volume"
     kubelet = training_pool
@@ -139,7 +135,10 @@ async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and
         "KUBECONFIG": kubeconfig(tmp_path / "kubeconfig", emulator.url),
     }
     markers = tmp_path / "failpoints"
-    armed = lambda name: {**env, ENV_FAILPOINTS: name, ENV_FAILPOINT_DIR: str(markers)}  # noqa: E731
+
+    def armed(name: str) -> dict:
+        return {**env, ENV_FAILPOINTS: name, ENV_FAILPOINT_DIR: str(markers)}
+
     spec = kubernetes_spec(home)
     run_id = f"kube-crash-{uuid.uuid4().hex[:6]}"
     run = KubernetesCluster(home, admin.api_client).run_dir(run_id)

@@ -11,10 +11,10 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from lazarus.infra.informer import Informer
-from lazarus.infra.kubernetes import RUN_LABEL, pod_name
-from tests.k8s.conftest import add_node, set_ready
+from lazarus.infra.kubernetes_objects import RUN_LABEL, pod_name, pod_running
 from tests.k8s.test_backend import k8s_spec, launched
-from tests.waiting import wait_until
+from tests.support.kubernetes import add_node, set_ready
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,7 +80,9 @@ def test_a_run_is_woken_by_its_nodes_and_pods_and_reads_node_health_from_the_wat
         # The first wait starts the watches; nothing of the run has changed, so it times out.
         assert await cluster.wait_for_exit("r1", 0, 0.2) is False
         wait_until(
-            lambda: cluster._informer("nodes", "test").synced and cluster._informer("pods", "lz").synced,
+            lambda: (
+                cluster.watches.cached("nodes", "test") is not None and cluster.watches.cached("pods", "lz") is not None
+            ),
             "the watches to sync",
         )
         # Node health and pods come from the watches now: looking costs the API server no list.
@@ -105,7 +107,7 @@ def test_a_run_is_woken_by_its_nodes_and_pods_and_reads_node_health_from_the_wat
         set_ready(pool, "worker-1", "True")
         await asyncio.to_thread(pool.patch_namespaced_pod, pod_name("r1", 0, 0), "lz", {"status": {"phase": "Failed"}})
         wait_until(
-            lambda: not cluster._running(cluster._informer("pods", "lz").objects()[pod_name("r1", 0, 0)]),
+            lambda: not pod_running(cluster.watches.cached("pods", "lz")[pod_name("r1", 0, 0)]),
             "the watch to bring the pod's failure",
         )
         assert await cluster.wait_for_exit("r1", 0, 30) is True
@@ -125,5 +127,5 @@ def test_drain_deletes_pods_on_a_quarantined_node_without_waiting_for_its_dead_k
         pool.patch_namespaced_pod(pod_name("r1", 0, index), "lz", {"status": {"phase": "Running"}})
     confirming_kubelet.dead.add("worker-1")
     cluster.quarantine("r1", ["worker-1"], "node_down: went silent")
-    assert cluster.stop_incarnation("r1", 0, timeout=20) == [0, 1]
+    assert cluster.stop_incarnation("r1", 0) == [0, 1]
     assert pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=r1").items == []

@@ -1,8 +1,10 @@
-"""Which checkpoint may be loaded: complete, intact, newest; the rest skipped with the reason; commits fenced by incarnation."""
+"""Which checkpoint may be loaded: complete, intact, newest; the rest skipped with the reason;
+commits fenced by incarnation."""
 
 from __future__ import annotations
 
-from lazarus.schema.contract import COMMIT_MARKER, RunDir, checkpoint_manifest, commit_checkpoint, write_json_atomic
+from lazarus.schema.files import write_json_atomic
+from lazarus.schema.rundir import COMMIT_MARKER, RunDir, checkpoint_manifest, commit_checkpoint
 
 
 def checkpoint(run: RunDir, step: int, commit: bool = True) -> None:

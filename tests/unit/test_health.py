@@ -5,16 +5,19 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from lazarus.activities.health import judge
-from lazarus.infra.local import Observation, RankObservation
+from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema import RecoveryPolicy
+from lazarus.schema.contract import Heartbeat, RankExit
 
 POLICY = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=60)
 NOW = 1_000_000.0
 
 
 def rank(r, step=7, alive=True, exit=None, beat_age=0.5, phase="training"):
-    heartbeat = {"rank": r, "step": step, "phase": phase, "time": NOW - beat_age}
-    return RankObservation(rank=r, node=f"node-{r}", launched=True, alive=alive, heartbeat=heartbeat, exit=exit)
+    """Rank r of an observation; `exit` holds the exit record's fields but the rank."""
+    heartbeat = Heartbeat(rank=r, step=step, phase=phase, time=NOW - beat_age)
+    ended = RankExit(rank=r, **exit) if exit is not None else None
+    return RankObservation(rank=r, node=f"node-{r}", launched=True, alive=alive, heartbeat=heartbeat, exit=ended)
 
 
 def observe(*ranks, dead=None, incarnation=2, addresses=None):
@@ -119,7 +122,7 @@ def test_a_rank_gone_while_its_launcher_writes_its_record_is_not_judged_yet():
         launched=True,
         alive=False,
         launcher_alive=True,
-        heartbeat={"rank": 1, "step": 7, "phase": "training", "time": NOW - 0.5},
+        heartbeat=Heartbeat(rank=1, step=7, phase="training", time=NOW - 0.5),
     )
     assert judge(observe(rank(0), pending), POLICY, NOW, NOW - 0.1, 40).fault is None
     pending.launcher_alive = False  # the whole node went: nobody will write it
@@ -151,12 +154,14 @@ def test_every_rank_failing_before_its_first_step_is_a_program_error():
 def test_a_node_gone_silent_while_its_peers_lost_it_is_blamed_once_they_had_time_to_report():
     # Rank 2's node died; the backend does not know it yet (its pod still looks alive), so only
     # the survivors' errors arrive: each lost its connection to a peer.
-    lost = lambda at: {
-        "code": 1,
-        "time": at,
-        "step": 7,  # noqa: E731
-        "error": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.3]:7090",
-    }
+    def lost(at: float) -> dict:
+        return {
+            "code": 1,
+            "time": at,
+            "step": 7,
+            "error": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.3]:7090",
+        }
+
     ranks = (
         rank(0, alive=False, exit=lost(NOW - 0.5)),
         rank(1, alive=False, exit=lost(NOW - 0.4)),

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from lazarus.infra.local import ClusterError, LocalCluster
+from lazarus.infra.backend import ClusterError
+from lazarus.infra.local import LocalCluster
 from lazarus.schema import Assignment, parse_spec
-from lazarus.schema.contract import read_json
+from lazarus.schema.files import read_json
 
 SLEEPER = ["python", "-c", "import time; time.sleep(600)"]
 
@@ -51,7 +52,7 @@ def test_launch_twice_starts_each_rank_once(cluster):
     launch(cluster)
     first = sorted(cluster.live_pids("r1"))
     assert len(first) == 8  # a launcher and a rank per node
-    assert cluster.start_ranks("r1", 0, resume_step=99)["resume_step"] == 0  # the first launch's stays
+    assert cluster.start_ranks("r1", 0, resume_step=99).resume_step == 0  # the first launch's stays
     assert sorted(cluster.live_pids("r1")) == first
 
 

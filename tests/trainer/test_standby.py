@@ -11,9 +11,9 @@ import pytest
 
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import Assignment, parse_spec
-from lazarus.schema.contract import lock_is_held, read_json
+from lazarus.schema.files import lock_is_held, read_json
 from lazarus.trainer.standby import warm_entry
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 # A rank that reports what it found and exits with a code of its choosing: it imports nothing,
 # so `torch` in sys.modules shows that the standby's imports came with the fork.

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lazarus.schema import Layout, TrainerSettings
-from lazarus.schema.contract import RunDir
+from lazarus.schema.rundir import RunDir
 from lazarus.trainer import checkpoint
 from lazarus.trainer.train import Trainer
 

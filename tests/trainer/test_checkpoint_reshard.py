@@ -7,8 +7,8 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
-from lazarus.infra.local import free_port
-from tests.unit.reshard_ranks import SETTINGS, STEPS, run_rank
+from lazarus.infra.backend import free_port
+from tests.trainer.reshard_ranks import SETTINGS, STEPS, run_rank
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,0 +1,154 @@
+"""The seam between the recovery activities and a cluster: what a backend must do, and what one
+look at an incarnation returns.
+
+Two backends implement it, infra/local.py (each node a group of rank processes on this machine)
+and infra/kubernetes.py (a pod per node on a labelled pool); tests/backends/ runs one behavioural
+suite against both. The activities (activities/recovery.py) know only this Protocol. Every method
+but wait_for_exit blocks, so the activities call them in a thread.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Protocol
+
+from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit
+from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.records import Assignment, Inventory
+from lazarus.schema.run import RunSpec
+from lazarus.schema.rundir import RunDir
+
+
+class ClusterError(RuntimeError):
+    """The backend cannot do what was asked (unknown run or node, a spare taken, a stuck process)."""
+
+
+@dataclass
+class RankObservation:
+    """What the backend sees of one rank process."""
+
+    rank: int
+    node: str
+    launched: bool  # its launcher started it (or recorded that it could not)
+    alive: bool  # its process runs
+    heartbeat: Heartbeat | None = None
+    exit: RankExit | None = None
+    launcher_alive: bool = False  # the launcher of its node runs (it writes the exit record of a rank it outlives)
+
+
+@dataclass
+class Observation:
+    """One look at an incarnation: its ranks and the health of its nodes."""
+
+    incarnation: int
+    launched_at: float | None  # when its first launch started the ranks (seconds since the epoch); None before
+    resume_step: int  # the checkpoint step it restores
+    ranks: list[RankObservation] = field(default_factory=list)
+    dead_nodes: dict[str, datetime] = field(default_factory=dict)  # node -> when the backend saw it die
+    launchers_alive: int = 0  # node launchers still running
+    node_addresses: dict[str, str] = field(
+        default_factory=dict
+    )  # node -> the address its ranks' peers dial, where known
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that nothing listens on right now (all held while
+    they are chosen: ports asked for one after another may come back the same)."""
+    probes = []
+    try:
+        for _ in range(count):
+            probes.append(socket.socket())
+            probes[-1].bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+class ClusterBackend(Protocol):
+    """What the recovery activities need of a cluster. Every name a method creates derives from
+    (run id, incarnation, node), so a retried call finds what an earlier attempt did."""
+
+    backend: str
+    """The spec's `cluster.backend` this backend serves."""
+    records_stages: bool
+    """Whether record_stage writes anywhere (so callers can skip the call)."""
+    home: Path
+    """Where run directories live (`home/runs/<run id>`)."""
+
+    def run_dir(self, run_id: str) -> RunDir:
+        """The run's directory (it may not exist yet)."""
+
+    def create(self, run_id: str, spec: RunSpec) -> RunDir:
+        """Create the run's state (directory, spec, inventory, claims of its active nodes), once."""
+
+    def inventory(self, run_id: str) -> Inventory:
+        """The run's nodes: active, its hot spares, and what it quarantined."""
+
+    def assignment(self, run_id: str, incarnation: int) -> Assignment | None:
+        """The recorded assignment of an incarnation, if any."""
+
+    def rendezvous_port(self, run_id: str) -> int:
+        """The port rank 0's store of the run's next incarnation listens on."""
+
+    def commit_assignment(
+        self, run_id: str, assignment: Assignment, claims: list[str] = (), releases: list[str] = ()
+    ) -> Assignment:
+        """Claim the spares, record the incarnation's assignment and release leftover nodes, exactly
+        once; returns the assignment recorded first. Claiming a node that is neither a free spare
+        nor already the run's raises ClusterError (a retry of a claim that succeeded succeeds)."""
+
+    def start_ranks(
+        self,
+        run_id: str,
+        incarnation: int,
+        resume_step: int,
+        skipped: dict[int, str] | None = None,
+        policy: RecoveryPolicy | None = None,
+    ) -> LaunchRecord:
+        """Start every rank of an incarnation that is not running; returns the launch record in
+        force (the first launch's). `policy` is the recovery policy in force."""
+
+    def observe(self, run_id: str, incarnation: int) -> Observation:
+        """One look at the incarnation's ranks and nodes."""
+
+    async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
+        """Return True as soon as something of the incarnation ends (a rank, a launcher, a node),
+        or False after `timeout` seconds."""
+
+    def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
+        """If a checkpoint was being written at the fault, give it `grace` seconds to commit while a
+        rank lives; returns its step (None if none) and whether it committed."""
+
+    def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
+        """End every rank of the incarnation and return once none can still write anything; returns
+        the ranks that were alive. Idempotent."""
+
+    def remove_partial_checkpoints(self, run_id: str) -> list[int]:
+        """Delete checkpoint folders that never committed; returns their steps."""
+
+    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
+        """Hold the nodes out of the run and of every spare pool."""
+
+    def return_node(self, run_id: str, node: str) -> Inventory:
+        """A repaired node rejoins the pool as a hot spare."""
+
+    def release_standbys(self, run_id: str) -> None:
+        """Stop what the backend keeps warm for the run (it has ended)."""
+
+    def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
+        """The last lines of a rank's log ('' if it has none)."""
+
+    def record_stage(self, run_id: str, stage: str, message: str) -> None:
+        """Note a recovery stage where the cluster's own tools show it."""
+
+    def close(self) -> None:
+        """Release what the backend holds for its lifetime."""

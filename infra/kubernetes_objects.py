@@ -1,0 +1,174 @@
+"""The Kubernetes objects Lazarus writes and reads: the names and labels it uses, the rank pod of a
+node, an Event, and what a Node object says about its health and place in the pool.
+
+Pure functions of the official client's models; infra/kubernetes.py makes the API calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from datetime import UTC, datetime
+
+from kubernetes import client as k8s
+
+from lazarus.schema.contract import ENV_INCARNATION, ENV_NODE, ENV_NODE_INDEX, ENV_RESUME_STEP, ENV_RUN_DIR
+from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.records import Assignment
+from lazarus.schema.run import RunSpec
+
+POOL_LABEL = "lazarus.dev/pool"
+RUN_LABEL = "lazarus.dev/run"
+SPARE_LABEL = "lazarus.dev/spare"
+QUARANTINE_LABEL = "lazarus.dev/quarantined"
+QUARANTINE_TAINT = "lazarus.dev/quarantined"
+REASON_ANNOTATION = "lazarus.dev/quarantine-reason"
+INCARNATION_LABEL = "lazarus.dev/incarnation"
+NODE_INDEX_LABEL = "lazarus.dev/node-index"
+
+WARNING_REASONS = ("FaultDetected", "Quarantined")
+"""Event reasons shown as warnings (`kubectl get events --field-selector type=Warning`)."""
+
+
+def utc(value) -> datetime:
+    """A timestamp of the API (a datetime or an RFC 3339 string) as an aware UTC datetime; now if absent."""
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    if isinstance(value, str) and value:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return datetime.now(UTC)
+
+
+def object_name(*parts: str | int) -> str:
+    """A DNS-1123 name from its parts, shortened with a hash past 63 characters."""
+    name = "-".join(str(p) for p in parts).lower()
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:54].rstrip('-')}-{digest}"
+
+
+def pod_name(run_id: str, incarnation: int, index: int) -> str:
+    """The rank pod of node `index` in an incarnation."""
+    return object_name("lz", run_id, incarnation, index)
+
+
+def run_object_name(run_id: str) -> str:
+    """The run's ConfigMap: its spec, and the object its Events are about."""
+    return object_name("lazarus-run", run_id)
+
+
+def node_address(node: k8s.V1Node) -> str | None:
+    """The node's InternalIP (else its Hostname): rank pods use the host network, so this is the
+    address their peers dial, and the one gloo names when a connection to it breaks."""
+    addresses = {a.type: a.address for a in (node.status.addresses if node.status and node.status.addresses else [])}
+    return addresses.get("InternalIP", addresses.get("Hostname"))
+
+
+def node_ready(node: k8s.V1Node) -> tuple[bool, datetime | None]:
+    """Ready condition: (True, None) when Ready, else (False, when it stopped being Ready)."""
+    for condition in node.status.conditions if node.status and node.status.conditions else []:
+        if condition.type == "Ready":
+            if condition.status == "True":
+                return True, None
+            return False, utc(condition.last_transition_time)
+    return False, None
+
+
+def node_free(node: k8s.V1Node) -> bool:
+    """Ready, schedulable, and neither held nor quarantined by a run."""
+    labels = node.metadata.labels or {}
+    return (
+        RUN_LABEL not in labels
+        and QUARANTINE_LABEL not in labels
+        and not (node.spec and node.spec.unschedulable)
+        and node_ready(node)[0]
+    )
+
+
+def other_taints(node: k8s.V1Node) -> list[dict]:
+    """The node's taints but Lazarus's quarantine, as a patch carries them (the list is replaced whole)."""
+    return [
+        {k: v for k, v in taint.to_dict().items() if v is not None and k != "time_added"}
+        for taint in (node.spec.taints if node.spec and node.spec.taints else [])
+        if taint.key != QUARANTINE_TAINT
+    ]
+
+
+def pod_running(pod: k8s.V1Pod | None) -> bool:
+    """A pod not being deleted whose phase says its container may still run."""
+    return (
+        pod is not None
+        and not pod.metadata.deletion_timestamp
+        and (pod.status is None or pod.status.phase in (None, "Pending", "Running"))
+    )
+
+
+def rank_pod(
+    run_id: str, spec: RunSpec, assignment: Assignment, index: int, resume_step: int, policy: RecoveryPolicy
+) -> k8s.V1Pod:
+    """The pod of node `index`: its launcher with the contract's environment, pinned to the node,
+    tolerating a not-ready node for `policy.not_ready_toleration_seconds` (the policy in force)."""
+    settings = spec.cluster.kubernetes
+    resources = {"cpu": settings.cpu, "memory": settings.memory}
+    if settings.gpus:
+        resources["nvidia.com/gpu"] = str(settings.gpus)
+    env = {
+        ENV_RUN_DIR: f"{settings.mount_path.rstrip('/')}/runs/{run_id}",
+        ENV_INCARNATION: str(assignment.incarnation),
+        ENV_NODE: assignment.nodes[index],
+        ENV_NODE_INDEX: str(index),
+        ENV_RESUME_STEP: str(resume_step),
+    }
+    tolerations = [
+        k8s.V1Toleration(
+            key=key, operator="Exists", effect="NoExecute", toleration_seconds=policy.not_ready_toleration_seconds
+        )
+        for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+    ]
+    container = k8s.V1Container(
+        name="launcher",
+        image=settings.image,
+        command=["python", "-m", "lazarus.trainer.launcher"],
+        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
+        resources=k8s.V1ResourceRequirements(requests=resources, limits=resources),
+        volume_mounts=[k8s.V1VolumeMount(name="runs", mount_path=settings.mount_path)],
+    )
+    labels = {RUN_LABEL: run_id, INCARNATION_LABEL: str(assignment.incarnation), NODE_INDEX_LABEL: str(index)}
+    return k8s.V1Pod(
+        metadata=k8s.V1ObjectMeta(
+            name=pod_name(run_id, assignment.incarnation, index), namespace=settings.namespace, labels=labels
+        ),
+        spec=k8s.V1PodSpec(
+            node_name=assignment.nodes[index],
+            restart_policy="Never",
+            host_network=True,
+            dns_policy="ClusterFirstWithHostNet",
+            automount_service_account_token=False,
+            termination_grace_period_seconds=settings.delete_grace_seconds,
+            tolerations=tolerations,
+            containers=[container],
+            volumes=[
+                k8s.V1Volume(
+                    name="runs",
+                    persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=settings.volume_claim),
+                )
+            ],
+        ),
+    )
+
+
+def stage_event(namespace: str, reason: str, message: str, kind: str, name: str, object_namespace: str):
+    """An Event about `kind`/`name` from component `lazarus` (a warning for faults and quarantines)."""
+    now = datetime.now(UTC)
+    return k8s.CoreV1Event(
+        metadata=k8s.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:12]}", namespace=namespace),
+        involved_object=k8s.V1ObjectReference(kind=kind, name=name, namespace=object_namespace, api_version="v1"),
+        reason=reason,
+        message=message[:1024],
+        type="Warning" if reason in WARNING_REASONS else "Normal",
+        first_timestamp=now,
+        last_timestamp=now,
+        count=1,
+        source=k8s.V1EventSource(component="lazarus"),
+    )

@@ -1,0 +1,178 @@
+"""The run directory: where each file of a run lives, and which checkpoints count.
+
+Both sides build paths only through RunDir, so the layout is written down once; what each file
+means is trainer/CONTRACT.md, and the records written in them are typed in schema/contract.py.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from lazarus.schema.files import file_sha256, read_json, write_json_atomic
+
+COMMIT_MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class RunDir:
+    """Paths of one run's directory."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    @property
+    def spec_file(self) -> Path:
+        return self.root / "spec.json"
+
+    @property
+    def inventory_file(self) -> Path:
+        return self.root / "inventory.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def incarnation(self, k: int) -> Path:
+        """Folder of incarnation k."""
+        return self.root / "incarnations" / str(k)
+
+    def assignment_file(self, k: int) -> Path:
+        return self.incarnation(k) / "assignment.json"
+
+    def launch_file(self, k: int) -> Path:
+        """The launch record of incarnation k (schema/contract.py LaunchRecord)."""
+        return self.incarnation(k) / "launch.json"
+
+    def lock_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "ranks" / f"{rank}.lock"
+
+    def pid_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "ranks" / f"{rank}.pid"
+
+    def heartbeat_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "heartbeat" / f"{rank}.json"
+
+    def exit_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "exit" / f"{rank}.json"
+
+    def log_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "logs" / f"{rank}.log"
+
+    def samples_file(self, k: int, rank: int) -> Path:
+        return self.incarnation(k) / "samples" / f"{rank}.jsonl"
+
+    def stop_file(self, k: int) -> Path:
+        return self.incarnation(k) / "stop"
+
+    def error_file(self, k: int, rank: int) -> Path:
+        """Where torch's @record writes rank R's exception (TORCHELASTIC_ERROR_FILE)."""
+        return self.incarnation(k) / "errors" / f"{rank}.json"
+
+    def node_lock_file(self, k: int, node_index: int) -> Path:
+        """Held (flock) by the launcher of node `node_index` while it lives."""
+        return self.incarnation(k) / "nodes" / f"{node_index}.lock"
+
+    def node_pid_file(self, k: int, node_index: int) -> Path:
+        return self.incarnation(k) / "nodes" / f"{node_index}.pid"
+
+    def ended_file(self, k: int) -> Path:
+        """Written by the backend before it kills an incarnation: a launcher started later must not run."""
+        return self.incarnation(k) / "ended"
+
+    def standby(self, node: str) -> Path:
+        """The warm standby of a node: `orders` (a FIFO), `lock` (held while it lives), `pid`, `ready`, `log`."""
+        return self.root / "standby" / node
+
+    def incarnations(self) -> list[int]:
+        """Incarnations that have an assignment, in order."""
+        base = self.root / "incarnations"
+        if not base.is_dir():
+            return []
+        return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit() and (p / "assignment.json").exists())
+
+    def checkpoint(self, step: int) -> Path:
+        """Folder of the checkpoint taken after `step` steps."""
+        return self.checkpoints / f"step-{step}"
+
+    def checkpoint_steps(self, complete_only: bool = True) -> list[int]:
+        """Steps that have a checkpoint folder (only complete ones by default), ascending.
+
+        A folder is complete when its commit marker exists: the marker is written after every
+        rank has finished writing (for torch.distributed.checkpoint, after its metadata), so a
+        folder without it may be half-written and is never loaded.
+        """
+        if not self.checkpoints.is_dir():
+            return []
+        steps = []
+        for entry in self.checkpoints.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if not match:
+                continue
+            if complete_only and not (entry / COMMIT_MARKER).is_file():
+                continue
+            steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def checkpoint_problem(self, step: int) -> str | None:
+        """Why checkpoint `step` must not be loaded, or None when its files match its manifest.
+
+        The commit marker lists every file with its size and SHA-256; a missing, truncated
+        or altered file makes the checkpoint corrupt.
+        """
+        folder = self.checkpoint(step)
+        marker = read_json(folder / COMMIT_MARKER) if folder.is_dir() else None
+        if marker is None:
+            return "incomplete (no commit marker)"
+        for name, expected in marker.get("files", {}).items():
+            path = folder / name
+            if not path.is_file():
+                return f"corrupt: {name} is missing"
+            if path.stat().st_size != expected["size"]:
+                return f"corrupt: {name} has {path.stat().st_size} bytes, the manifest says {expected['size']}"
+            if file_sha256(path) != expected["sha256"]:
+                return f"corrupt: {name} does not match its SHA-256"
+        return None
+
+    def newest_checkpoint(self) -> tuple[int, dict[int, str]]:
+        """Newest checkpoint that is complete and intact (0: none, start from scratch), and
+        the newer ones that were skipped, each with the reason."""
+        skipped = {}
+        for step in reversed(self.checkpoint_steps(complete_only=False)):
+            problem = self.checkpoint_problem(step)
+            if problem is None:
+                return step, skipped
+            skipped[step] = problem
+        return 0, skipped
+
+
+def checkpoint_manifest(folder: Path) -> dict[str, dict]:
+    """Size and SHA-256 of every file of a checkpoint folder (the commit marker's `files`)."""
+    return {
+        path.name: {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.name != COMMIT_MARKER
+    }
+
+
+def commit_checkpoint(run: RunDir, step: int, incarnation: int) -> bool:
+    """Write checkpoint `step`'s commit marker (its manifest), last; False, writing nothing, when
+    the controller has ended `incarnation`.
+
+    That is the fence for a rank the controller gave up on (a node cut off from the API server
+    but not from the volume): its late commit must not make a stale checkpoint count, nor its
+    purge of older ones touch what the next incarnation restores.
+    """
+    if run.ended_file(incarnation).exists():
+        return False
+    folder = run.checkpoint(step)
+    write_json_atomic(
+        folder / COMMIT_MARKER,
+        {"step": step, "incarnation": incarnation, "time": time.time(), "files": checkpoint_manifest(folder)},
+    )
+    return True

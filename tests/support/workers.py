@@ -1,0 +1,41 @@
+"""`lazarus worker` as a child process, so a test can SIGKILL it like a crashed controller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def lazarus_env(env, home: Path, queue: str) -> dict:
+    """The environment of a `lazarus` process that uses the test's Temporal `env`, LAZARUS_HOME and task queue."""
+    return {
+        **os.environ,
+        "LAZARUS_TEMPORAL_ADDRESS": env.client.service_client.config.target_host,
+        "LAZARUS_HOME": str(home),
+        "LAZARUS_TASK_QUEUE": queue,
+    }
+
+
+class WorkerProcess:
+    """One `lazarus worker` process with its output in `log` (and its working directory `cwd`)."""
+
+    def __init__(self, env: dict, log: Path, cwd: Path | None = None):
+        self.log = open(log, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lazarus.cli", "worker"],
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def kill(self) -> None:
+        """SIGKILL it (unless it ended) and reap it."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self.log.close()
