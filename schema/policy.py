@@ -3,7 +3,9 @@ stage's timeouts and retries (the spec's `recovery` section)."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
 
 from lazarus.schema.base import Strict
 
@@ -51,7 +53,9 @@ class StagePolicies(Strict):
     )
     stop: StagePolicy = Field(
         default_factory=lambda: _stage(180, 10),
-        description="Checkpoint and stop the ranks (pause, abort, operator's reshard); past the timeout they are killed.",
+        description=(
+            "Checkpoint and stop the ranks (pause, abort, operator's reshard); past the timeout they are killed."
+        ),
     )
     return_node: StagePolicy = Field(
         default_factory=lambda: _stage(30, 5), description="Return a repaired node to the spare pool."
@@ -90,17 +94,26 @@ class RecoveryPolicy(Strict):
     approval_wait_seconds: float = Field(
         3600.0,
         ge=0,
-        description="After the capacity wait, how long to wait for an operator's approve or abort before the run stops (seconds); the only time a human is asked.",
+        description=(
+            "After the capacity wait, how long to wait for an operator's approve or abort before the run stops "
+            "(seconds); the only time a human is asked."
+        ),
     )
     stop_grace_seconds: float = Field(
         120.0,
         gt=0,
-        description="How long ranks get to checkpoint and exit on a pause, abort or operator's reshard before they are killed (seconds).",
+        description=(
+            "How long ranks get to checkpoint and exit on a pause, abort or operator's reshard before they are killed "
+            "(seconds)."
+        ),
     )
     history_limit_events: int = Field(
         10000,
         ge=100,
-        description="The workflow continues as new once its history has this many events, or when Temporal suggests it (events).",
+        description=(
+            "The workflow continues as new once its history has this many events, or when Temporal suggests it "
+            "(events)."
+        ),
     )
     max_incidents: int = Field(
         20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents)."
@@ -108,7 +121,10 @@ class RecoveryPolicy(Strict):
     save_grace_seconds: float = Field(
         1.0,
         ge=0,
-        description="Drain waits this long for a checkpoint being written at the fault to commit before discarding it (seconds).",
+        description=(
+            "Drain waits this long for a checkpoint being written at the fault to commit before discarding it "
+            "(seconds)."
+        ),
     )
     not_ready_toleration_seconds: int = Field(
         10,
@@ -133,3 +149,42 @@ class RecoveryPolicy(Strict):
                 f"recovery.progress_every_seconds {self.progress_every_seconds}, or every watch times out"
             )
         return self
+
+
+def _merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in changes.items():
+        nested = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = _merged(base[key], value) if nested else value
+    return merged
+
+
+def changed_policy(policy: RecoveryPolicy, changes: dict[str, Any], layout_dp: int) -> RecoveryPolicy:
+    """`policy` with `changes` (nested as in the spec) merged in; fields not named keep their values.
+
+    Raises ValueError with one line naming the first field that is wrong, as the spec's loader
+    would (`recovery.<field>: why`); min_dp may not exceed `layout_dp`, the spec's layout.dp.
+    """
+    try:
+        changed = RecoveryPolicy.model_validate(_merged(policy.model_dump(mode="json"), changes))
+    except ValidationError as error:
+        first = error.errors()[0]
+        why = " ".join(first["msg"].removeprefix("Value error, ").split())
+        # A check across fields (a model validator) has no field of its own, and names them itself.
+        raise ValueError(f"recovery.{'.'.join(map(str, first['loc']))}: {why}" if first["loc"] else why) from None
+    if changed.min_dp > layout_dp:
+        raise ValueError(f"recovery.min_dp: {changed.min_dp} exceeds layout.dp {layout_dp}")
+    return changed
+
+
+def describe_changes(changes: dict[str, Any]) -> str:
+    """Policy changes as dotted assignments: `hang_after_seconds=60, stages.drain.max_attempts=9`."""
+
+    def dotted(changes: dict[str, Any], prefix: str) -> list[str]:
+        return [
+            item
+            for key, value in changes.items()
+            for item in (dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"])
+        ]
+
+    return ", ".join(dotted(changes, ""))

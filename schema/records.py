@@ -18,12 +18,11 @@ STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
 
 
 class RunState(str, Enum):
-    """The run's place in the recovery state machine (DESIGN.md)."""
+    """The run's place in the recovery state machine; TRANSITIONS says where each state may go."""
 
     PENDING = "PENDING"
     LAUNCHING = "LAUNCHING"
     TRAINING = "TRAINING"
-    DETECTED = "DETECTED"
     DRAINING = "DRAINING"
     RESCHEDULING = "RESCHEDULING"
     WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
@@ -36,6 +35,44 @@ class RunState(str, Enum):
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     ABORTED = "ABORTED"
+
+
+TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.ABORTED})
+"""States a run never leaves."""
+
+_MOVES: dict[RunState, set[RunState]] = {
+    RunState.PENDING: {RunState.LAUNCHING},
+    RunState.LAUNCHING: {RunState.TRAINING},
+    # A fault (detected, signalled or an operator's drain_node) drains at once: the fault
+    # report is the detect stage's result, so there is no state between.
+    RunState.TRAINING: {RunState.DRAINING, RunState.STOPPING, RunState.COMPLETED},
+    RunState.DRAINING: {RunState.RESCHEDULING},
+    RunState.RESCHEDULING: {RunState.WAITING_FOR_CAPACITY, RunState.REPLACING, RunState.RESHARDING},
+    # While waiting, each new read of the inventory stays in WAITING_FOR_CAPACITY.
+    RunState.WAITING_FOR_CAPACITY: {RunState.WAITING_FOR_APPROVAL, RunState.REPLACING, RunState.RESHARDING},
+    RunState.WAITING_FOR_APPROVAL: {RunState.RESCHEDULING},
+    # Back to RESCHEDULING when the spare decided on was lost before its claim.
+    RunState.REPLACING: {RunState.RESUMING, RunState.RESCHEDULING},
+    RunState.RESHARDING: {RunState.RESUMING, RunState.RESCHEDULING},
+    # DRAINING: a fault hit the new incarnation before its first step (the next incident).
+    RunState.RESUMING: {RunState.TRAINING, RunState.DRAINING},
+    # pause, abort and an operator's reshard checkpoint and stop the ranks first.
+    RunState.STOPPING: {RunState.PAUSED, RunState.RESHARDING},
+    # resume starts the next incarnation on the held nodes.
+    RunState.PAUSED: {RunState.REPLACING},
+}
+
+TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    state: frozenset() if state in TERMINAL_STATES else frozenset(_MOVES[state] | {RunState.FAILED, RunState.ABORTED})
+    for state in RunState
+}
+"""For each state, the states the run may go to next. A run fails or is aborted from any state
+that is not terminal; a terminal state has no way out. Staying in a state is not a transition."""
+
+
+def may_move(current: RunState, new: RunState) -> bool:
+    """Whether the state machine lets a run in `current` enter `new` (staying put always may)."""
+    return new == current or new in TRANSITIONS[current]
 
 
 class Assignment(Record):
@@ -86,7 +123,11 @@ class FaultReport(Record):
     """A fault: which nodes, what kind, when it happened and when it was seen."""
 
     kind: FaultKind = Field(
-        description="node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; external: reported by signal; operator: drained by an operator; program_error: every rank ended on its own before training a step (no node to blame)."
+        description=(
+            "node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; "
+            "external: reported by signal; operator: drained by an operator; program_error: every rank ended on its "
+            "own before training a step (no node to blame)."
+        )
     )
     nodes: list[str] = Field(description="Nodes blamed for the fault; they are quarantined.")
     incarnation: int = Field(ge=0, description="Incarnation that was running.")
@@ -133,7 +174,10 @@ class Decision(Record):
     """What reschedule decided for one incident."""
 
     action: Literal["replace", "reshard", "wait"] = Field(
-        description="replace: hot spares take the lost nodes' places; reshard: fewer replicas, same global batch; wait: no capacity yet."
+        description=(
+            "replace: hot spares take the lost nodes' places; reshard: fewer replicas, same global batch; wait: no "
+            "capacity yet."
+        )
     )
     nodes: list[str] = Field(
         default_factory=list, description="Nodes of the next incarnation in rank order (empty when waiting)."
@@ -196,7 +240,10 @@ class Incident(Record):
     first_step_at: datetime | None = Field(None, description="When the new incarnation completed its first step (UTC).")
     outcome: Literal["recovering", "recovered", "interrupted", "failed"] = Field(
         "recovering",
-        description="recovered: trained past the checkpoint; interrupted: a new fault hit before that (see the next incident); failed: the run failed.",
+        description=(
+            "recovered: trained past the checkpoint; interrupted: a new fault hit before that (see the next "
+            "incident); failed: the run failed."
+        ),
     )
 
     @property
@@ -270,5 +317,8 @@ class RunStart(Record):
     )
     search_attributes: bool = Field(
         False,
-        description="The namespace has Lazarus's search attributes (LazarusState, LazarusIncidents); the workflow keeps them current.",
+        description=(
+            "The namespace has Lazarus's search attributes (LazarusState, LazarusIncidents); the workflow keeps them "
+            "current."
+        ),
     )

@@ -53,27 +53,9 @@ def plan_recovery(
     spares = inventory.free_spares()
 
     if len(spares) >= len(lost_here):
-        replacements = dict(zip(lost_here, spares))
-        pairs = ", ".join(f"{old} -> {new}" for old, new in replacements.items())
-        return Decision(
-            action="replace",
-            replacements=replacements,
-            layout=layout,
-            nodes=[replacements.get(node, node) for node in assignment.nodes],
-            lost_replicas=broken,
-            below_target_dp=layout.dp < target_dp,
-            reason=f"hot spare replaces lost node, world size {layout.world_size} kept ({pairs})",
-        )
+        return _replace_in_place(assignment, lost_here, spares, broken, target_dp)
 
-    per_node = layout.ranks_per_node
-    replica_ranks = layout.pp * layout.tp
-    replica_of_node = [
-        {rank // replica_ranks for rank in range(i * per_node, (i + 1) * per_node)}
-        for i in range(len(assignment.nodes))
-    ]
-    intact = [n for i, n in enumerate(assignment.nodes) if not replica_of_node[i] & set(broken)]
-    orphans = [n for i, n in enumerate(assignment.nodes) if replica_of_node[i] & set(broken) and n not in lost_set]
-    pool = intact + orphans + spares
+    pool = _reshard_pool(assignment, lost_set, broken) + spares
 
     def fits(dp: int) -> bool:
         needed = nodes_for(layout, dp)
@@ -111,6 +93,38 @@ def plan_recovery(
     )
 
 
+def _replace_in_place(
+    assignment: Assignment, lost_here: list[str], spares: list[str], broken: list[int], target_dp: int
+) -> Decision:
+    layout = assignment.layout
+    # There may be more free spares than lost nodes: the first ones, in name order, are taken.
+    replacements = dict(zip(lost_here, spares[: len(lost_here)], strict=True))
+    pairs = ", ".join(f"{old} -> {new}" for old, new in replacements.items())
+    return Decision(
+        action="replace",
+        replacements=replacements,
+        layout=layout,
+        nodes=[replacements.get(node, node) for node in assignment.nodes],
+        lost_replicas=broken,
+        below_target_dp=layout.dp < target_dp,
+        reason=f"hot spare replaces lost node, world size {layout.world_size} kept ({pairs})",
+    )
+
+
+def _reshard_pool(assignment: Assignment, lost: set[str], broken: list[int]) -> list[str]:
+    """The run's healthy nodes a reshard may use, in the order it fills them: the nodes of intact
+    replicas, then the survivors of broken ones."""
+    layout = assignment.layout
+    per_node, replica_ranks = layout.ranks_per_node, layout.pp * layout.tp
+    replicas_of_node = [
+        {rank // replica_ranks for rank in range(i * per_node, (i + 1) * per_node)}
+        for i in range(len(assignment.nodes))
+    ]
+    intact = [n for i, n in enumerate(assignment.nodes) if not replicas_of_node[i] & set(broken)]
+    orphans = [n for i, n in enumerate(assignment.nodes) if replicas_of_node[i] & set(broken) and n not in lost]
+    return intact + orphans
+
+
 def plan_operator_reshard(inventory: Inventory, assignment: Assignment, dp: int, target_dp: int) -> Decision:
     """An operator's reshard to `dp` replicas: the current nodes first, then free spares.
 
@@ -123,7 +137,8 @@ def plan_operator_reshard(inventory: Inventory, assignment: Assignment, dp: int,
         why = (
             f"dp={dp} would leave a node part-used"
             if needed is None
-            else f"dp={dp} needs {needed} nodes; the run holds {len(assignment.nodes)} and {len(pool) - len(assignment.nodes)} spare(s) are free"
+            else f"dp={dp} needs {needed} nodes; the run holds {len(assignment.nodes)} "
+            f"and {len(pool) - len(assignment.nodes)} spare(s) are free"
         )
         return Decision(action="wait", layout=layout, reason=why)
     nodes = pool[:needed]

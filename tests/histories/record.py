@@ -14,6 +14,12 @@ histories beside the old ones, which keep replaying the unpatched branch:
   clean.json         a run without a fault.
   override.json      an operator pauses, resumes, drains a node and reshards (updates).
   escalation.json    no capacity, the operator approves a reshard below the minimum.
+  restart_done_v1.json, restart_fault_v1.json
+                     an operator pauses and resumes, and the resume finds the last step already
+                     checkpointed (done) or meets a fault before its first step (fault). Recorded
+                     before RESTART_PATCH (with TrainingRun as it was then, on a dev server with
+                     search attributes, against the fakes of tests/workflow/fakes.py, which reach
+                     these paths on purpose); they replay its branch that is not patched.
 """
 
 from __future__ import annotations
@@ -25,18 +31,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
-
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.demo import run_demo
-from lazarus.infra.local import LocalCluster, free_port
-from lazarus.infra.temporal_server import temporal_cli
+from lazarus.infra.local import LocalCluster
+from lazarus.infra.temporal_server import local_environment
 from lazarus.schema import RunState, controls, load_spec, parse_spec
 from lazarus.worker import build_worker
-from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
-from tests.e2e.conftest import trained_step, wait_for
+from lazarus.workflows.training_run import TrainingRun
+from tests.support.runs import trained_step
+from tests.support.waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
 SMALL = HERE.parent / "specs" / "small.yaml"
@@ -51,14 +55,10 @@ def changed(path: Path, **sections) -> object:
 
 
 async def record(name: str, spec, kill_at: int | None = None, drive=None) -> None:
-    """Run `spec` on a fresh dev server (the demo's way, or `drive(client, settings, cluster, spec)`), save its history."""
+    """Run `spec` on a fresh dev server (the demo's way, or `drive(client, settings, cluster, spec)`);
+    save its history."""
     with tempfile.TemporaryDirectory() as home:
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_cli(),
-            data_converter=pydantic_data_converter,
-            port=free_port(),
-            search_attributes=[STATE_ATTRIBUTE, INCIDENTS_ATTRIBUTE],
-        )
+        env = await local_environment()
         try:
             settings = Settings(address=env.client.service_client.config.target_host, home=Path(home))
             if drive is None:
@@ -81,7 +81,7 @@ async def override(client, settings, cluster, spec) -> None:
     """Pause, resume, drain a node, reshard, let it finish."""
     run = cluster.run_dir("override")
     handle = await start_run(client, settings, spec, "override")
-    await asyncio.to_thread(wait_for, lambda: trained_step(run) >= 12, 120, "step 12")
+    await asyncio.to_thread(wait_until, lambda: trained_step(run) >= 12, "step 12", 120)
     await handle.execute_update(TrainingRun.pause, controls.PauseRequest(reason="record"))
     await handle.execute_update(TrainingRun.resume, controls.ResumeRequest())
     await handle.execute_update(TrainingRun.set_policy, controls.SetPolicyRequest(changes={"hang_after_seconds": 60}))
@@ -94,7 +94,7 @@ async def escalation(client, settings, cluster, spec) -> None:
     """No spare and min_dp = dp: the run escalates; approve a reshard below the minimum."""
     run = cluster.run_dir("escalation")
     handle = await start_run(client, settings, spec, "escalation")
-    await asyncio.to_thread(wait_for, lambda: trained_step(run) >= 12, 120, "step 12")
+    await asyncio.to_thread(wait_until, lambda: trained_step(run) >= 12, "step 12", 120)
     cluster.kill_node("escalation", "node-2")
     while (await handle.query(TrainingRun.status)).state != RunState.WAITING_FOR_APPROVAL:
         await asyncio.sleep(0.1)

@@ -68,7 +68,9 @@ def fault(nodes=("node-2",), step=15, incarnation=0) -> FaultReport:
 
 
 class FakeStages:
-    """The recovery activities, scripted: detect plays `watch` in order; records each call."""
+    """The recovery activities, scripted: detect plays `watch` in order, resume plays `resumes`
+    ("done": the checkpoint is the last step; a FaultReport: a fault before the first step; then
+    a resume that trains), and each call is recorded."""
 
     def __init__(
         self,
@@ -80,8 +82,12 @@ class FakeStages:
         spare_returns_at_read: int | None = None,
         spare_dies_before_claim: bool = False,
         drain_gate: asyncio.Event | None = None,
+        resumes: list | None = None,
+        return_gate: asyncio.Event | None = None,
     ):
         self.watch = list(watch)
+        self.resumes = list(resumes or [])
+        self.return_gate = return_gate
         self.drain_gate = drain_gate
         self.spare_dies_before_claim = spare_dies_before_claim
         self.spare_returns_at_read = spare_returns_at_read
@@ -91,8 +97,16 @@ class FakeStages:
         self.resume_sleep = resume_sleep
         self.calls: list[tuple[str, int]] = []
         self.detect_cancelled = asyncio.Event()
+        self.watch_over = asyncio.Event()  # clear while a detect blocks
+        self.watch_over.set()
         self.nodes = {name: "active" for name in ACTIVE}
         self.nodes.update({name: "spare" for name in spares})
+
+    async def _after_the_watch(self) -> None:
+        # What the workflow runs after cancelling a watch starts once that watch has ended. The
+        # time-skipping server, shared by the session, never skips time again after a workflow
+        # completed with a cancelled activity still running (its late cancellation is refused).
+        await self.watch_over.wait()
 
     def _called(self, name: str) -> int:
         attempt = activity.info().attempt
@@ -117,6 +131,7 @@ class FakeStages:
         step = self.watch.pop(0) if self.watch else "block"
         if step == "block":
             # Watch until cancelled, as the real detect does.
+            self.watch_over.clear()
             try:
                 while True:
                     activity.heartbeat()
@@ -124,6 +139,8 @@ class FakeStages:
             except asyncio.CancelledError:
                 self.detect_cancelled.set()
                 raise
+            finally:
+                self.watch_over.set()
         if step == "done":
             return DetectResult(completed=True, progress=RankProgress(step=request.total_steps, at=_now()))
         if isinstance(step, FaultReport):
@@ -135,6 +152,7 @@ class FakeStages:
 
     @activity.defn(name="drain")
     async def drain(self, request: DrainInput) -> DrainResult:
+        await self._after_the_watch()
         attempt = self._called("drain")
         if self.drain_gate is not None:
             gate, self.drain_gate = self.drain_gate, None
@@ -152,6 +170,7 @@ class FakeStages:
 
     @activity.defn(name="reschedule")
     async def reschedule(self, request: RescheduleInput) -> Inventory:
+        await self._after_the_watch()
         self._called("reschedule")
         if self.names().count("reschedule") == self.spare_returns_at_read:
             self.nodes["node-9"] = "spare"  # a repaired node comes back while the run waits
@@ -179,16 +198,26 @@ class FakeStages:
         attempt = self._called("resume")
         if attempt <= self.resume_timeouts:
             await asyncio.sleep(self.resume_sleep)  # longer than the stage's timeout
+        outcome = self.resumes.pop(0) if self.resumes else None
+        if outcome == "done":
+            return ResumeResult(resumed_from_step=request.total_steps, completed=True)
+        if isinstance(outcome, FaultReport):
+            fault = outcome.model_copy(update={"incarnation": request.assignment.incarnation})
+            return ResumeResult(resumed_from_step=10, fault=fault)
         return ResumeResult(resumed_from_step=10, first_step_at=_now())
 
     @activity.defn(name="stop")
     async def stop(self, request: StopInput) -> StopResult:
+        await self._after_the_watch()
         self._called("stop")
         return StopResult(step=17, checkpoint_step=17, clean=True)
 
     @activity.defn(name="return_node")
     async def return_node(self, request: ReturnNodeInput) -> Inventory:
         self._called("return_node")
+        if self.return_gate is not None:
+            gate, self.return_gate = self.return_gate, None
+            await gate.wait()  # the test holds this return open
         self.nodes[request.node] = "spare"
         return Inventory(nodes=[NodeRecord(name=n, role=role) for n, role in sorted(self.nodes.items())])
 
@@ -205,10 +234,22 @@ class FakeStages:
         ]
 
 
+def fake_worker(env, stages: FakeStages, queue: str) -> Worker:
+    """A worker of TrainingRun over the fakes; heartbeats are not throttled, so a cancelled watch
+    learns of its cancellation at once (Temporal cancels an activity in a heartbeat's answer)."""
+    return Worker(
+        env.client,
+        task_queue=queue,
+        workflows=[TrainingRun],
+        activities=stages.all(),
+        max_heartbeat_throttle_interval=timedelta(milliseconds=50),
+    )
+
+
 async def run_workflow(env, stages: FakeStages, spec, during=None) -> RunStatus:
     """Run TrainingRun on a fresh task queue against the fakes; `during(handle)` runs alongside."""
     queue = f"wf-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
+    async with fake_worker(env, stages, queue):
         handle = await env.client.start_workflow(
             TrainingRun.run,
             RunStart(run_id=f"run-{uuid.uuid4().hex[:8]}", spec=spec),

@@ -7,13 +7,14 @@ import uuid
 from contextlib import asynccontextmanager
 
 import pytest
-from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
+from temporalio import workflow
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from lazarus.schema import RunStart, RunState, RunStatus, controls
 from lazarus.workflows.training_run import TrainingRun
-from tests.workflow.fakes import FakeStages, fault, make_spec
+from tests.workflow.fakes import FakeStages, fake_worker, fault, make_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 async def running(env, stages: FakeStages, spec=None):
     """A TrainingRun on the dev server with a worker over the fakes; yields its handle."""
     queue = f"op-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
+    async with fake_worker(env, stages, queue):
         handle = await env.client.start_workflow(
             TrainingRun.run, RunStart(run_id="op", spec=spec or make_spec()), id=f"op-{uuid.uuid4()}", task_queue=queue
         )
@@ -138,15 +139,26 @@ async def test_drain_node_during_another_recovery_runs_after_it(dev_env):
 
 
 async def test_return_node_refills_the_pool_and_wakes_a_waiting_run(dev_env):
-    stages = FakeStages(watch=[fault(nodes=["node-2"]), "block", "done"], spares=())
+    gate = asyncio.Event()
+    stages = FakeStages(watch=[fault(nodes=["node-2"]), "block", "done"], spares=(), return_gate=gate)
     spec = make_spec(min_dp=4, capacity_wait_seconds=600, capacity_poll_seconds=300)
     async with running(dev_env, stages, spec) as handle:
         assert "node-0 is not quarantined by this run (quarantined: none)" in await refused(
             handle, TrainingRun.return_node, controls.ReturnNodeRequest(node="node-0")
         )
         await until_state(handle, RunState.WAITING_FOR_CAPACITY)
-        answer = await handle.execute_update(TrainingRun.return_node, controls.ReturnNodeRequest(node="node-2"))
+        returning = asyncio.ensure_future(
+            handle.execute_update(TrainingRun.return_node, controls.ReturnNodeRequest(node="node-2"))
+        )
+        while "return_node" not in stages.names():
+            await asyncio.sleep(0.01)
+        assert "node-2 is already being returned" in await refused(
+            handle, TrainingRun.return_node, controls.ReturnNodeRequest(node="node-2")
+        )
+        gate.set()  # the first return goes on
+        answer = await returning
         assert answer.message == "node-2 is a spare again"
+        assert stages.names().count("return_node") == 1
         status = await until_state(handle, RunState.TRAINING)
         # Woken at once, not at the next 300 s poll: the returned node took its own place back.
         assert status.incidents[0].decision.replacements == {"node-2": "node-2"}
@@ -209,3 +221,43 @@ async def test_search_attributes_follow_the_runs_state(dev_env):
             break
         await asyncio.sleep(0.02)
     assert await listed() == [run_id]
+
+
+@workflow.defn(name="BrokenTrainingRun", sandboxed=False)
+class BrokenTrainingRun(TrainingRun):
+    """TrainingRun with a bug: it trains without launching (PENDING -> TRAINING)."""
+
+    @workflow.init
+    def __init__(self, start: RunStart) -> None:
+        super().__init__(start)
+
+    @workflow.run
+    async def run(self, start: RunStart) -> RunStatus:
+        return await super().run(start)
+
+    async def _launch(self) -> None:
+        self._enter(RunState.TRAINING)
+
+
+async def test_a_transition_the_table_forbids_stalls_the_workflow_task_instead_of_failing_the_run(dev_env):
+    # On a dev server of its own: the shared time-skipping server stops skipping time after a failed workflow task.
+    queue = f"wf-{uuid.uuid4()}"
+    async with Worker(dev_env.client, task_queue=queue, workflows=[BrokenTrainingRun]):
+        handle = await dev_env.client.start_workflow(
+            BrokenTrainingRun.run,
+            RunStart(run_id="broken", spec=make_spec()),
+            id=f"broken-{uuid.uuid4()}",
+            task_queue=queue,
+        )
+        failures: list[str] = []
+        while not failures:
+            history = await handle.fetch_history()
+            failures = [
+                e.workflow_task_failed_event_attributes.failure.message
+                for e in history.events
+                if e.HasField("workflow_task_failed_event_attributes")
+            ]
+            await asyncio.sleep(0.05)
+        assert "a run may not go from PENDING to TRAINING" in failures[0]
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING  # a fixed worker can go on
+        await handle.terminate("test over")

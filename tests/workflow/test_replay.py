@@ -29,6 +29,8 @@ def test_histories_are_committed():
         "escalation",
         "hot_spare_v1",
         "reshard_v1",
+        "restart_done_v1",
+        "restart_fault_v1",
     }
 
 
@@ -59,9 +61,9 @@ class ChangedTrainingRun(TrainingRun):
     async def run(self, start: RunStart) -> RunStatus:
         return await super().run(start)
 
-    async def _recover(self, fault):
+    async def _drain(self, incident, fault):
         await workflow.sleep(1)
-        return await super()._recover(fault)
+        await super()._drain(incident, fault)
 
 
 async def test_an_ungated_change_fails_the_replay():

@@ -6,14 +6,18 @@ import asyncio
 import uuid
 
 import pytest
-from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from lazarus.schema import RunStart, RunState, controls
 from lazarus.schema.controls import FaultSignal
-from lazarus.workflows.training_run import TrainingRun
-from tests.workflow.fakes import FakeStages, fault, make_spec, run_workflow
+from lazarus.workflows.training_run import RESTART_PATCH, TrainingRun
+from tests.workflow.fakes import FakeStages, fake_worker, fault, make_spec, run_workflow
+
+# The time-skipping environment is shared by the session, so these tests run in its event loop.
+pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 async def test_stages_run_in_order_and_the_incident_is_recorded(time_skipping_env):
@@ -193,18 +197,9 @@ async def test_report_fault_signal_cancels_detect_and_recovers(time_skipping_env
 
 async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
     """On a dev server that suggests continue-as-new after 20 events, the run keeps its state."""
-    from temporalio.contrib.pydantic import pydantic_data_converter
-    from temporalio.testing import WorkflowEnvironment
+    from lazarus.infra.temporal_server import local_environment
 
-    from lazarus.infra.local import free_port
-    from lazarus.infra.temporal_server import temporal_cli
-
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_cli(),
-        data_converter=pydantic_data_converter,
-        port=free_port(),
-        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20"],
-    )
+    env = await local_environment(extra_args=("--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20"))
     try:
         stages = FakeStages(watch=[fault(step=15), *range(16, 40), "done"])
         queue = f"wf-{uuid.uuid4()}"
@@ -228,7 +223,7 @@ async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
 
 async def start_on(env, stages: FakeStages, spec):
     queue = f"wf-{uuid.uuid4()}"
-    worker = Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all())
+    worker = fake_worker(env, stages, queue)
     handle = await env.client.start_workflow(
         TrainingRun.run, RunStart(run_id="esc", spec=spec), id=f"esc-{uuid.uuid4()}", task_queue=queue
     )
@@ -319,3 +314,54 @@ async def test_two_hundred_faults_keep_every_history_segment_bounded(time_skippi
     assert final.segments == len(lengths) > 5
     # A segment ends at the first check past the limit: at most one incident's events beyond it.
     assert max(lengths) < 400 + 40, lengths
+
+
+async def pause_and_resume(stages: FakeStages, handle: WorkflowHandle) -> None:
+    while "detect" not in stages.names():
+        await asyncio.sleep(0.01)
+    await handle.execute_update(TrainingRun.pause, controls.PauseRequest(reason="test"))
+    await handle.execute_update(TrainingRun.resume, controls.ResumeRequest())
+
+
+async def replays_with_patch(handle: WorkflowHandle, patch: str) -> bool:
+    """The run's history replays against TrainingRun, and took the patched branch of `patch`."""
+    history = await handle.fetch_history()
+    replayer = Replayer(workflows=[TrainingRun], data_converter=pydantic_data_converter)
+    await replayer.replay_workflow(history, raise_on_replay_failure=True)
+    return any(patch.encode() in e.marker_recorded_event_attributes.SerializeToString() for e in history.events)
+
+
+async def test_a_restart_that_finds_training_done_completes_the_run(time_skipping_env):
+    # The checkpoint the pause wrote was the last step: nothing is left to train or to watch
+    # (before RESTART_PATCH, the run went back to TRAINING and watched the ranks it never started).
+    stages = FakeStages(watch=["block", "done"], resumes=["done"])
+    worker, handle = await start_on(time_skipping_env, stages, make_spec())
+    async with worker:
+        await pause_and_resume(stages, handle)
+        final = await handle.result()
+        assert await replays_with_patch(handle, RESTART_PATCH)
+    assert final.state == RunState.COMPLETED and final.step == 40 and final.incidents == []
+    assert stages.names() == ["launch", "detect", "stop", "replace_or_reshard", "resume"]
+
+
+async def test_a_fault_before_a_restarts_first_step_is_the_next_incident(time_skipping_env):
+    stages = FakeStages(watch=["block", "done"], resumes=[fault(nodes=["node-2"], step=17)])
+    worker, handle = await start_on(time_skipping_env, stages, make_spec())
+    async with worker:
+        await pause_and_resume(stages, handle)
+        final = await handle.result()
+        assert await replays_with_patch(handle, RESTART_PATCH)
+    assert final.state == RunState.COMPLETED
+    [incident] = final.incidents
+    assert (incident.fault.nodes, incident.fault.incarnation, incident.outcome) == (["node-2"], 1, "recovered")
+    assert incident.new_assignment.nodes == ["node-0", "node-1", "node-4", "node-3"]
+    assert stages.names()[2:] == [
+        "stop",
+        "replace_or_reshard",
+        "resume",
+        "drain",
+        "reschedule",
+        "replace_or_reshard",
+        "resume",
+        "detect",
+    ]

@@ -1,0 +1,72 @@
+"""Calling a stage's activity: its timeouts and retries come from the run's recovery policy, and
+what a failure means for the run is decided here, once.
+
+A stage that refuses its request for good (a non-retryable ApplicationError) raises StageRefused,
+which the recovery may answer (a spare lost before its claim is decided again); a stage that
+exhausts its retry policy fails the run (RunFailed), with the policy it ran under in the reason.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from lazarus.schema.policy import RecoveryPolicy, StagePolicy
+
+
+class RunFailed(Exception):
+    """A business failure: the run cannot go on; the workflow fails with this reason."""
+
+
+class RunAborted(Exception):
+    """An operator aborted the run; the workflow ends ABORTED with this reason."""
+
+
+class StageRefused(RunFailed):
+    """An activity refused its request for good (a non-retryable error of type `kind`)."""
+
+    def __init__(self, stage: str, kind: str, message: str):
+        super().__init__(f"{stage} refused ({kind}): {message}")
+        self.stage = stage
+        self.kind = kind
+
+
+def stage_options(stage: StagePolicy) -> dict[str, Any]:
+    """Timeouts and retry policy of one activity call, from the run's recovery policy."""
+    return {
+        "start_to_close_timeout": timedelta(seconds=stage.timeout_seconds),
+        "heartbeat_timeout": timedelta(seconds=stage.heartbeat_timeout_seconds),
+        "retry_policy": RetryPolicy(
+            initial_interval=timedelta(seconds=stage.initial_retry_seconds),
+            backoff_coefficient=stage.retry_backoff,
+            maximum_interval=timedelta(seconds=stage.max_retry_seconds),
+            maximum_attempts=stage.max_attempts,
+        ),
+    }
+
+
+def root_cause(error: BaseException) -> str:
+    """The innermost cause's message: what the last attempt died of, not Temporal's wrapping."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return str(error) or type(error).__name__
+
+
+async def call_stage(policy: RecoveryPolicy, name: str, method: Any, request: Any) -> Any:
+    """Run activity `method` under recovery.stages.<name>; StageRefused or RunFailed when it fails."""
+    stage: StagePolicy = getattr(policy.stages, name)
+    try:
+        return await workflow.execute_activity_method(method, request, **stage_options(stage))
+    except ActivityError as error:
+        if isinstance(error.cause, ApplicationError) and error.cause.non_retryable:
+            raise StageRefused(name, error.cause.type or "error", error.cause.message) from None
+        attempts = "unlimited" if stage.max_attempts == 0 else stage.max_attempts
+        raise RunFailed(
+            f"{name} failed after its retry policy (recovery.stages.{name}: {attempts} attempts, "
+            f"{stage.timeout_seconds:g} s each): {root_cause(error)}"
+        ) from None

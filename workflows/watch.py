@@ -1,0 +1,76 @@
+"""The detect watch: the detect activity watches one incarnation until it reports (a fault,
+completion, or a progress snapshot at a bounded interval), and a fault reported by signal or an
+operator's request interrupts it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError
+
+with workflow.unsafe.imports_passed_through():
+    from lazarus.activities.recovery import RecoveryActivities
+    from lazarus.schema.controls import FaultSignal
+    from lazarus.schema.policy import RecoveryPolicy
+    from lazarus.schema.records import Assignment, DetectResult, FaultReport, RankProgress, RunStatus
+    from lazarus.schema.stages import DetectInput
+
+from lazarus.workflows.stage_calls import RunFailed, root_cause, stage_options
+
+
+async def watch(
+    status: RunStatus, policy: RecoveryPolicy, reported: list[FaultSignal], interrupted: Callable[[], bool]
+) -> DetectResult | None:
+    """Run detect on the current incarnation until it reports; cancel it when a signal in `reported`
+    blames one of its nodes (that report is used up and returned as an external fault) or when
+    `interrupted()` (None: the caller has something to do first)."""
+    request = DetectInput(
+        run_id=status.run_id,
+        incarnation=status.assignment.incarnation,
+        total_steps=status.total_steps,
+        policy=policy,
+    )
+    detect = workflow.start_activity_method(RecoveryActivities.detect, request, **stage_options(policy.stages.detect))
+    await workflow.wait_condition(
+        lambda: detect.done() or signalled_fault(reported, status.assignment) is not None or interrupted()
+    )
+    if detect.done():
+        try:
+            return detect.result()
+        except ActivityError as error:
+            raise RunFailed(f"detect failed after its retry policy: {root_cause(error)}") from None
+    detect.cancel()
+    try:
+        await detect
+    except (ActivityError, asyncio.CancelledError):
+        pass
+    report = signalled_fault(reported, status.assignment)
+    if report is None:
+        return None
+    reported.clear()
+    now = workflow.now()
+    fault = FaultReport(
+        kind="external",
+        nodes=report.nodes,
+        incarnation=status.assignment.incarnation,
+        occurred_at=report.occurred_at or now,
+        detected_at=now,
+        step=status.step,
+        reason=report.reason,
+    )
+    return DetectResult(fault=fault, progress=RankProgress(step=status.step, at=now))
+
+
+def signalled_fault(reported: list[FaultSignal], assignment: Assignment | None) -> FaultSignal | None:
+    """The first report that blames nodes of `assignment`, narrowed to those; reports before it that
+    blame none of them are dropped from `reported`."""
+    nodes = set(assignment.nodes) if assignment else set()
+    while reported:
+        relevant = [n for n in reported[0].nodes if n in nodes]
+        if relevant:
+            return reported[0].model_copy(update={"nodes": relevant})
+        workflow.logger.warning("report_fault names no node of the current assignment: %s", reported[0].nodes)
+        reported.pop(0)
+    return None
