@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from pathlib import Path
 
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.client import Client, TLSConfig, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
 from temporalio.service import RPCError
 
 from lazarus.config import Settings
@@ -16,19 +19,46 @@ from lazarus.schema.records import RunStart, RunState, RunStatus
 from lazarus.schema.run import RunSpec
 from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 
+CORE_LOGGER = logging.getLogger("lazarus.temporal_core")
+"""Where the Temporal core's (Rust) log lines go. Left to itself the core prints them on stdout,
+which would break the one JSON document of a `--json` command; the CLI sends Python logging to stderr."""
+
+CORE_LOG_FILTER = TelemetryFilter(core_level="WARN", other_level="ERROR")
+"""The SDK's default levels: the core's warnings, other libraries' errors."""
+
+
+def core_telemetry(log_filter: TelemetryFilter = CORE_LOG_FILTER) -> TelemetryConfig:
+    """Telemetry that forwards the core's log lines passing `log_filter` to CORE_LOGGER."""
+    forwarding = LogForwardingConfig(logger=CORE_LOGGER, append_target_to_name=False)
+    return TelemetryConfig(logging=LoggingConfig(filter=log_filter, forwarding=forwarding))
+
+
+@functools.cache
+def core_runtime() -> Runtime:
+    """The Temporal runtime of every client Lazarus connects (and so of their workers): one, as each
+    runtime is a thread pool of its own."""
+    return Runtime(telemetry=core_telemetry())
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
 
 async def connect(settings: Settings) -> Client:
     """A Temporal client for the configured address and namespace (TLS when certificates are set)."""
     tls: TLSConfig | bool = False
     if settings.tls_cert or settings.tls_ca:
-        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
         tls = TLSConfig(
-            client_cert=read(settings.tls_cert),
-            client_private_key=read(settings.tls_key),
-            server_root_ca_cert=read(settings.tls_ca),
+            client_cert=_read(settings.tls_cert),
+            client_private_key=_read(settings.tls_key),
+            server_root_ca_cert=_read(settings.tls_ca),
         )
     return await Client.connect(
-        settings.address, namespace=settings.namespace, tls=tls, data_converter=pydantic_data_converter
+        settings.address,
+        namespace=settings.namespace,
+        tls=tls,
+        data_converter=pydantic_data_converter,
+        runtime=core_runtime(),
     )
 
 

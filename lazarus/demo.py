@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import sys
 import time
 import uuid
 from datetime import datetime
@@ -13,14 +12,14 @@ from pathlib import Path
 
 from temporalio.client import WorkflowFailureError
 
+from lazarus import console
 from lazarus.client import connect, run_status, start_run
 from lazarus.config import Settings
 from lazarus.infra.local import LocalCluster
 from lazarus.infra.temporal_server import port_answers, split_address, start_detached
-from lazarus.report import stage_table
-from lazarus.schema.contract import RunDir
 from lazarus.schema.records import RunState, RunStatus
 from lazarus.schema.run import RunSpec
+from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
@@ -99,17 +98,19 @@ async def drive_run(
         return await run_status(client, run_id)
 
 
-async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_json: bool) -> int:
-    """Run the demo; returns the process exit code."""
-    out = sys.stderr if as_json else sys.stdout
+async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_json: bool = False) -> RunStatus:
+    """Run the demo, saying what happens (on stderr with `as_json`, so that stdout stays for the
+    result); returns the run's final status."""
+    out = console.stderr if as_json else console.stdout
     started = time.monotonic()
 
     def say(message: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f}s] {message}", file=out, flush=True)
+        out.print(f"[{time.monotonic() - started:6.1f}s] {message}")
 
     if kill_at is not None and not 1 <= kill_at < spec.trainer.steps:
         raise DemoError(
-            f"--kill-at-step {kill_at} must be between 1 and {spec.trainer.steps - 1} (the run trains {spec.trainer.steps} steps)"
+            f"--kill-at-step {kill_at} must be between 1 and {spec.trainer.steps - 1} "
+            f"(the run trains {spec.trainer.steps} steps)"
         )
     if kill_at is not None and spec.cluster.spare_nodes < 1:
         say("note: no hot spare in this spec; after the kill the run waits for capacity, then fails")
@@ -128,15 +129,6 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
     say(f"web UI: {settings.workflow_url(run_id)}")
     async with build_worker(client, settings.task_queue, cluster):
         final = await drive_run(client, settings, cluster, spec, run_id, kill_at, say)
-
     if final.state == RunState.FAILED:
         say(f"run FAILED: {final.reason}")
-    if as_json:
-        print(json.dumps(final.summary(), indent=2))
-    else:
-        print()
-        print(stage_table(final))
-        print()
-        print(f"History in the web UI: {settings.workflow_url(run_id)}")
-        print(f"Run directory: {final.run_dir}")
-    return 0 if final.state == RunState.COMPLETED else 1
+    return final

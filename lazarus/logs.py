@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lazarus.schema.contract import RunDir
 from lazarus.schema.records import Assignment
+from lazarus.schema.rundir import RunDir
 
 
 class LogsError(ValueError):

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from rich.console import Group
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from lazarus.console import table
 from lazarus.schema.records import STAGES, Incident, RunStatus
 
 STAGE_COLORS = {
@@ -86,71 +92,106 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     }
 
 
-def stage_table(status: RunStatus) -> str:
-    """The incidents of a run as a table: each stage's seconds, MTTR, steps lost, decision."""
-    lines = []
-    for incident in status.incidents:
-        fault = incident.fault
-        lines.append(
-            f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step} "
-            f"({fault.reason})"
+def _seconds_cell(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f}"
+
+
+def _incident_notes(incident: Incident) -> list[str]:
+    """What an incident's stage table leaves out: the decision, a layout change, checkpoints, outcome."""
+    notes = []
+    if incident.decision:
+        notes.append(f"decision: {incident.decision.reason}")
+    if incident.new_assignment and incident.new_assignment.layout != incident.old_assignment.layout:
+        old, new = incident.old_assignment.layout, incident.new_assignment.layout
+        below = " (below the spec's dp)" if incident.decision and incident.decision.below_target_dp else ""
+        notes.append(f"layout: dp={old.dp} pp={old.pp} -> dp={new.dp} pp={new.pp}{below}")
+    discarded = ", ".join(f"step-{s}" for s in incident.discarded_checkpoints)
+    skipped = ", ".join(f"step-{s} ({why})" for s, why in incident.skipped_checkpoints.items())
+    kept = [discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"]
+    if any(kept):
+        notes.append("checkpoints: " + "; ".join(filter(None, kept)))
+    if incident.resumed_from_step is None:
+        notes.append(f"outcome: {incident.outcome}")
+    else:
+        notes.append(
+            f"resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
+            f"outcome: {incident.outcome}"
         )
-        lines.append(f"  {'stage':<20}{'seconds':>9}")
-        for name in STAGES:
-            stage = incident.stages.get(name)
-            seconds = "-" if stage is None or stage.seconds is None else f"{stage.seconds:.2f}"
-            lines.append(f"  {name:<20}{seconds:>9}")
-        mttr = incident.mttr_seconds
-        lines.append(f"  {'MTTR':<20}{'-' if mttr is None else f'{mttr:.2f}':>9}   (fault -> first new training step)")
-        if incident.decision:
-            lines.append(f"  decision: {incident.decision.reason}")
-        if incident.new_assignment and incident.new_assignment.layout != incident.old_assignment.layout:
-            old, new = incident.old_assignment.layout, incident.new_assignment.layout
-            below = " (below the spec's dp)" if incident.decision and incident.decision.below_target_dp else ""
-            lines.append(f"  layout: dp={old.dp} pp={old.pp} -> dp={new.dp} pp={new.pp}{below}")
-        if incident.discarded_checkpoints or incident.skipped_checkpoints:
-            skipped = ", ".join(f"step-{s} ({why})" for s, why in incident.skipped_checkpoints.items())
-            discarded = ", ".join(f"step-{s}" for s in incident.discarded_checkpoints)
-            lines.append(
-                "  checkpoints: "
-                + "; ".join(
-                    filter(
-                        None, [discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"]
-                    )
-                )
-            )
-        if incident.resumed_from_step is None:
-            lines.append(f"  outcome: {incident.outcome}")
-        else:
-            lines.append(
-                f"  resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
-                f"outcome: {incident.outcome}"
-            )
-    if not lines:
-        lines.append("No incidents: the run trained without a fault.")
-    return "\n".join(lines)
+    return notes
 
 
-def report_text(status: RunStatus, summary: dict) -> str:
-    """The bill as text."""
-    lost = summary["lost_seconds"]
-    lines = [
-        f"Run {summary['run_id']}: {summary['state']}, step {summary['step']}/{summary['total_steps']}, "
-        f"wall {summary['wall_seconds']:.1f} s",
-        f"ETTR {summary['ettr']:.1%}: productive {summary['productive_seconds']:.1f} s; lost to recoveries "
-        f"{lost['recovery']:.1f} s, to {summary['lost_steps']} recomputed step(s) {lost['recomputed_steps']:.1f} s "
-        f"(mean step {summary['mean_step_seconds']:.3f} s), held by operators {lost['operator_holds']:.1f} s",
-        "",
-        stage_table(status),
+def incident_view(incident: Incident) -> Group:
+    """One incident: a heading, each stage's seconds and the MTTR in a table, then the notes."""
+    fault = incident.fault
+    because = f" ({fault.reason})" if fault.reason else ""
+    heading = Text(
+        f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step}{because}",
+        style="bold",
+    )
+    stages = table("stage", "seconds", "", right=("seconds",))
+    for name in STAGES:
+        stage = incident.stages.get(name)
+        stages.add_row(name, _seconds_cell(None if stage is None else stage.seconds), "")
+    stages.add_section()
+    stages.add_row("MTTR", _seconds_cell(incident.mttr_seconds), "fault -> first new training step")
+    notes = [Text(f"  {note}") for note in _incident_notes(incident)]
+    return Group(heading, Padding(stages, (0, 0, 0, 2), expand=False), *notes)
+
+
+def stage_tables(status: RunStatus) -> Group:
+    """Every incident of a run, oldest first, each with its stage table (`run status`, the demo)."""
+    if not status.incidents:
+        return Group(Text("No incidents: the run trained without a fault."))
+    views: list[Group | Text] = []
+    for incident in status.incidents:
+        views += [incident_view(incident), Text("")]
+    return Group(*views[:-1])
+
+
+def _cost_table(summary: dict) -> Table:
+    """Where the wall time went, in seconds and as a share of it."""
+    wall, lost = summary["wall_seconds"], summary["lost_seconds"]
+    costs = table("time", "seconds", "of wall", right=("seconds", "of wall"))
+    for label, seconds in (
+        ("productive training", summary["productive_seconds"]),
+        ("recoveries (fault -> first new step)", lost["recovery"]),
+        (f"recomputed steps ({summary['lost_steps']})", lost["recomputed_steps"]),
+        ("held by operators", lost["operator_holds"]),
+    ):
+        costs.add_row(label, f"{seconds:.1f}", f"{seconds / wall:.1%}" if wall > 0 else "-")
+    costs.add_section()
+    costs.add_row("wall", f"{wall:.1f}", "100.0%" if wall > 0 else "-")
+    return costs
+
+
+def _interventions_table(status: RunStatus) -> Table:
+    interventions = table("requested", "intervention", "detail", "outcome")
+    for intervention in status.interventions:
+        interventions.add_row(
+            f"{intervention.requested_at:%H:%M:%S}",
+            intervention.kind,
+            intervention.detail,
+            intervention.outcome or "pending",
+        )
+    return interventions
+
+
+def run_report(status: RunStatus, summary: dict) -> Group:
+    """The bill (`run report`): ETTR, where the wall time went, each incident's stages, operators' interventions."""
+    ettr = "-" if summary["ettr"] is None else f"{summary['ettr']:.1%}"
+    parts: list = [
+        Text(
+            f"Run {summary['run_id']}: {summary['state']}, step {summary['step']}/{summary['total_steps']}, "
+            f"ETTR {ettr}, mean step {summary['mean_step_seconds']:.3f} s",
+            style="bold",
+        ),
+        _cost_table(summary),
+        Text(""),
+        stage_tables(status),
     ]
     if status.interventions:
-        lines += ["", "Operator interventions:"]
-        for intervention in status.interventions:
-            lines.append(
-                f"  {intervention.requested_at:%H:%M:%S} {intervention.kind} {intervention.detail}".rstrip()
-                + f": {intervention.outcome or 'pending'}"
-            )
-    return "\n".join(lines)
+        parts += [Text(""), Text("Operator interventions", style="bold"), _interventions_table(status)]
+    return Group(*parts)
 
 
 def plot_timeline(status: RunStatus, summary: dict, path: str, now: datetime | None = None) -> None:
@@ -163,7 +204,10 @@ def plot_timeline(status: RunStatus, summary: dict, path: str, now: datetime | N
 
     end = status.ended_at or now or datetime.now(UTC)
     origin = status.started_at
-    at = lambda moment: _seconds(origin, moment)  # noqa: E731
+
+    def at(moment: datetime) -> float:
+        return _seconds(origin, moment)
+
     figure, axis = plt.subplots(figsize=(12, 2.8))
     axis.broken_barh([(0, at(end))], (0, 1), color="#2ca02c", alpha=0.6)
     for incident in status.incidents:

@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from lazarus.console import table
 from lazarus.planner import (
     CAUSES,
     RECOVERY_STAGES,
@@ -19,6 +24,7 @@ from lazarus.schema.load import SpecError, load_spec
 from lazarus.schema.scenario import Measured, Scenario
 
 PRESETS = Path(__file__).resolve().parent / "scenarios"
+NUMBERS_OF_A_POLICY = ("ETTR", "95% CI", "goodput", "faults", "reshards", "lost GPU-h")
 
 
 class PlanError(ValueError):
@@ -99,36 +105,38 @@ def plan(scenario: Scenario, repetitions: int | None = None) -> dict:
     }
 
 
-def report(result: dict) -> str:
-    """The plan as text tables."""
-    s = result["scenario"]
-    nodes = s["gpus"] // s["gpus_per_node"]
-    lines = [
-        f"Scenario {s['name']}: {s['gpus']:,} GPUs ({nodes:,} nodes of {s['gpus_per_node']}), "
-        f"tp{s['tp']} pp{s['pp']} dp{s['dp']}, {s['days']:g} days, "
-        f"{s['failures']['interruptions_per_day']:g} interruptions/day (MTBF {result['mtbf_hours']:.1f} h), "
-        f"{s['spare_nodes']} spare nodes, checkpoint every {s['checkpoint']['interval_minutes']:g} min",
-        "",
-        f"{'policy':<16}{'ETTR':>8}{'95% CI':>18}{'goodput':>9}{'faults':>8}{'reshards':>9}{'lost GPU-h':>12}",
-    ]
+def _policies_table(result: dict) -> Table:
+    policies = table(
+        "policy", "ETTR", "95% CI", "goodput", "faults", "reshards", "lost GPU-h", right=NUMBERS_OF_A_POLICY
+    )
     for p in result["policies"]:
         low, high = p["ettr_ci95"]
-        lines.append(
-            f"{p['name']:<16}{p['ettr']:>8.2%}{f'{low:.2%} - {high:.2%}':>18}{p['goodput']:>9.2%}"
-            f"{p['faults_per_run']:>8.0f}{p['reshards_per_run']:>9.1f}{p['lost_gpu_hours_total']:>12,.0f}"
+        policies.add_row(
+            p["name"],
+            f"{p['ettr']:.2%}",
+            f"{low:.2%} - {high:.2%}",
+            f"{p['goodput']:.2%}",
+            f"{p['faults_per_run']:.0f}",
+            f"{p['reshards_per_run']:.1f}",
+            f"{p['lost_gpu_hours_total']:,.0f}",
         )
-    lines += [
-        "",
-        "Lost GPU-hours by cause (mean per run):",
-        f"{'cause':<22}" + "".join(f"{p['name']:>16}" for p in result["policies"]),
-    ]
+    return policies
+
+
+def _causes_table(result: dict) -> Table:
+    names = [p["name"] for p in result["policies"]]
+    causes = table("cause", *names, right=tuple(names))
     for cause in CAUSES:
         values = [p["lost_gpu_hours"][cause] for p in result["policies"]]
         if any(values):
-            lines.append(f"{cause:<22}" + "".join(f"{v:>16,.0f}" for v in values))
+            causes.add_row(cause, *(f"{v:,.0f}" for v in values))
+    return causes
+
+
+def _advice(result: dict) -> list[str]:
+    """The best checkpoint interval, and the hot spares the target ETTR needs."""
     interval = result["checkpoint_interval"]
-    lines += [
-        "",
+    lines = [
         f"Checkpoint interval ({interval['policy']}, {interval['repetitions']} repetitions per point): "
         f"best {interval['best_minutes']:.1f} min (ETTR {interval['best_ettr']:.2%}); "
         f"Young-Daly sqrt(2 x save stall x MTBF) = {interval['young_daly_minutes']:.1f} min",
@@ -140,7 +148,29 @@ def report(result: dict) -> str:
         )
     elif "automatic" in [p["name"] for p in result["policies"]]:
         lines.append(f"Hot spares for ETTR >= {spares['target_ettr']:.1%}: not reached with up to 256 spare nodes")
-    return "\n".join(lines)
+    return lines
+
+
+def report(result: dict) -> Group:
+    """The plan as tables: each policy's ETTR and goodput, the lost GPU-hours by cause, then advice."""
+    s = result["scenario"]
+    nodes = s["gpus"] // s["gpus_per_node"]
+    heading = (
+        f"Scenario {s['name']}: {s['gpus']:,} GPUs ({nodes:,} nodes of {s['gpus_per_node']}), "
+        f"tp{s['tp']} pp{s['pp']} dp{s['dp']}, {s['days']:g} days, "
+        f"{s['failures']['interruptions_per_day']:g} interruptions/day (MTBF {result['mtbf_hours']:.1f} h), "
+        f"{s['spare_nodes']} spare nodes, checkpoint every {s['checkpoint']['interval_minutes']:g} min"
+    )
+    return Group(
+        Text(heading, style="bold"),
+        Text(""),
+        _policies_table(result),
+        Text(""),
+        Text("Lost GPU-hours by cause (mean per run)", style="bold"),
+        _causes_table(result),
+        Text(""),
+        *(Text(line) for line in _advice(result)),
+    )
 
 
 def plot(result: dict, path: str) -> None:
@@ -152,7 +182,7 @@ def plot(result: dict, path: str) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     for name, points in result["checkpoint_interval"]["sweep"].items():
-        minutes, ettr = zip(*points)
+        minutes, ettr = zip(*points, strict=True)
         left.plot(minutes, [100 * e for e in ettr], marker="o", label=name)
     young = result["checkpoint_interval"]["young_daly_minutes"]
     left.axvline(young, color="grey", linestyle="--", label=f"Young-Daly {young:.1f} min")
@@ -170,7 +200,7 @@ def plot(result: dict, path: str) -> None:
         values = [p["lost_gpu_hours"][cause] / 1000 for p in result["policies"]]
         if any(values):
             right.bar(names, values, bottom=bottom, label=cause, color=colors[index % len(colors)])
-            bottom = [b + v for b, v in zip(bottom, values)]
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     right.set_ylabel("lost GPU-hours per run (thousands)")
     right.set_title("Where the lost GPU-hours went")
     right.legend(fontsize=8)

@@ -1,0 +1,1 @@
+"""The `lazarus` commands: each module registers its subcommands and holds their handlers."""

@@ -1,0 +1,135 @@
+"""`lazarus run pause|resume|abort|drain-node|return-node|reshard|approve|set-policy`: steer a run.
+
+Each command sends one workflow update with its own request model from lazarus.schema.controls,
+and prints the workflow's answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lazarus.commands.common import UserError, connect_client
+from lazarus.config import Settings
+
+
+def _pause(args, controls):
+    return controls.PauseRequest(reason=args.reason)
+
+
+def _resume(args, controls):
+    return controls.ResumeRequest(reason=args.reason)
+
+
+def _abort(args, controls):
+    return controls.AbortRequest(reason=args.reason)
+
+
+def _drain_node(args, controls):
+    return controls.DrainNodeRequest(node=args.node, reason=args.reason)
+
+
+def _return_node(args, controls):
+    return controls.ReturnNodeRequest(node=args.node)
+
+
+def _reshard(args, controls):
+    return controls.ReshardRequest(dp=args.dp)
+
+
+def _approve(args, controls):
+    return controls.ApproveRequest(action=args.action.replace("-", "_"), wait_seconds=args.wait_seconds)
+
+
+def _set_policy(args, controls):
+    return controls.SetPolicyRequest(changes=policy_changes(args.changes))
+
+
+def _control(run_commands: argparse._SubParsersAction, name: str, update: str, request, helptext: str):
+    """A subcommand that sends the update named `update` (a TrainingRun method) with `request(args, controls)`."""
+    command = run_commands.add_parser(name, help=helptext)
+    command.add_argument("run_id", metavar="RUN")
+    command.set_defaults(handler=send_update, update=update, request=request)
+    return command
+
+
+def register(run_commands: argparse._SubParsersAction) -> None:
+    """Add the operator controls to `lazarus run`."""
+    for name, update, request, helptext in (
+        ("pause", "pause", _pause, "checkpoint, stop the ranks, hold the nodes"),
+        ("resume", "resume", _resume, "continue a paused run on the nodes it held"),
+        ("abort", "abort", _abort, "stop the run cleanly; the newest checkpoint is kept"),
+    ):
+        command = _control(run_commands, name, update, request, helptext)
+        command.add_argument("--reason", default="", help="why (recorded in the run's history)")
+    drain = _control(
+        run_commands,
+        "drain-node",
+        "drain_node",
+        _drain_node,
+        "treat a node as faulty: the same recovery as a detected fault",
+    )
+    drain.add_argument("node", metavar="NODE")
+    drain.add_argument("--reason", default="", help="why (recorded on the incident)")
+    back_node = _control(
+        run_commands, "return-node", "return_node", _return_node, "a repaired node rejoins the run's spare pool"
+    )
+    back_node.add_argument("node", metavar="NODE")
+    reshard = _control(
+        run_commands, "reshard", "reshard", _reshard, "run at DP replicas: checkpoint, stop, re-plan, resume"
+    )
+    reshard.add_argument("dp", type=int, metavar="DP")
+    approve = _control(
+        run_commands, "approve", "approve", _approve, "answer an escalation (state WAITING_FOR_APPROVAL)"
+    )
+    approve.add_argument("action", choices=["reshard-below-minimum", "wait-longer"])
+    approve.add_argument(
+        "--wait-seconds", type=float, default=600.0, help="with wait-longer: how much longer (default 600)"
+    )
+    policy = _control(
+        run_commands,
+        "set-policy",
+        "set_policy",
+        _set_policy,
+        "change recovery policy fields, e.g. hang_after_seconds=60 stages.drain.max_attempts=9",
+    )
+    policy.add_argument("changes", nargs="+", metavar="FIELD=VALUE")
+
+
+def policy_changes(pairs: list[str]) -> dict:
+    """FIELD=VALUE pairs (dotted fields nest, values are YAML scalars) as a nested dict."""
+    import yaml
+
+    changes: dict = {}
+    for pair in pairs:
+        field, sep, value = pair.partition("=")
+        if not sep or not field:
+            raise UserError(f"set-policy: {pair!r} is not FIELD=VALUE (e.g. hang_after_seconds=60)")
+        *path, last = field.split(".")
+        target = changes
+        for part in path:
+            target = target.setdefault(part, {})
+        target[last] = yaml.safe_load(value)
+    return changes
+
+
+async def send_update(args: argparse.Namespace, settings: Settings) -> int:
+    """Send the command's update to the run and print its answer; a refusal is said in one line."""
+    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.service import RPCError
+
+    from lazarus.schema import controls
+    from lazarus.workflows.training_run import TrainingRun
+
+    request = args.request(args, controls)
+    client = await connect_client(settings)
+    try:
+        answer = await client.get_workflow_handle(args.run_id).execute_update(
+            getattr(TrainingRun, args.update), request
+        )
+    except WorkflowUpdateFailedError as error:
+        cause = error.cause
+        raise UserError(f"{args.run_command} refused: {getattr(cause, 'message', None) or cause}") from None
+    except RPCError as error:
+        raise UserError(f"{args.run_command}: run {args.run_id}: {error.message}") from None
+    print(f"{answer.message} (state {answer.state})")
+    return 0

@@ -1,0 +1,228 @@
+"""`lazarus run start|status|list|watch|logs|report`: start a run, and read what it did."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from datetime import datetime
+
+from lazarus.commands.common import UserError, connect_client, load_run_spec
+from lazarus.config import Settings
+
+TERMINAL_STATES = ("COMPLETED", "FAILED", "ABORTED")
+
+
+def register(run_commands: argparse._SubParsersAction) -> None:
+    """Add start, status, list, watch, logs and report to `lazarus run`."""
+    start = run_commands.add_parser("start", help="start a run from a YAML spec")
+    start.add_argument("spec", help="path of the run spec (YAML), e.g. examples/demo.yaml")
+    start.add_argument("--run-id", help="run id, also the workflow id (default: <name>-<date>-<time>)")
+    start.set_defaults(handler=start_run)
+    status = run_commands.add_parser("status", help="state, step, assignment and incidents of a run")
+    status.add_argument("run_id", metavar="RUN")
+    status.add_argument("--json", action="store_true", help="print the full status as JSON")
+    status.set_defaults(handler=show_status)
+    listing = run_commands.add_parser("list", help="runs known to Temporal, newest first, with state and incidents")
+    listing.add_argument("--state", help="only runs in this state, e.g. TRAINING (needs the search attributes)")
+    listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    listing.set_defaults(handler=list_runs)
+    watch = run_commands.add_parser(
+        "watch", help="follow a run live: progress bar, state, incidents (Ctrl-C stops watching)"
+    )
+    watch.add_argument("run_id", metavar="RUN")
+    watch.set_defaults(handler=watch_run)
+    logs = run_commands.add_parser("logs", help="the ranks' stdout and stderr (local backend: read from LAZARUS_HOME)")
+    logs.add_argument("run_id", metavar="RUN")
+    logs.add_argument("--node", help="only this node's ranks (default incarnation: the newest it ran in)")
+    logs.add_argument("--incarnation", type=int, help="this incarnation (default: the newest)")
+    logs.add_argument("--follow", action="store_true", help="keep printing until those ranks end (Ctrl-C stops)")
+    logs.set_defaults(handler=show_logs)
+    report = run_commands.add_parser(
+        "report", help="what elasticity cost this run: stage table, ETTR, lost steps, timeline"
+    )
+    report.add_argument("run_id", metavar="RUN")
+    report.add_argument("--plot", metavar="FILE", help="write the timeline as a PNG")
+    report.add_argument("--json", action="store_true", help="print the summary as JSON")
+    report.set_defaults(handler=show_report)
+
+
+async def start_run(args: argparse.Namespace, settings: Settings) -> int:
+    """Start a TrainingRun workflow from a spec; says how to follow it."""
+    from temporalio.service import RPCError
+
+    from lazarus.activities.recovery import missing_command
+    from lazarus.client import start_run
+
+    spec = load_run_spec(args.spec)
+    if missing_command(spec.trainer.command):
+        raise UserError(missing_command(spec.trainer.command))
+    run_id = args.run_id or f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    client = await connect_client(settings)
+    try:
+        await start_run(client, settings, spec, run_id)
+    except RPCError as error:
+        raise UserError(f"cannot start run {run_id}: {error.message}") from None
+    print(f"started run {run_id}\n  status: lazarus run status {run_id}\n  web UI: {settings.workflow_url(run_id)}")
+    return 0
+
+
+async def fetch_status(client, run_id: str):
+    """The run's status from its workflow; no such run, or no worker to answer, is said in one line."""
+    from temporalio.client import WorkflowQueryFailedError
+    from temporalio.service import RPCError
+
+    from lazarus.client import run_status
+
+    try:
+        return await run_status(client, run_id)
+    except RPCError as error:
+        raise UserError(f"no status for run {run_id}: {error.message}") from None
+    except WorkflowQueryFailedError as error:
+        raise UserError(f"run {run_id} did not answer: {error}; is a worker running (`lazarus worker`)?") from None
+
+
+def status_view(status):
+    """A run's state, step, layout and nodes as a two-column grid, then its incidents' stage tables."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from lazarus.report import stage_tables
+
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    layout, assignment = status.layout, status.assignment
+    facts.add_row("run", status.run_id)
+    facts.add_row("state", status.state.value)
+    facts.add_row("step", f"{status.step}/{status.total_steps}")
+    facts.add_row("layout", f"dp={layout.dp} pp={layout.pp} tp={layout.tp}")
+    if assignment:
+        facts.add_row("incarnation", f"{assignment.incarnation} on {', '.join(assignment.nodes)}")
+    if status.reason:
+        facts.add_row("reason", status.reason)
+    return Group(facts, Text(""), stage_tables(status))
+
+
+async def show_status(args: argparse.Namespace, settings: Settings) -> int:
+    """Print a run's status: a grid and its stage tables, or with --json the full status."""
+    from lazarus.console import stdout, stdout_reserved_for_json
+
+    if args.json:
+        with stdout_reserved_for_json() as emit:
+            status = await fetch_status(await connect_client(settings), args.run_id)
+            emit(status.summary())
+        return 0
+    status = await fetch_status(await connect_client(settings), args.run_id)
+    stdout.print(status_view(status))
+    return 0
+
+
+async def show_report(args: argparse.Namespace, settings: Settings) -> int:
+    """Print what elasticity cost a run (with --json its numbers); with --plot, draw its timeline."""
+    from lazarus.console import stdout, stdout_reserved_for_json
+    from lazarus.report import plot_timeline, run_report, summarize
+
+    async def bill():
+        status = await fetch_status(await connect_client(settings), args.run_id)
+        try:
+            summary = summarize(status)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        if args.plot:
+            plot_timeline(status, summary, args.plot)
+        return status, summary
+
+    if args.json:
+        with stdout_reserved_for_json() as emit:
+            emit((await bill())[1])
+        return 0
+    status, summary = await bill()
+    stdout.print(run_report(status, summary))
+    if args.plot:
+        stdout.print(f"\nTimeline: {args.plot}")
+    return 0
+
+
+async def list_runs(args: argparse.Namespace, settings: Settings) -> int:
+    """A table of the runs Temporal knows, newest first: id, workflow status, state, incidents, start."""
+    from lazarus.console import stdout, table
+
+    client = await connect_client(settings)
+    query = "WorkflowType='TrainingRun'" + (f" AND LazarusState='{args.state.upper()}'" if args.state else "")
+    runs = table("run", "workflow", "state", "incidents", "started", right=("incidents",))
+    try:
+        async for execution in client.list_workflows(query, limit=args.limit):
+            attributes = execution.search_attributes
+            runs.add_row(
+                execution.id,
+                execution.status.name.lower(),
+                str((attributes.get("LazarusState") or ["-"])[0]),
+                str((attributes.get("LazarusIncidents") or ["-"])[0]),
+                f"{execution.start_time:%Y-%m-%d %H:%M:%S}",
+            )
+    except Exception as error:  # noqa: BLE001 - a bad query is the user's: say it in one line
+        raise UserError(f"cannot list runs: {str(error).splitlines()[0]}") from None
+    stdout.print(runs if runs.row_count else "(no runs)")
+    return 0
+
+
+async def watch_run(args: argparse.Namespace, settings: Settings) -> int:
+    """Follow a run until it ends; exit 0 if it completed, 1 if it failed or was aborted."""
+    from lazarus.console import stdout
+
+    client = await connect_client(settings)
+    return await follow(lambda: fetch_status(client, args.run_id), stdout)
+
+
+async def follow(current, console, poll_seconds: float = 0.5) -> int:
+    """Poll `current()` (a run's status) until the run ends: a live progress bar, a line for each
+    state it enters and each incident, and at the end the state it ended in; returns 0 if it
+    completed, else 1."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("{task.fields[state]:<22}"),
+        BarColumn(bar_width=30),
+        MofNCompleteColumn(),
+        TextColumn("incarnation {task.fields[incarnation]}"),
+        TimeElapsedColumn(),
+    )
+    last_state, incidents, task = None, 0, None
+    with Progress(*columns, console=console) as progress:
+        while True:
+            status = await current()
+            state = status.state.value
+            incarnation = status.assignment.incarnation if status.assignment else "-"
+            if task is None:
+                task = progress.add_task("run", total=status.total_steps, state=state, incarnation=incarnation)
+            if state != last_state and state not in TERMINAL_STATES:
+                progress.console.print(f"{state} at step {status.step}/{status.total_steps}")
+            for incident in status.incidents[incidents:]:
+                fault = incident.fault
+                progress.console.print(
+                    f"incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step}"
+                )
+            incidents, last_state = len(status.incidents), state
+            progress.update(task, completed=status.step, state=state, incarnation=incarnation)
+            if state in TERMINAL_STATES:
+                break
+            await asyncio.sleep(poll_seconds)
+    console.print(
+        f"{state} at step {status.step}/{status.total_steps}" + (f": {status.reason}" if status.reason else "")
+    )
+    return 0 if state == "COMPLETED" else 1
+
+
+async def show_logs(args: argparse.Namespace, settings: Settings) -> int:
+    """Print the ranks' logs from the run directory, each line prefixed with its node and rank."""
+    from lazarus.infra.local import LocalCluster
+    from lazarus.logs import LogsError, select, show
+
+    run = LocalCluster(settings.home).run_dir(args.run_id)
+    try:
+        selected = select(run, args.node, args.incarnation)
+    except LogsError as error:
+        raise UserError(f"logs of {args.run_id}: {error}") from None
+    await asyncio.to_thread(show, run, selected, args.follow)
+    return 0

@@ -1,0 +1,80 @@
+"""`lazarus worker`: the TrainingRun workflow and the recovery activities, until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from lazarus.commands.common import UserError, connect_client
+from lazarus.config import Settings
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `worker` to the top-level commands."""
+    worker = commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
+    worker.add_argument(
+        "--backend",
+        choices=["local", "kubernetes"],
+        default=os.environ.get("LAZARUS_BACKEND", "local"),
+        help="cluster the activities drive: local rank processes, or pods through the Kubernetes API "
+        "(in-cluster service account, else ~/.kube/config) (default: LAZARUS_BACKEND, else local)",
+    )
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("LAZARUS_METRICS_PORT", "0")) or None,
+        help="serve Prometheus metrics on ADDRESS:PORT/metrics (default: LAZARUS_METRICS_PORT, else off)",
+    )
+    worker.add_argument(
+        "--metrics-address",
+        default=os.environ.get("LAZARUS_METRICS_ADDRESS", "127.0.0.1"),
+        help="address the metrics server binds: 0.0.0.0 in a pod, so that Prometheus can scrape it "
+        "(default: LAZARUS_METRICS_ADDRESS, else 127.0.0.1)",
+    )
+    worker.set_defaults(handler=work)
+
+
+def _cluster(backend: str, settings: Settings):
+    from lazarus.infra.local import LocalCluster
+
+    if backend != "kubernetes":
+        return LocalCluster(settings.home)
+    from lazarus.infra.kubernetes import KubernetesCluster
+
+    try:
+        return KubernetesCluster(settings.home)
+    except Exception as error:  # noqa: BLE001 - no kubeconfig, no service account: say so, no traceback
+        raise UserError(f"--backend kubernetes: cannot reach a Kubernetes API ({error})") from None
+
+
+async def work(args: argparse.Namespace, settings: Settings) -> int:
+    """Serve the task queue until SIGINT or SIGTERM, with Prometheus metrics when asked."""
+    from lazarus.activities.failpoints import Failpoints
+    from lazarus.activities.metrics import Metrics
+    from lazarus.worker import build_worker, count_runs_by_state, serve, serve_metrics
+
+    client = await connect_client(settings)
+    metrics = Metrics()
+    cluster = _cluster(args.backend, settings)
+    worker = build_worker(client, settings.task_queue, cluster, Failpoints.from_environ(), metrics)
+    counter = None
+    if args.metrics_port:
+        try:
+            serve_metrics(args.metrics_port, metrics, args.metrics_address)
+        except OSError as error:
+            raise UserError(
+                f"--metrics-port {args.metrics_port} on {args.metrics_address}: {error.strerror or error}"
+            ) from None
+        counter = asyncio.ensure_future(count_runs_by_state(client, metrics))
+    metrics_url = f", metrics on http://{args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""
+    print(
+        f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} "
+        f"at {settings.address}, runs under {settings.home.resolve() / 'runs'}{metrics_url}",
+        flush=True,
+    )
+    try:
+        await serve(worker, counter)
+    finally:
+        cluster.close()
+    return 0
