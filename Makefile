@@ -1,10 +1,12 @@
 # Two commands work on a fresh clone; both set up .venv/ first (once).
-#   make demo    the demo: local Temporal server + UI, 4 nodes + 1 spare, a node killed, recovery, its cost
-#   make test    the test suite (CI runs this)
+#   make demo       the demo: local Temporal server + UI, 4 nodes + 1 spare, a node killed, recovery, its cost
+#   make test       the test suite (CI runs this, after make lint)
+#   make test-fast  unit and workflow tests only (under a minute)
+#   make lint       ruff: lint and format check
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test setup bench clean-state
+.PHONY: demo test test-fast lint format setup bench clean-state
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -21,6 +23,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit tests/workflow $(ARGS)
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: $(STAMP)
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
 
 bench: $(STAMP)
 	$(PY) bench/recovery.py $(ARGS)
