@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from datetime import datetime
@@ -17,6 +16,7 @@ from lazarus.client import connect, run_status, start_run
 from lazarus.config import Settings
 from lazarus.infra.local import LocalCluster
 from lazarus.infra.temporal_server import port_answers, split_address, start_detached
+from lazarus.schema.contract import MetricsLine, read_metrics
 from lazarus.schema.records import RunState, RunStatus
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
@@ -36,18 +36,10 @@ def default_kill_step(spec: RunSpec) -> int:
     return min(step, spec.trainer.steps - 1)
 
 
-def last_metric(run: RunDir) -> dict | None:
-    """The newest complete line of rank 0's metrics.jsonl."""
-    try:
-        lines = run.metrics_file.read_text().splitlines()
-    except FileNotFoundError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written right now
-    return None
+def last_metric(run: RunDir) -> MetricsLine | None:
+    """The newest complete line of rank 0's metrics.jsonl (None before the first step)."""
+    lines = read_metrics(run)
+    return lines[-1] if lines else None
 
 
 async def ensure_server(settings: Settings, say) -> None:
@@ -78,12 +70,12 @@ async def drive_run(
     while not result.done():
         status = await run_status(client, run_id)
         metric = last_metric(run)
-        step = metric["step"] if metric else 0
+        step = metric.step if metric else 0
         if status.state != last_state:
             say(status.state.value)
             last_state = status.state
         if metric and step != last_step and (step % report_every == 0 or step == spec.trainer.steps):
-            say(f"  step {step}/{spec.trainer.steps}  loss {metric['loss']:.4f}  incarnation {metric['incarnation']}")
+            say(f"  step {step}/{spec.trainer.steps}  loss {metric.loss:.4f}  incarnation {metric.incarnation}")
         last_step = step
         if not killed and status.state == RunState.TRAINING and step >= kill_at and status.assignment:
             node = status.assignment.nodes[len(status.assignment.nodes) // 2]

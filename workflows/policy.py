@@ -30,6 +30,12 @@ def broken_replicas(assignment: Assignment, lost: set[str]) -> list[int]:
     )
 
 
+def _fits(layout: Layout, dp: int, nodes: int) -> bool:
+    """Whether dp replicas of the layout fill whole nodes, and at most `nodes` of them."""
+    needed = nodes_for(layout, dp)
+    return needed is not None and needed <= nodes
+
+
 def plan_recovery(
     inventory: Inventory,
     assignment: Assignment,
@@ -56,12 +62,8 @@ def plan_recovery(
         return _replace_in_place(assignment, lost_here, spares, broken, target_dp)
 
     pool = _reshard_pool(assignment, lost_set, broken) + spares
-
-    def fits(dp: int) -> bool:
-        needed = nodes_for(layout, dp)
-        return needed is not None and needed <= len(pool)
-
-    new_dp = next((dp for dp in range(layout.dp - 1, 0, -1) if fits(dp)), 0) if allow_reshard else 0
+    fitting = (dp for dp in range(layout.dp - 1, 0, -1) if _fits(layout, dp, len(pool)))
+    new_dp = next(fitting, 0) if allow_reshard else 0
     if new_dp < min_dp:
         return Decision(
             action="wait",
