@@ -11,6 +11,7 @@ import pytest
 
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import Assignment, parse_spec
+from lazarus.schema.contract import read_exit
 from lazarus.schema.files import lock_is_held, read_json
 from lazarus.trainer.standby import warm_entry
 from tests.support.waiting import wait_until
@@ -68,18 +69,16 @@ def test_warm_entry_runs_python_modules_and_scripts_in_place():
     assert warm_entry(["./train.sh"]) is None
 
 
+def both_exits(run) -> list:
+    """Wait until ranks 0 and 1 of incarnation 0 have exit records; returns them."""
+    return wait_until(lambda: all(ended := [read_exit(run, 0, r) for r in (0, 1)]) and ended, "both ranks to exit")
+
+
 def test_a_warm_rank_gets_a_cold_ranks_environment_and_exit_status(cluster, tmp_path):
     reports = start(cluster, tmp_path)
     run = cluster.run_dir("r1")
-    exits = wait_until(
-        lambda: (
-            [read_json(run.exit_file(0, r)) for r in (0, 1)]
-            if all(run.exit_file(0, r).exists() for r in (0, 1))
-            else None
-        ),
-        "both ranks to exit",
-    )
-    assert [e["code"] for e in exits] == [10, 11]  # sys.exit(code) of each rank, recorded by its launcher
+    exits = both_exits(run)
+    assert [e.code for e in exits] == [10, 11]  # sys.exit(code) of each rank, recorded by its launcher
     for rank in (0, 1):
         report = json.loads((reports / f"{rank}.json").read_text())
         assert report["argv"] == [str(tmp_path / "reporter.py"), "10"]
@@ -96,15 +95,8 @@ def test_a_warm_rank_gets_a_cold_ranks_environment_and_exit_status(cluster, tmp_
 def test_a_cold_start_gives_the_same_result(cluster, tmp_path):
     reports = start(cluster, tmp_path, warm=False)
     run = cluster.run_dir("r1")
-    exits = wait_until(
-        lambda: (
-            [read_json(run.exit_file(0, r)) for r in (0, 1)]
-            if all(run.exit_file(0, r).exists() for r in (0, 1))
-            else None
-        ),
-        "both ranks to exit",
-    )
-    assert [e["code"] for e in exits] == [10, 11]
+    exits = both_exits(run)
+    assert [e.code for e in exits] == [10, 11]
     assert json.loads((reports / "0.json").read_text())["torch"] is False
     assert not run.standby("node-0").exists()
 
