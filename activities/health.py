@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema.contract import RankExit
 from lazarus.schema.policy import RecoveryPolicy
-from lazarus.schema.records import FaultReport
+from lazarus.schema.records import FaultReport, StepSource
 
 PROGRAM_ERROR_SETTLE_SECONDS = 2.0
 """How long after the first rank of a fresh run fails before its first step the others get to
@@ -42,10 +43,12 @@ def lost_a_peer(ended: RankExit) -> bool:
 class Verdict:
     """What one observation means."""
 
-    step: int
+    step: int | None  # None: no rank reports steps
     fault: FaultReport | None = None
     completed: bool = False
     stopped: bool = False
+    source: StepSource | None = None  # who reports the step
+    up: bool = False  # every rank is launched and its process runs
 
 
 def _at(seconds: float) -> datetime:
@@ -91,35 +94,64 @@ class _Look:
     def ranks(self) -> list[RankObservation]:
         return self.observation.ranks
 
-    @property
+    @cached_property
+    def source(self) -> StepSource | None:
+        """Who reports the step: a rank's own heartbeat (lazarus.session, the built-in trainer) makes
+        it the trainer; the launcher's, from the output, makes it the output; else what the spec says."""
+        beats = [r.heartbeat for r in self.ranks if r.heartbeat and r.heartbeat.step is not None]
+        if any(beat.by == "rank" for beat in beats):
+            return "trainer"
+        return "output" if beats else self.observation.steps_from
+
+    @cached_property
     def steps(self) -> list[int]:
-        return [r.heartbeat.step if r.heartbeat else self.observation.resume_step for r in self.ranks]
+        """Each reporting rank's step. A trainer's rank restores the resume step before its first
+        heartbeat; a rank that reports by output has no step until it prints one."""
+        if self.source == "trainer":
+            resumed = self.observation.resume_step
+            return [r.heartbeat.step if r.heartbeat and r.heartbeat.step is not None else resumed for r in self.ranks]
+        return [r.heartbeat.step for r in self.ranks if r.heartbeat and r.heartbeat.step is not None]
 
     @property
-    def step(self) -> int:
-        """Progress: the step every rank has completed."""
-        return min(self.steps, default=self.observation.resume_step)
+    def step(self) -> int | None:
+        """Progress: the step every reporting rank has completed; None when none reports one."""
+        return min(self.steps, default=self.observation.resume_step if self.source == "trainer" else None)
+
+    @property
+    def newest_step(self) -> int | None:
+        """The highest step any rank reported (None when none does)."""
+        return max(self.steps, default=self.step)
 
     @property
     def fresh_and_untrained(self) -> bool:
-        """The run's first launch, before any rank completed a step."""
-        trained = any(r.heartbeat and r.heartbeat.first_step_at for r in self.ranks)
-        return self.observation.incarnation == 0 and not trained
+        """The run's first launch, before any rank completed a step. Of a script that reports no
+        steps only its age can tell: it counts as untrained for its startup grace."""
+        if self.observation.incarnation != 0:
+            return False
+        if any(r.heartbeat and r.heartbeat.first_step_at for r in self.ranks):
+            return False
+        launched = self.observation.launched_at
+        young = launched is None or self.now - launched <= self.policy.startup_grace_seconds
+        return self.source == "trainer" or young
+
+    def verdict(self, **outcome) -> Verdict:
+        """A verdict of this look: its step and source, whether every rank is up, and `outcome`."""
+        up = bool(self.ranks) and all(r.launched and r.alive for r in self.ranks)
+        return Verdict(outcome.pop("step", self.step), source=self.source, up=up, **outcome)
 
     def fault(self, kind: str, blamed: list[RankObservation], occurred: float, reason: str, nodes=None) -> Verdict:
         """A verdict of fault `kind`, blaming `blamed` (their nodes, unless `nodes` is given)."""
         beats = [r.heartbeat.time for r in blamed if r.heartbeat]
         first = blamed[0] if blamed else None
         ended = first.exit if first else None
-        return Verdict(
-            self.step,
-            FaultReport(
+        return self.verdict(
+            fault=FaultReport(
                 kind=kind,
                 nodes=sorted(set(nodes or (r.node for r in blamed))),
                 incarnation=self.observation.incarnation,
                 occurred_at=_at(occurred),
                 detected_at=_at(self.now),
-                step=max(self.steps, default=self.step),
+                step=self.newest_step,
                 last_heartbeat_at=_at(max(beats)) if beats else None,
                 reason=reason,
                 rank=first.rank if first else None,
@@ -141,14 +173,14 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
     silent nodes, those whose address the errors name); the earliest rank that exited with
     an error (its peers fail after it); the rank with the oldest heartbeat once heartbeats
     are stale. Every rank gone with code 0 is completion at the last step, and a stop (on
-    request) before it.
+    request) before it; of a script whose ranks report no steps themselves, it is completion.
     """
     look = _Look(observation, policy, now, last_poll, total_steps)
     for check in (_dead_nodes, _exits, _all_ended_cleanly, _hangs):
         verdict = check(look)
         if verdict is not None:
             return verdict
-    return Verdict(look.step)
+    return look.verdict()
 
 
 def _dead_nodes(look: _Look) -> Verdict | None:
@@ -179,7 +211,7 @@ def _exits(look: _Look) -> Verdict | None:
             reason = f"every rank ended before training a step; first: {_ended(first)}"
             return look.fault("program_error", [first], first.exit.time, reason)
         if look.now - first.exit.time < PROGRAM_ERROR_SETTLE_SECONDS:
-            return Verdict(look.step)
+            return look.verdict()
     if all(lost_a_peer(r.exit) for r in failed):
         verdict = _silent_peer(look, failed)
         if verdict is not None:
@@ -204,7 +236,7 @@ def _silent_peer(look: _Look, failed: list[RankObservation]) -> Verdict | None:
     if not silent_nodes:
         return None
     if look.now - first.exit.time < PEER_LOSS_SETTLE_SECONDS:
-        return Verdict(look.step)
+        return look.verdict()
     silent = [r for r in look.ranks if r.node in silent_nodes]
     reason = (
         f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
@@ -214,7 +246,8 @@ def _silent_peer(look: _Look, failed: list[RankObservation]) -> Verdict | None:
 
 
 def _all_ended_cleanly(look: _Look) -> Verdict | None:
-    """Every rank exited with code 0: completion at the last step, a stop before it."""
+    """Every rank exited with code 0: for a trainer, completion at the last step and a stop before
+    it; for a script that does not report steps itself, completion (it decides when it is done)."""
     # Ended only once every process is gone too (the exit record is written just before a rank
     # exits, and each node's launcher outlives its ranks by a moment).
     ranks = look.ranks
@@ -222,21 +255,27 @@ def _all_ended_cleanly(look: _Look) -> Verdict | None:
         return None
     if not all(r.exit is not None and r.exit.code == 0 and not r.alive for r in ranks):
         return None
-    last = min(r.exit.step for r in ranks)
+    if look.source != "trainer":
+        return look.verdict(completed=True)
+    last = min(r.exit.step if r.exit.step is not None else look.observation.resume_step for r in ranks)
     if look.fresh_and_untrained and last < look.total_steps:
         reason = (
             f"every rank exited with code 0 at step {last} without training a step "
             f"(trainer.steps is {look.total_steps})"
         )
         return look.fault("program_error", ranks, max(r.exit.time for r in ranks), reason)
-    return Verdict(last, completed=last >= look.total_steps, stopped=last < look.total_steps)
+    return look.verdict(step=last, completed=last >= look.total_steps, stopped=last < look.total_steps)
 
 
 def _hangs(look: _Look) -> Verdict | None:
-    """A rank whose heartbeat is older than the policy allows (the startup grace before its first)."""
+    """A rank whose heartbeat is older than the policy allows (the startup grace before its first).
+    A rank that has written none is watched only where the spec says it will (the built-in
+    trainer, output as heartbeat): exit and node health are the signals of any other."""
     stale = []
     for r in look.ranks:
         if not r.alive or r.exit is not None:
+            continue
+        if r.heartbeat is None and not look.observation.heartbeats_expected:
             continue
         if r.heartbeat is None or r.heartbeat.phase == "starting":
             since = r.heartbeat.time if r.heartbeat else look.observation.launched_at
@@ -251,7 +290,7 @@ def _hangs(look: _Look) -> Verdict | None:
     # got least far (lowest step, then oldest heartbeat).
     def lag(item):
         rank, age = item
-        return (rank.heartbeat.step if rank.heartbeat else -1, -age)
+        return (rank.heartbeat.step if rank.heartbeat and rank.heartbeat.step is not None else -1, -age)
 
     culprit, age = min(stale, key=lag)
     reason = f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s"

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import re
 import shutil
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -23,6 +25,7 @@ from lazarus.activities.health import judge
 from lazarus.activities.metrics import Metrics, Span
 from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
+from lazarus.schema.run import TrainerSettings
 from lazarus.schema.stages import (
     DetectInput,
     DrainInput,
@@ -62,11 +65,37 @@ def natural_order(name: str) -> list:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
-def missing_command(command: list[str]) -> str | None:
-    """Why trainer.command cannot run on this node, or None (`python` is the worker's interpreter)."""
-    if command[0] == "python" or shutil.which(command[0]):
+def python_script(command: list[str]) -> str | None:
+    """The script of a `python script.py ...` command (None for `python -m`, or any other program)."""
+    if command[0] in ("python", "python3") and len(command) > 1 and not command[1].startswith("-"):
+        return command[1]
+    return None
+
+
+def missing_command(trainer: TrainerSettings, work_dir: Path, backend: str) -> str | None:
+    """Why the ranks could not start trainer.command in their working directory, or None. On the
+    local backend `python` is the worker's interpreter and paths are this machine's; on Kubernetes
+    only the pod can tell, so only a relative workdir is refused."""
+    if trainer.workdir and not Path(trainer.workdir).is_absolute():
+        return (
+            f"trainer.workdir: {trainer.workdir!r} is relative; give an absolute path "
+            "(`lazarus run start` and `lazarus launch` make it absolute from the folder they run in)"
+        )
+    if backend != "local":
         return None
-    return f"trainer.command: {command[0]!r} is not an executable on this node (not on PATH, not a file that can run)"
+    folder = Path(trainer.workdir) if trainer.workdir else work_dir
+    program = trainer.command[0]
+    found = (folder / program if "/" in program else shutil.which(program)) if program != "python" else program
+    if found != "python" and not (found and os.access(found, os.X_OK) and Path(found).is_file()):
+        return f"trainer.command: {program!r} is not an executable on this node (not on PATH, not a file that can run)"
+    script = python_script(trainer.command)
+    if script and not (folder / script).is_file():
+        where = "" if Path(script).is_absolute() else f" in the ranks' working directory {folder}"
+        return (
+            f"trainer.command: no script {script!r}{where}; give its absolute path "
+            "(`lazarus run start` and `lazarus launch` do that from the folder they run in)"
+        )
+    return None
 
 
 def _permanent(error: Exception, kind: str) -> ApplicationError:
@@ -115,10 +144,10 @@ class RecoveryActivities:
                 type="WrongBackend",
                 non_retryable=True,
             )
-        if self.cluster.backend == "local":
-            missing = missing_command(request.spec.trainer.command)
-            if missing:
-                raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
+        work_dir = self.cluster.run_dir(request.run_id).work_dir
+        missing = missing_command(request.spec.trainer, work_dir, self.cluster.backend)
+        if missing:
+            raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
         try:
             run = await in_thread(self.cluster.create, request.run_id, request.spec)
         except ClusterError as error:
@@ -181,7 +210,7 @@ class RecoveryActivities:
             request.total_steps,
             until=lambda _, now: now >= report_at,
         )
-        progress = RankProgress(step=verdict.step, at=datetime.fromtimestamp(now, UTC))
+        progress = RankProgress(step=verdict.step, at=datetime.fromtimestamp(now, UTC), source=verdict.source)
         fault = verdict.fault
         if verdict.stopped:
             # Nobody asked (the workflow stops detect before it asks): treat it as a failure.
@@ -272,7 +301,8 @@ class RecoveryActivities:
     @activity.defn(name="resume")
     @timed("resume")
     async def resume(self, request: ResumeInput) -> ResumeResult:
-        """Start the incarnation from the newest complete checkpoint; return after its first new step."""
+        """Start the incarnation from the newest complete checkpoint; return once it is up: past its
+        first new step where the ranks report steps, else once every rank runs."""
         run_id, incarnation = request.run_id, request.assignment.incarnation
         newest, skipped = await in_thread(self.cluster.run_dir(run_id).newest_checkpoint)
         if newest >= request.total_steps:
@@ -282,25 +312,37 @@ class RecoveryActivities:
         resumed_from, skipped = launch.resume_step, launch.skipped
         await self.failpoints.reach("resume.after_launch")
 
-        def trained_past_checkpoint(verdict, _now) -> bool:
-            return verdict.step > resumed_from
+        def up(verdict, _now) -> bool:
+            if request.steps_from == "trainer":
+                return verdict.step is not None and verdict.step > resumed_from
+            if request.steps_from == "output":
+                return verdict.step is not None  # the script restored what it chose: any step it reports
+            return verdict.up
 
         await self._note(run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from}")
-        verdict, _ = await self._watch(
-            run_id, incarnation, request.policy, request.total_steps, until=trained_past_checkpoint
-        )
+        verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps, until=up)
         if verdict.fault:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
-        # Every rank records when it finished its first step; the step is done when the
+        beats = await in_thread(self._heartbeats, run_id, incarnation)
+        first_steps = [beat.first_step for beat in beats if beat.first_step is not None]
+        if request.steps_from != "trainer" and not resumed_from:
+            # No checkpoint of Lazarus's was restored: the script restored its own snapshot, the
+            # step before the first it reported (unknown when it reports none).
+            resumed_from = min(first_steps) - 1 if first_steps else None
+        # Every reporting rank records when it finished its first step; the step is done when the
         # last of them has, whatever the poll interval was.
-        observation = await in_thread(self.cluster.observe, run_id, incarnation)
-        first = max(r.heartbeat.first_step_at for r in observation.ranks if r.heartbeat and r.heartbeat.first_step_at)
+        firsts = [beat.first_step_at for beat in beats if beat.first_step_at]
         return ResumeResult(
             resumed_from_step=resumed_from,
             skipped_checkpoints=skipped,
             completed=verdict.completed,
-            first_step_at=datetime.fromtimestamp(first, UTC),
+            first_step_at=datetime.fromtimestamp(max(firsts), UTC) if firsts else None,
+            step=verdict.step,
         )
+
+    def _heartbeats(self, run_id: str, incarnation: int) -> list:
+        """The newest heartbeat of every rank of the incarnation that has written one."""
+        return [r.heartbeat for r in self.cluster.observe(run_id, incarnation).ranks if r.heartbeat]
 
     @activity.defn(name="stop")
     @timed("stop")

@@ -3,8 +3,9 @@ data, global batch and checkpoint interval.
 
 Rank 0 appends one JSON line per step to --step-log: {"step", "time", "world", "restart"},
 where restart is TORCHELASTIC_RESTART_COUNT (torchrun's restart round; Lazarus's incarnation).
-Under Lazarus it uses lazarus.session for checkpoints and heartbeats; under torchrun it keeps
-its own checkpoints in --checkpoint-dir (rank 0 writes, renames into place when complete).
+Under Lazarus it uses lazarus.session for checkpoints and heartbeats, unless --no-helper; under
+torchrun (or with --no-helper) it keeps its own checkpoint in --checkpoint-dir (rank 0 writes it,
+renames it into place when complete), as torchrun's elastic docs tell a script to.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--step-log", type=Path, required=True)
+    parser.add_argument("--no-helper", action="store_true", help="never import lazarus.session, even under Lazarus")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     session = None
-    if "LAZARUS_RUN_DIR" in os.environ:
+    if "LAZARUS_RUN_DIR" in os.environ and not args.no_helper:
         from lazarus.session import TrainingSession
 
         session = TrainingSession.from_environ()

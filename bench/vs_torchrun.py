@@ -114,6 +114,17 @@ def kill_tree(pids: list[int]) -> None:
             pass
 
 
+def torchrun_flags(port: int) -> list[str]:
+    """torchrun's flags of every torchrun trial: two agents as two nodes of two ranks."""
+    return ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"] + [
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "bench",
+        "--max-restarts",
+        "10",
+    ]
+
+
 def torchrun_trial(tuned: bool, kill_at: int, timeout: float, folder: Path) -> Trial:
     port = free_port()
     log = folder / "steps.jsonl"
@@ -136,18 +147,7 @@ def torchrun_trial(tuned: bool, kill_at: int, timeout: float, folder: Path) -> T
         )
     command = [
         str(Path(sys.executable).parent / "torchrun"),
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        "bench",
-        "--max-restarts",
-        "10",
+        *torchrun_flags(port),
         *conf,
         str(SCRIPT),
         "--step-log",
@@ -180,6 +180,50 @@ def torchrun_trial(tuned: bool, kill_at: int, timeout: float, folder: Path) -> T
             kill_tree([store.pid])
         for process in agents + ([store] if store else []):
             process.wait()
+
+
+def launch_trial(index: int, kill_at: int, timeout: float, folder: Path, address: str) -> Trial:
+    """One repetition of lazarus_launch: the torchrun command line with its first word changed."""
+    log, home = folder / "steps.jsonl", folder / "home"
+    run_id = f"launch-{index}"
+    command = [sys.executable, "-m", "lazarus.cli", "launch", *torchrun_flags(free_port()), "--spares", "1"]
+    command[command.index("bench")] = run_id  # --rdzv-id: the run's id
+    command += [str(SCRIPT), "--step-log", str(log), "--checkpoint-dir", "checkpoints", "--no-helper"]
+    env = {**os.environ, "LAZARUS_HOME": str(home), "LAZARUS_TEMPORAL_ADDRESS": address}
+    with open(folder / "launch.log", "ab") as out:
+        launcher = subprocess.Popen(command, env=env, cwd=folder, stdout=out, stderr=subprocess.STDOUT)
+    cluster = LocalCluster(home)
+    try:
+        before = wait_for_step(log, kill_at, timeout)
+        if before is None:
+            return Trial(None, None, None, failed=True)
+        killed_at = time.time()
+        cluster.kill_node(run_id, "node-1")
+        after = first_step_after(log, before["restart"], timeout)
+        return trial_from(log, killed_at, before, after)
+    finally:
+        launcher.send_signal(signal.SIGINT)  # it terminates the run and stops its ranks
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+        cluster.stop_run(run_id)
+
+
+async def launch_trials(repetitions: int, kill_at: int, timeout: float, root: Path) -> list[Trial]:
+    from lazarus.infra.temporal_server import local_environment, quiet_runtime
+
+    env = await local_environment(runtime=quiet_runtime())
+    address = env.client.service_client.config.target_host
+    try:
+        trials = []
+        for index in range(repetitions):
+            folder = root / f"lazarus_launch-{index}"
+            folder.mkdir()
+            trials.append(await asyncio.to_thread(launch_trial, index, kill_at, timeout, folder, address))
+        return trials
+    finally:
+        await env.shutdown()
 
 
 async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder: Path) -> list[Trial]:
@@ -258,11 +302,13 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=180.0, help="seconds a recovery may take before it counts as failed"
     )
-    parser.add_argument("--only", choices=["lazarus", "torchrun_default", "torchrun_tuned"], action="append")
+    parser.add_argument(
+        "--only", choices=["lazarus", "lazarus_launch", "torchrun_default", "torchrun_tuned"], action="append"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", type=Path, help="keep the agents' logs and step logs in this folder")
     args = parser.parse_args()
-    names = args.only or ["lazarus", "torchrun_tuned", "torchrun_default"]
+    names = args.only or ["lazarus", "lazarus_launch", "torchrun_tuned", "torchrun_default"]
 
     results = {}
     with tempfile.TemporaryDirectory() as temporary:
@@ -273,6 +319,8 @@ def main() -> None:
                 folder = root / name
                 folder.mkdir()
                 trials = asyncio.run(lazarus_trials(args.repetitions, args.kill_at_step, args.timeout, folder))
+            elif name == "lazarus_launch":
+                trials = asyncio.run(launch_trials(args.repetitions, args.kill_at_step, args.timeout, root))
             else:
                 trials = []
                 for index in range(args.repetitions):

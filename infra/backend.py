@@ -17,7 +17,7 @@ from typing import Protocol
 
 from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit
 from lazarus.schema.policy import RecoveryPolicy
-from lazarus.schema.records import Assignment, Inventory
+from lazarus.schema.records import Assignment, Inventory, StepSource
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
 
@@ -52,6 +52,8 @@ class Observation:
     node_addresses: dict[str, str] = field(
         default_factory=dict
     )  # node -> the address its ranks' peers dial, where known
+    steps_from: StepSource | None = None  # who the spec says reports steps (None: only the ranks can tell)
+    heartbeats_expected: bool = False  # every rank writes heartbeats from its start (built-in trainer, output)
 
 
 def free_port() -> int:

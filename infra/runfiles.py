@@ -87,18 +87,21 @@ class RunFiles:
         proposed = LaunchRecord(resume_step=resume_step, skipped=skipped or {}, launched_at=time.time())
         return write_launch(self._existing(run_id), incarnation, proposed)
 
-    @staticmethod
     def _observation(
-        run: RunDir, incarnation: int, dead_nodes: dict[str, datetime], addresses: dict[str, str] | None = None
+        self, run: RunDir, incarnation: int, dead_nodes: dict[str, datetime], addresses: dict[str, str] | None = None
     ) -> Observation:
-        """An observation of what the files say (the launch record) and the dead nodes given; no ranks yet."""
+        """An observation of what the files say (the launch record, what the spec says the ranks
+        report) and the dead nodes given; no ranks yet."""
         launch = read_launch(run, incarnation)
+        trainer = self.spec(run.root.name).trainer
         return Observation(
             incarnation,
             launch.launched_at if launch else None,
             launch.resume_step if launch else 0,
             dead_nodes=dead_nodes,
             node_addresses=addresses or {},
+            steps_from="trainer" if trainer.built_in else "output" if trainer.progress_pattern else None,
+            heartbeats_expected=trainer.built_in or trainer.output_is_heartbeat,
         )
 
     @staticmethod

@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.register(commands)
     simulate.register(commands)
     demo.register(commands)
+    # Parsed by lazarus.launch's own parser (torchrun's flags before the script, its arguments after):
+    # listed here for `lazarus --help`, never reached through this parser.
+    commands.add_parser(
+        "launch",
+        add_help=False,
+        help="torchrun's command line with Lazarus's recovery: `lazarus launch --nnodes 4 train.py ...`",
+    )
     return parser
 
 
@@ -46,9 +53,25 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(outcome) if inspect.iscoroutine(outcome) else outcome
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    if argv[:1] == ["launch"]:
+        from lazarus.launch import build_parser as launch_parser
+        from lazarus.launch import launch
+
+        args = launch_parser().parse_args(argv[1:])
+        args.handler = launch
+        return args
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `lazarus` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = _parse(argv)
+    except UserError as error:
+        print(f"lazarus launch: error: {error}", file=sys.stderr)
+        sys.exit(2)
     # Logs (the Temporal core's included, see lazarus.client.CORE_LOGGER) go to stderr: stdout is for results.
     logging.basicConfig(
         stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -57,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = _run(args, Settings.from_environ())
     except UserError as error:
-        print(f"lazarus: error: {error}", file=sys.stderr)
+        print(f"{'lazarus launch' if argv[:1] == ['launch'] else 'lazarus'}: error: {error}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130

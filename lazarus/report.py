@@ -66,11 +66,14 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     wall = _seconds(status.started_at, end)
     recoveries = [_seconds(*downtime(incident, end)) for incident in status.incidents]
     paused = sum(_seconds(a, b) for a, b in paused_intervals(status, end))
-    lost_steps = sum(incident.lost_steps or 0 for incident in status.incidents)
+    # A script that reports no steps leaves lost steps and the step time unknown: they are left
+    # out of the bill (None), never guessed.
+    lost = [incident.lost_steps for incident in status.incidents]
+    lost_steps = sum(lost) if None not in lost else None
     training = max(wall - sum(recoveries) - paused, 0.0)
-    steps_trained = status.step + lost_steps
-    step_seconds = training / steps_trained if steps_trained else 0.0
-    recomputing = lost_steps * step_seconds
+    steps_trained = None if status.step is None or lost_steps is None else status.step + lost_steps
+    step_seconds = training / steps_trained if steps_trained else None
+    recomputing = lost_steps * step_seconds if lost_steps and step_seconds else 0.0
     productive = max(training - recomputing, 0.0)
     stages = {
         name: sum(i.stages[name].seconds or 0 for i in status.incidents if name in i.stages) for name in STAGE_COLORS
@@ -80,6 +83,7 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
         "state": status.state.value,
         "step": status.step,
         "total_steps": status.total_steps,
+        "progress": status.progress,
         "wall_seconds": wall,
         "productive_seconds": productive,
         "ettr": productive / wall if wall > 0 else None,
@@ -90,6 +94,10 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
         "stage_seconds": stages,
         "mttr_seconds": [incident.mttr_seconds for incident in status.incidents],
     }
+
+
+def _or_unknown(value) -> str:
+    return "unknown" if value is None else str(value)
 
 
 def _seconds_cell(seconds: float | None) -> str:
@@ -110,11 +118,13 @@ def _incident_notes(incident: Incident) -> list[str]:
     kept = [discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"]
     if any(kept):
         notes.append("checkpoints: " + "; ".join(filter(None, kept)))
-    if incident.resumed_from_step is None:
+    if incident.resumed_from_step is None and incident.outcome == "recovered":
+        notes.append("resumed from the script's own snapshot (step unknown), lost steps unknown; outcome: recovered")
+    elif incident.resumed_from_step is None:
         notes.append(f"outcome: {incident.outcome}")
     else:
         notes.append(
-            f"resumed from step {incident.resumed_from_step}, lost {incident.lost_steps} step(s); "
+            f"resumed from step {incident.resumed_from_step}, lost {_or_unknown(incident.lost_steps)} step(s); "
             f"outcome: {incident.outcome}"
         )
     return notes
@@ -125,7 +135,8 @@ def incident_view(incident: Incident) -> Group:
     fault = incident.fault
     because = f" ({fault.reason})" if fault.reason else ""
     heading = Text(
-        f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step}{because}",
+        f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {_or_unknown(fault.step)}"
+        f"{because}",
         style="bold",
     )
     stages = table("stage", "seconds", "", right=("seconds",))
@@ -155,7 +166,7 @@ def _cost_table(summary: dict) -> Table:
     for label, seconds in (
         ("productive training", summary["productive_seconds"]),
         ("recoveries (fault -> first new step)", lost["recovery"]),
-        (f"recomputed steps ({summary['lost_steps']})", lost["recomputed_steps"]),
+        (f"recomputed steps ({_or_unknown(summary['lost_steps'])})", lost["recomputed_steps"]),
         ("held by operators", lost["operator_holds"]),
     ):
         costs.add_row(label, f"{seconds:.1f}", f"{seconds / wall:.1%}" if wall > 0 else "-")
@@ -181,8 +192,8 @@ def run_report(status: RunStatus, summary: dict) -> Group:
     ettr = "-" if summary["ettr"] is None else f"{summary['ettr']:.1%}"
     parts: list = [
         Text(
-            f"Run {summary['run_id']}: {summary['state']}, step {summary['step']}/{summary['total_steps']}, "
-            f"ETTR {ettr}, mean step {summary['mean_step_seconds']:.3f} s",
+            f"Run {summary['run_id']}: {summary['state']}, step {summary['progress']}, ETTR {ettr}, mean step "
+            + ("unknown" if summary["mean_step_seconds"] is None else f"{summary['mean_step_seconds']:.3f} s"),
             style="bold",
         ),
         _cost_table(summary),
@@ -230,7 +241,7 @@ def plot_timeline(status: RunStatus, summary: dict, path: str, now: datetime | N
     axis.set_xlabel("seconds since launch")
     axis.set_title(
         f"{status.run_id}: ETTR {summary['ettr']:.1%}, {summary['incidents']} incident(s), "
-        f"{summary['lost_steps']} lost step(s)"
+        f"{_or_unknown(summary['lost_steps'])} lost step(s)"
     )
     legend = [Patch(color="#2ca02c", alpha=0.6, label="training")]
     legend += [Patch(color=color, label=name) for name, color in STAGE_COLORS.items()]

@@ -36,7 +36,13 @@ class Heartbeat(Record):
     """`incarnations/K/heartbeat/R.json`: a rank's newest progress, rewritten after every step."""
 
     rank: int = Field(ge=0, description="The rank that wrote it.")
-    step: int = Field(ge=0, description="Newest step the rank completed (the resume step before its first).")
+    step: int | None = Field(
+        ge=0,
+        description=(
+            "Newest step the rank completed (the resume step before its first); None when the rank reports that "
+            "it lives but not its step (output as heartbeat without a progress pattern)."
+        ),
+    )
     phase: Phase = Field(
         description="starting, joined (process group), restored (checkpoint), training, done, stopped."
     )
@@ -47,6 +53,13 @@ class Heartbeat(Record):
     first_step_at: float | None = Field(
         None, description="When this process completed its first step (seconds since the epoch); None before."
     )
+    first_step: int | None = Field(
+        None, ge=1, description="The first step this process completed (so it restored the step before); None before."
+    )
+    by: Literal["rank", "launcher"] = Field(
+        "rank",
+        description="Who wrote it: the rank (lazarus.session, the built-in trainer) or its launcher, from its output.",
+    )
 
 
 class RankExit(Record):
@@ -54,7 +67,7 @@ class RankExit(Record):
 
     rank: int = Field(ge=0, description="The rank.")
     code: int = Field(description="Exit code; negative when a signal ended the process (as Popen reports it).")
-    step: int = Field(ge=0, description="Newest step the rank completed.")
+    step: int | None = Field(ge=0, description="Newest step the rank completed; None when it reported none.")
     time: float = Field(description="When it ended (seconds since the epoch).")
     error: str = Field("", description="Last line of the exception that ended it, if any.")
     signal: str | None = Field(None, description="The signal that ended it, e.g. SIGKILL.")

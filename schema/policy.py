@@ -116,7 +116,12 @@ class RecoveryPolicy(Strict):
         ),
     )
     max_incidents: int = Field(
-        20, ge=1, description="Recoveries after which the run fails instead of recovering again (incidents)."
+        20,
+        ge=0,
+        description=(
+            "Recoveries after which the run fails instead of recovering again (incidents); 0: the first fault fails "
+            "it. The ranks see it as TORCHELASTIC_MAX_RESTARTS."
+        ),
     )
     save_grace_seconds: float = Field(
         1.0,

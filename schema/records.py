@@ -116,6 +116,10 @@ class Inventory(Record):
         raise KeyError(f"unknown node {name!r}")
 
 
+StepSource = Literal["trainer", "output"]
+"""Who reports the step: trainer (the built-in trainer or a lazarus.session script, which train to
+trainer.steps), output (trainer.progress_pattern on the ranks' output; the script decides its end)."""
+
 FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator", "program_error"]
 
 
@@ -135,11 +139,12 @@ class FaultReport(Record):
         description="Best known time of the fault (UTC): the backend's death time, else when it was first seen."
     )
     detected_at: datetime = Field(description="When the detector reported it (UTC).")
-    step: int = Field(
+    step: int | None = Field(
         ge=0,
         description=(
             "Newest step completed when the fault was detected: the highest any rank reported (in synchronous "
-            "training every rank got through that step's collectives; another's heartbeat may lag by milliseconds)."
+            "training every rank got through that step's collectives; another's heartbeat may lag by milliseconds). "
+            "None when the script reports no steps."
         ),
     )
     last_heartbeat_at: datetime | None = Field(
@@ -158,8 +163,9 @@ class FaultReport(Record):
 class RankProgress(Record):
     """A snapshot of training progress from the rank heartbeats."""
 
-    step: int = Field(ge=0, description="Last step every rank had completed.")
+    step: int | None = Field(ge=0, description="Last step every rank had completed; None when no rank reports steps.")
     at: datetime = Field(description="When the snapshot was taken (UTC).")
+    source: StepSource | None = Field("trainer", description="Who reported the step; None when nobody does.")
 
 
 class DetectResult(Record):
@@ -228,14 +234,18 @@ class Incident(Record):
         default_factory=list, description="Half-written checkpoints drain deleted (never loaded)."
     )
     resumed_from_step: int | None = Field(
-        None, description="Checkpoint step the new incarnation restored (0: from scratch)."
+        None,
+        description=(
+            "Step the new incarnation restored (0: from scratch): the Lazarus checkpoint it was given, else the step "
+            "before the first it reported; None when the script restores its own snapshot and reports no steps."
+        ),
     )
     skipped_checkpoints: dict[int, str] = Field(
         default_factory=dict,
         description="Newer checkpoints that were not restored, with the reason (incomplete or corrupt).",
     )
     lost_steps: int | None = Field(
-        None, description="Steps trained after that checkpoint and lost to the fault (steps)."
+        None, description="Steps trained after that checkpoint and lost to the fault (steps); None when unknown."
     )
     first_step_at: datetime | None = Field(None, description="When the new incarnation completed its first step (UTC).")
     outcome: Literal["recovering", "recovered", "interrupted", "failed"] = Field(
@@ -280,12 +290,22 @@ class RunStatus(Record):
     run_id: str = Field(description="Run id; also the Temporal workflow id.")
     run_dir: str | None = Field(None, description="Directory holding the run's checkpoints, metrics and rank files.")
     state: RunState = Field(RunState.PENDING, description="State in the recovery state machine.")
-    step: int = Field(0, ge=0, description="Last step every rank completed, as of the last progress report.")
+    step: int | None = Field(
+        0,
+        ge=0,
+        description="Last step every rank completed, as of the last progress report; None: the script reports none.",
+    )
+    steps_from: StepSource | None = Field(
+        "trainer", description="Who reports the step (trainer: it trains to total_steps); None when nobody does."
+    )
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     layout: Layout = Field(description="Layout the run currently trains with.")
     assignment: Assignment | None = Field(None, description="Current incarnation's nodes.")
     incidents: list[Incident] = Field(default_factory=list, description="Every fault and its recovery, oldest first.")
     reason: str = Field("", description="Why the run ended in FAILED or ABORTED.")
+    failure: FaultReport | None = Field(
+        None, description="The fault that failed the run, when one did (a program error, one recovery too many)."
+    )
     started_at: datetime | None = Field(None, description="When the run was launched (UTC).")
     ended_at: datetime | None = Field(None, description="When the run reached COMPLETED, FAILED or ABORTED (UTC).")
     interventions: list[Intervention] = Field(default_factory=list, description="Operators' requests, oldest first.")
@@ -299,6 +319,13 @@ class RunStatus(Record):
         None, description="The recovery policy in force (the spec's, as changed by set_policy)."
     )
     segments: int = Field(1, ge=1, description="Workflow runs so far: 1 + continue-as-new count.")
+
+    @property
+    def progress(self) -> str:
+        """The step in words: `120/400` for a trainer, `120` for steps read from output, else unknown."""
+        if self.step is None or self.steps_from is None:
+            return "unknown (the script reports no steps)"
+        return f"{self.step}/{self.total_steps}" if self.steps_from == "trainer" else str(self.step)
 
     def summary(self) -> dict:
         """JSON-ready view (`run status --json`): incidents carry stage seconds and MTTR."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -30,10 +31,13 @@ BUILT_IN_TRAINER = ["python", "-m", "lazarus.trainer"]
 
 
 class TrainerSettings(Strict):
-    """What each rank runs, and the built-in GPT trainer's model, schedule and checkpointing.
+    """What each rank runs, where, how it reports progress; and the built-in GPT trainer's model,
+    schedule and checkpointing.
 
-    `command` may name any torchrun-ready script; it then reads `steps` and `checkpoint_every`
-    (through lazarus.session) and the model fields are unused.
+    `command` may name any torchrun-ready script. One that uses lazarus.session reads `steps` and
+    `checkpoint_every` from here; one that does not (a plain torchrun script keeping its own
+    snapshot) is complete when every rank exits 0, and reports progress only through
+    `progress_pattern`. The model fields are the built-in trainer's alone.
     """
 
     command: list[str] = Field(
@@ -42,6 +46,31 @@ class TrainerSettings(Strict):
         description="Program each rank runs, as an argv list (no shell); `python` means the worker's interpreter.",
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for every rank.")
+    workdir: str | None = Field(
+        None,
+        description=(
+            "Folder the ranks run in: where the relative paths of a script (its own snapshot file, say) land. "
+            "Default: `work/` in the run's directory, the same folder for every incarnation of the run and never "
+            "another run's. Two runs given the same workdir share its files. On Kubernetes, a path inside the rank "
+            "pods (the default is on the run volume)."
+        ),
+    )
+    progress_pattern: str | None = Field(
+        None,
+        description=(
+            "For a script that does not use lazarus.session: a regular expression matched against every line a "
+            "rank prints, whose group `step` (else its first group) is the step that rank just completed, e.g. "
+            "`^step (?P<step>\\d+)`. It then feeds the run's step, lost steps and hang detection."
+        ),
+    )
+    output_is_heartbeat: bool = Field(
+        False,
+        description=(
+            "Every line a rank prints counts as a heartbeat: a rank silent for recovery.hang_after_seconds "
+            "(recovery.startup_grace_seconds before its first line) is judged hung. Off, a script that reports "
+            "nothing is judged by its exit and its node's health alone."
+        ),
+    )
 
     vocab_size: int = Field(64, ge=8, le=65536, description="Vocabulary size of the synthetic token stream (tokens).")
     seq_len: int = Field(32, ge=4, le=4096, description="Tokens per training sample.")
@@ -73,6 +102,21 @@ class TrainerSettings(Strict):
         """True when the ranks run the built-in trainer."""
         return self.command == BUILT_IN_TRAINER
 
+    @property
+    def output_heartbeats(self) -> bool:
+        """True when the node launchers turn the ranks' output into heartbeats (pattern or any line)."""
+        return self.output_is_heartbeat or self.progress_pattern is not None
+
+    def step_in(self, line: str) -> int | None:
+        """The step `progress_pattern` finds in one line of output, or None."""
+        if self.progress_pattern is None:
+            return None
+        found = re.search(self.progress_pattern, line)
+        if found is None:
+            return None
+        text = found.group("step") if "step" in found.re.groupindex else found.group(1)
+        return int(text) if text is not None and text.isdigit() else None
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TrainerSettings:
         if len(self.command) == 1 and " " in self.command[0].strip():
@@ -83,6 +127,18 @@ class TrainerSettings(Strict):
         reserved = sorted(name for name in self.env if name in CONTRACT_ENV or name.startswith("LAZARUS_"))
         if reserved:
             raise ValueError(f"trainer.env: {', '.join(reserved)} set by the launcher for every rank; remove it")
+        if self.progress_pattern is not None:
+            try:
+                groups = re.compile(self.progress_pattern).groups
+            except re.error as error:
+                raise ValueError(
+                    f"trainer.progress_pattern: {self.progress_pattern!r} is not a regular expression: {error}"
+                ) from None
+            if not groups:
+                raise ValueError(
+                    f"trainer.progress_pattern: {self.progress_pattern!r} has no group for the step; "
+                    f"write it as e.g. 'step (?P<step>\\d+)'"
+                )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"trainer.n_heads: {self.n_heads} does not divide trainer.d_model {self.d_model}; "
@@ -152,18 +208,42 @@ class ClusterSpec(Strict):
 
 
 class FaultInjection(Strict):
-    """A fault planned in advance: every rank of `node` SIGKILLs itself at a given point."""
+    """A fault planned in advance: every rank of `node` is SIGKILLed at a given step or time.
+
+    The built-in trainer and lazarus.session scripts kill themselves exactly at the step; for any
+    other script the node's launcher does it, when the rank's output shows the step before
+    (trainer.progress_pattern; within a poll of 20 ms, so perhaps a step later) or `after_seconds`
+    after the ranks started.
+    """
 
     node: str = Field(description="Node whose ranks die, e.g. node-1.")
-    step: int = Field(ge=1, description="Step at which they die.")
+    step: int | None = Field(None, ge=1, description="Step at which they die (give this or after_seconds).")
+    after_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="Or: seconds after the incarnation's ranks started, for a script that reports no steps (seconds).",
+    )
     point: Literal["step", "checkpoint"] = Field(
         "step",
         description=(
             "step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, "
-            "while it is being written."
+            "while it is being written (the built-in trainer and lazarus.session scripts)."
         ),
     )
     incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
+
+    @model_validator(mode="after")
+    def _step_or_time(self) -> FaultInjection:
+        if (self.step is None) == (self.after_seconds is None):
+            raise ValueError(f"faults: give {self.node} either step or after_seconds, not both nor neither")
+        if self.after_seconds is not None and self.point == "checkpoint":
+            raise ValueError("faults.point: checkpoint needs a step, not after_seconds")
+        return self
+
+    @property
+    def planned(self) -> str:
+        """The fault as LAZARUS_FAIL_AT says it: `step:N`, `checkpoint:N` or `after:S`."""
+        return f"after:{self.after_seconds:g}" if self.after_seconds is not None else f"{self.point}:{self.step}"
 
 
 class RunSpec(Strict):
@@ -174,7 +254,8 @@ class RunSpec(Strict):
         description="Run name: lowercase letters, digits and dashes; the default run id prefix.",
     )
     trainer: TrainerSettings = Field(
-        default_factory=TrainerSettings, description="Model, schedule and checkpoints of the built-in trainer."
+        default_factory=TrainerSettings,
+        description="What each rank runs, where, how it reports progress; the built-in trainer's model and schedule.",
     )
     layout: Layout = Field(
         default_factory=Layout, description="Parallel layout: dp x pp x tp ranks, ranks_per_node ranks on each node."
@@ -210,7 +291,7 @@ class RunSpec(Strict):
                 raise ValueError(
                     f"faults.node: {fault.node!r} is not a node of this run; use node-0 .. node-{nodes - 1}"
                 )
-            if fault.step > self.trainer.steps:
+            if fault.step is not None and fault.step > self.trainer.steps and self.trainer.progress_pattern is None:
                 raise ValueError(f"faults.step: {fault.step} is past trainer.steps {self.trainer.steps}")
         if self.trainer.global_batch < self.layout.dp:
             raise ValueError(

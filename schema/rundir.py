@@ -35,6 +35,11 @@ class RunDir:
         return self.root / "metrics.jsonl"
 
     @property
+    def work_dir(self) -> Path:
+        """The ranks' working directory unless trainer.workdir names another: the run's own."""
+        return self.root / "work"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from lazarus.schema.base import Record
 from lazarus.schema.policy import RecoveryPolicy
-from lazarus.schema.records import Assignment, Decision, FaultReport
+from lazarus.schema.records import Assignment, Decision, FaultReport, StepSource
 from lazarus.schema.run import RunSpec
 
 
@@ -90,12 +90,25 @@ class ResumeInput(Record):
     assignment: Assignment = Field(description="The incarnation to start.")
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval and hang thresholds while waiting.")
+    steps_from: StepSource | None = Field(
+        "trainer",
+        description=(
+            "Who reports steps: trainer (wait for a step past the checkpoint), output (wait for a reported step), "
+            "None (wait until every rank runs: the script reports nothing)."
+        ),
+    )
 
 
 class ResumeResult(Record):
     """How the new incarnation started: its first step, or a fault on the way."""
 
-    resumed_from_step: int = Field(ge=0, description="Checkpoint step restored (0: from scratch).")
+    resumed_from_step: int | None = Field(
+        ge=0,
+        description=(
+            "Step restored (0: from scratch): the checkpoint given, else the step before the first one the ranks "
+            "reported; None when they report no steps and restore a snapshot of their own."
+        ),
+    )
     skipped_checkpoints: dict[int, str] = Field(
         default_factory=dict, description="Newer checkpoints not restored, with the reason (incomplete or corrupt)."
     )
@@ -104,6 +117,7 @@ class ResumeResult(Record):
     )
     fault: FaultReport | None = Field(None, description="A fault that hit the new incarnation before its first step.")
     completed: bool = Field(False, description="The restored checkpoint was the last step: nothing left to train.")
+    step: int | None = Field(None, description="The step every reporting rank had completed when resume returned.")
 
 
 class StopInput(Record):
@@ -121,7 +135,7 @@ class StopInput(Record):
 class StopResult(Record):
     """How the incarnation stopped."""
 
-    step: int = Field(ge=0, description="Last step every rank completed.")
+    step: int | None = Field(ge=0, description="Last step every rank completed; None when they report none.")
     checkpoint_step: int = Field(ge=0, description="Newest complete checkpoint after the stop (0: none).")
     clean: bool = Field(description="Every rank checkpointed and exited on its own (else they were killed).")
     completed: bool = Field(False, description="The ranks had reached the last step anyway.")

@@ -37,6 +37,7 @@ from lazarus.schema.files import lock_is_held, process_start_time, read_json, ta
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
+from lazarus.trainer.output import OutputWatch
 
 NODE_NICENESS = 5
 """Scheduling priority added to a node's launcher and ranks (`nice`)."""
@@ -68,18 +69,32 @@ def rank_environment(
             "MASTER_ADDR": assignment.master_addr,
             "MASTER_PORT": str(assignment.master_port),
             "TORCHELASTIC_RUN_ID": run.root.name,
+            # torchrun's meanings: the restarts so far, and how many the job may have.
             "TORCHELASTIC_RESTART_COUNT": str(incarnation),
-            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.recovery.max_incidents),
             "TORCHELASTIC_ERROR_FILE": str(run.error_file(incarnation, rank)),
             # NCCL: fail a broken collective with an error instead of hanging (ignored on CPU).
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         }
     )
-    planned = {f.node: f"{f.point}:{f.step}" for f in spec.faults if f.incarnation == incarnation}
-    if assignment.nodes[node_index] in planned:
-        env[ENV_FAIL_AT] = planned[assignment.nodes[node_index]]
+    fault = planned_fault(spec, assignment, incarnation, node_index)
+    if fault is not None:
+        env[ENV_FAIL_AT] = fault.planned
     return env
+
+
+def planned_fault(spec: RunSpec, assignment: Assignment, incarnation: int, node_index: int):
+    """The fault the spec plans for this node in this incarnation, if any."""
+    node = assignment.nodes[node_index]
+    return next((f for f in spec.faults if f.incarnation == incarnation and f.node == node), None)
+
+
+def working_directory(spec: RunSpec, run: RunDir) -> Path:
+    """Where the ranks run (created): trainer.workdir, else the run's own folder."""
+    folder = Path(spec.trainer.workdir) if spec.trainer.workdir else run.work_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _error_summary(path: Path) -> str:
@@ -102,7 +117,7 @@ def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> No
         RankExit(
             rank=rank,
             code=returncode,
-            step=beat.step if beat else 0,
+            step=beat.step if beat else None,
             time=time.time(),
             error=_error_summary(run.error_file(incarnation, rank)),
             signal=signal.Signals(-returncode).name if returncode < 0 else None,
@@ -111,18 +126,18 @@ def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> No
     )
 
 
-def start_cold(command: list[str], env: dict, log, lock_fd: int):
-    """Start a rank as a new process (the lock's descriptor is its only inherited one); returns a Popen."""
+def start_cold(command: list[str], env: dict, log, lock_fd: int, cwd: Path):
+    """Start a rank as a new process in `cwd` (the lock's descriptor is its only inherited one); returns a Popen."""
     return subprocess.Popen(
-        command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock_fd,)
+        command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock_fd,)
     )
 
 
 def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, start_rank=start_cold) -> int:
     """Start this node's ranks (those not running and not ended), wait for them; returns 0.
 
-    `start_rank(command, env, log, lock_fd)` starts one rank and returns an object with `pid`
-    and `wait()`: a new process here, a fork of a warm standby in trainer/standby.py.
+    `start_rank(command, env, log, lock_fd, cwd)` starts one rank and returns an object with
+    `pid` and `wait()`: a new process here, a fork of a warm standby in trainer/standby.py.
     """
     assignment = Assignment.model_validate_json(run.assignment_file(incarnation).read_text())
     # On the local backend every node shares this machine's cores with the controller; a real
@@ -135,6 +150,8 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     me = {"pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid()), "node": node}
     write_json_atomic(run.node_pid_file(incarnation, node_index), me)
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
+    cwd = working_directory(spec, run)
+    output = OutputWatch(run, incarnation, spec.trainer, planned_fault(spec, assignment, incarnation, node_index))
     per_node = assignment.layout.ranks_per_node
     children: dict[int, object] = {}
     watched: list[int] = []
@@ -147,22 +164,29 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
             if run.exit_file(incarnation, rank).exists():
                 continue  # it ran and ended; a restarted rank could not rejoin its peers
             env = rank_environment(spec, assignment, run, incarnation, node_index, rank, base_env)
-            child = _start(run, incarnation, rank, rank_command(spec.trainer.command), env, fd, start_rank)
+            log = run.log_file(incarnation, rank)
+            offset = log.stat().st_size if log.exists() else 0
+            child = _start(run, incarnation, rank, rank_command(spec.trainer.command), env, fd, cwd, start_rank)
             if child is not None:
                 children[rank] = child
                 record = {"pid": child.pid, "start_time": process_start_time(child.pid), "node": node}
                 write_json_atomic(run.pid_file(incarnation, rank), record)
+                output.add(rank, child.pid, log, offset)
         finally:
             os.close(fd)
+    output.start()
     for rank, child in children.items():
-        record_exit(run, incarnation, rank, child.wait())
+        code = child.wait()
+        output.finish(rank)
+        record_exit(run, incarnation, rank, code)
+    output.stop()
     for rank in watched:
         while lock_is_held(run.lock_file(incarnation, rank)):
             time.sleep(0.05)
     return 0
 
 
-def _start(run: RunDir, incarnation: int, rank: int, command: list[str], env: dict, lock_fd: int, start_rank):
+def _start(run: RunDir, incarnation: int, rank: int, command: list[str], env: dict, lock_fd: int, cwd, start_rank):
     """Start one rank with its output in its log; None, with an exit record saying why, when the
     command cannot start."""
     log_path = run.log_file(incarnation, rank)
@@ -171,7 +195,7 @@ def _start(run: RunDir, incarnation: int, rank: int, command: list[str], env: di
     with open(log_path, "ab") as log:
         try:
             # The rank inherits the locked descriptor: the lock lives exactly as long as it does.
-            return start_rank(command, env, log, lock_fd)
+            return start_rank(command, env, log, lock_fd, cwd)
         except OSError as error:
             log.write(f"lazarus launcher: cannot start {command[0]}: {error.strerror}\n".encode())
             why = f"cannot start {command[0]!r}: {error.strerror} (trainer.command)"

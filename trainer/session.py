@@ -23,12 +23,14 @@ contract without it. It needs only the environment the launcher sets.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
 from pathlib import Path
 
 from lazarus.schema.contract import (
+    ENV_FAIL_AT,
     ENV_INCARNATION,
     ENV_NODE,
     ENV_RESUME_STEP,
@@ -44,6 +46,14 @@ from lazarus.schema.contract import (
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir, commit_checkpoint
+
+
+def maybe_fail(point: str, step: int, environ=os.environ) -> None:
+    """A planned fault (LAZARUS_FAIL_AT=point:step, `faults` in the spec) at this point: die as a
+    dead node's process does, by SIGKILL."""
+    if environ.get(ENV_FAIL_AT, "") == f"{point}:{step}":
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def commit_or_say_why(run: RunDir, step: int, incarnation: int) -> bool:
@@ -78,6 +88,7 @@ class TrainingSession:
         """trainer.checkpoint_every: steps between checkpoints."""
         self.layout = Assignment.model_validate_json(run.assignment_file(incarnation).read_text()).layout
         self.first_step_at: float | None = None
+        self._first_step: int | None = None
         self._phases: dict[str, float] = {}  # phase -> when this rank first reported it
         self._step = resume_step  # newest step reported, for the exit record
         self._metrics = MetricsLog(run) if rank == 0 else None
@@ -138,6 +149,7 @@ class TrainingSession:
 
         Until then the folder does not count and is never restored.
         """
+        maybe_fail("checkpoint", step)
         if self.rank == 0:
             commit_or_say_why(self.run, step, self.incarnation)
 
@@ -145,14 +157,20 @@ class TrainingSession:
         """Tell the controller this rank completed `step` (call after every optimizer step)."""
         now = time.time()
         if phase == "training" and self.first_step_at is None:
-            self.first_step_at = now
+            self.first_step_at, self._first_step = now, step
         self._phases.setdefault(phase, now)
         self._step = step
         write_heartbeat(
             self.run,
             self.incarnation,
             Heartbeat(
-                rank=self.rank, step=step, phase=phase, time=now, phases=self._phases, first_step_at=self.first_step_at
+                rank=self.rank,
+                step=step,
+                phase=phase,
+                time=now,
+                phases=self._phases,
+                first_step_at=self.first_step_at,
+                first_step=self._first_step,
             ),
         )
 
@@ -164,7 +182,9 @@ class TrainingSession:
             )
 
     def step_done(self, step: int, loss: float | None = None) -> None:
-        """Heartbeat, and on rank 0 the metrics line: the one call per step."""
+        """Heartbeat, and on rank 0 the metrics line: the one call per step. A planned fault at
+        this step (`faults` in the spec) ends the process here, the step trained but not reported."""
+        maybe_fail("step", step)
         self.heartbeat(step)
         if loss is not None:
             self.log_metrics(step, loss)

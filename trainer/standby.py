@@ -127,6 +127,10 @@ def _run_in_place(command: list[str], env: dict) -> int:
         os.execvpe(command[0], command, env)
     kind, target, argv = entry
     sys.argv = list(argv)
+    # A new interpreter would have put the rank's PYTHONPATH on sys.path; this one started earlier.
+    for folder in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+        if folder and folder not in sys.path:
+            sys.path.insert(1, folder)
     try:
         if kind == "module":
             sys.path[0] = os.getcwd()
@@ -163,7 +167,7 @@ def fork_starter(private_fds: list[int]):
     lock: a rank holding it would keep the node's launcher looking alive).
     """
 
-    def start_rank(command: list[str], env: dict, log, lock_fd: int) -> ForkedRank:
+    def start_rank(command: list[str], env: dict, log, lock_fd: int, cwd) -> ForkedRank:
         pid = os.fork()
         if pid:
             return ForkedRank(pid)
@@ -171,6 +175,7 @@ def fork_starter(private_fds: list[int]):
         try:
             for fd in private_fds:
                 os.close(fd)
+            os.chdir(cwd)
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
             null = os.open(os.devnull, os.O_RDONLY)

@@ -9,23 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import traceback
 from datetime import timedelta
 
-from lazarus.schema.contract import ENV_FAIL_AT
 from lazarus.schema.layout import Layout
 from lazarus.schema.run import RunSpec, TrainerSettings
-from lazarus.trainer.session import TrainingSession
-
-
-def maybe_fail(point: str, step: int, environ=os.environ) -> None:
-    """Injected fault (LAZARUS_FAIL_AT=point:step): die as a dead node's process does, by SIGKILL."""
-    planned = environ.get(ENV_FAIL_AT, "")
-    if planned == f"{point}:{step}":
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+from lazarus.trainer.session import TrainingSession, maybe_fail
 
 
 def check_layout(layout: Layout, settings: TrainerSettings, world_size: int) -> None:

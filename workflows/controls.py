@@ -308,7 +308,10 @@ class OperatorControls:
     async def _pause_now(self, pending: Pending) -> bool:
         stopped = await self._stop_ranks(f"pause: {pending.request.reason}")
         self._enter(RunState.PAUSED)
-        self._finish(pending, f"paused at step {stopped.step}, checkpoint step-{stopped.checkpoint_step}")
+        if stopped.step is None:
+            self._finish(pending, "paused; the ranks were ended (the script reports no steps)")
+        else:
+            self._finish(pending, f"paused at step {stopped.step}, checkpoint step-{stopped.checkpoint_step}")
         return False
 
     async def _resume_now(self, pending: Pending) -> bool:
@@ -367,10 +370,12 @@ class OperatorControls:
             incarnation=status.assignment.incarnation,
             total_steps=status.total_steps,
             policy=self._policy,
-            timeout_seconds=self._policy.stop_grace_seconds,
+            # A script without lazarus.session cannot be asked to checkpoint: end its ranks at once.
+            timeout_seconds=self._policy.stop_grace_seconds if status.steps_from == "trainer" else 1.0,
         )
         stopped = await call_stage(self._policy, "stop", RecoveryActivities.stop, request)
-        status.step = stopped.step
+        if stopped.step is not None:
+            status.step = stopped.step
         if not stopped.clean:
             workflow.logger.warning("%s: the ranks were killed (%s)", why, stopped.reason)
         return stopped

@@ -39,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.workflows.policy import plan_recovery
 
 from lazarus.workflows.controls import OperatorControls
+from lazarus.workflows.progress import expected_source, take_completion, take_progress, take_resume
 from lazarus.workflows.stage_calls import RunAborted, RunFailed, StageRefused, call_stage
 from lazarus.workflows.watch import watch
 
@@ -72,6 +73,10 @@ class TrainingRun(OperatorControls):
         )
         if self._status.policy is None:
             self._status.policy = start.spec.recovery
+        if start.carried is None:
+            self._status.steps_from = expected_source(start.spec.trainer)
+            if self._status.steps_from is None:
+                self._status.step = None
         self._next_fault: FaultReport | None = None  # hit an operator's restart before its first step
 
     @workflow.run
@@ -145,7 +150,7 @@ class TrainingRun(OperatorControls):
             else:
                 done = await self._watch_and_recover()
             if done:
-                self._status.step = self._status.total_steps
+                take_completion(self._status)
                 self._end(RunState.COMPLETED)
                 return
 
@@ -187,7 +192,7 @@ class TrainingRun(OperatorControls):
         watched = await watch(self._status, self._policy, self._reported, interrupted=lambda: bool(self._queue))
         if watched is None:
             return False  # an operator's request interrupted the watch
-        self._status.step = max(self._status.step, watched.progress.step)
+        take_progress(self._status, watched.progress.step, watched.progress.source)
         if watched.fault is not None and await self._recover_all(watched.fault):
             return True
         return watched.completed
@@ -222,7 +227,8 @@ class TrainingRun(OperatorControls):
                 workflow.logger.warning("%s; rescheduling", refused)
         incident.resumed_from_step = resumed.resumed_from_step
         incident.skipped_checkpoints = resumed.skipped_checkpoints
-        incident.lost_steps = max(0, fault.step - resumed.resumed_from_step)
+        if fault.step is not None and resumed.resumed_from_step is not None:
+            incident.lost_steps = max(0, fault.step - resumed.resumed_from_step)
         if resumed.fault is not None:
             incident.outcome = "interrupted"
         else:
@@ -233,6 +239,8 @@ class TrainingRun(OperatorControls):
     def _open_incident(self, fault: FaultReport) -> Incident:
         """Record the fault as the run's next incident; RunFailed when no recovery can help."""
         status = self._status
+        if fault.kind == "program_error" or len(status.incidents) >= self._policy.max_incidents:
+            status.failure = fault
         if fault.kind == "program_error":
             # No node is to blame: replacing nodes would only fail the same way.
             tail = f"; last lines of rank {fault.rank}'s log:\n{fault.log_tail}" if fault.log_tail else ""
@@ -246,7 +254,8 @@ class TrainingRun(OperatorControls):
             stages={"detect": StageRecord(started_at=fault.occurred_at, ended_at=fault.detected_at)},
         )
         status.incidents.append(incident)
-        status.step = fault.step
+        if fault.step is not None:
+            status.step = fault.step
         return incident
 
     async def _drain(self, incident: Incident, fault: FaultReport) -> None:
@@ -359,11 +368,15 @@ class TrainingRun(OperatorControls):
             incident.new_assignment = assignment
         self._enter(RunState.RESUMING)
         starting = ResumeInput(
-            run_id=status.run_id, assignment=assignment, total_steps=status.total_steps, policy=self._policy
+            run_id=status.run_id,
+            assignment=assignment,
+            total_steps=status.total_steps,
+            policy=self._policy,
+            steps_from=status.steps_from,
         )
         resumed = await self._stage("resume", RecoveryActivities.resume, starting, incident)
         if resumed.fault is None:
-            status.step = status.total_steps if resumed.completed else resumed.resumed_from_step + 1
+            take_resume(status, resumed)
             self._enter(RunState.TRAINING)
         return resumed
 

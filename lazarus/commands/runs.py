@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from datetime import datetime
+from pathlib import Path
 
 from lazarus.commands.common import UserError, connect_client, load_run_spec
 from lazarus.config import Settings
@@ -52,11 +53,14 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
 
     from lazarus.activities.recovery import missing_command
     from lazarus.client import start_run
+    from lazarus.local_paths import anchor_paths
+    from lazarus.schema.rundir import RunDir
 
-    spec = load_run_spec(args.spec)
-    if missing_command(spec.trainer.command):
-        raise UserError(missing_command(spec.trainer.command))
+    spec = anchor_paths(load_run_spec(args.spec), Path.cwd())
     run_id = args.run_id or f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    missing = missing_command(spec.trainer, RunDir(settings.home / "runs" / run_id).work_dir, spec.cluster.backend)
+    if missing:
+        raise UserError(missing)
     client = await connect_client(settings)
     try:
         await start_run(client, settings, spec, run_id)
@@ -95,7 +99,7 @@ def status_view(status):
     layout, assignment = status.layout, status.assignment
     facts.add_row("run", status.run_id)
     facts.add_row("state", status.state.value)
-    facts.add_row("step", f"{status.step}/{status.total_steps}")
+    facts.add_row("step", status.progress)
     facts.add_row("layout", f"dp={layout.dp} pp={layout.pp} tp={layout.tp}")
     if assignment:
         facts.add_row("incarnation", f"{assignment.incarnation} on {', '.join(assignment.nodes)}")
@@ -195,22 +199,22 @@ async def follow(current, console, poll_seconds: float = 0.5) -> int:
             state = status.state.value
             incarnation = status.assignment.incarnation if status.assignment else "-"
             if task is None:
-                task = progress.add_task("run", total=status.total_steps, state=state, incarnation=incarnation)
+                total = status.total_steps if status.steps_from == "trainer" else None
+                task = progress.add_task("run", total=total, state=state, incarnation=incarnation)
             if state != last_state and state not in TERMINAL_STATES:
-                progress.console.print(f"{state} at step {status.step}/{status.total_steps}")
+                progress.console.print(f"{state} at step {status.progress}")
             for incident in status.incidents[incidents:]:
                 fault = incident.fault
                 progress.console.print(
-                    f"incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {fault.step}"
+                    f"incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step "
+                    + (str(fault.step) if fault.step is not None else "unknown")
                 )
             incidents, last_state = len(status.incidents), state
-            progress.update(task, completed=status.step, state=state, incarnation=incarnation)
+            progress.update(task, completed=status.step or 0, state=state, incarnation=incarnation)
             if state in TERMINAL_STATES:
                 break
             await asyncio.sleep(poll_seconds)
-    console.print(
-        f"{state} at step {status.step}/{status.total_steps}" + (f": {status.reason}" if status.reason else "")
-    )
+    console.print(f"{state} at step {status.progress}" + (f": {status.reason}" if status.reason else ""))
     return 0 if state == "COMPLETED" else 1
 
 

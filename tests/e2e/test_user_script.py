@@ -110,11 +110,13 @@ def user_project(folder: Path) -> None:
 
 async def test_a_script_beside_its_own_trainer_spec_and_infra_recovers(dev_env, home, workers, reference, tmp_path):
     """The worker runs in the project's folder (its launchers and standbys too) and the ranks run
-    `python train.py` from there: nothing of Lazarus may import the project's modules instead."""
+    the project's train.py (its folder first on sys.path): nothing of Lazarus may import the
+    project's modules instead."""
     project = tmp_path / "project"
     user_project(project)
     spec = load_spec(USER_DDP_SPEC)
-    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"command": ["python", "train.py"]})})
+    command = ["python", str(project / "train.py")]  # the ranks run in the run's own folder, not the project's
+    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"command": command})})
     queue = f"shadow-{uuid.uuid4().hex[:6]}"
     workers(lazarus_env(dev_env, home, queue), tmp_path / "worker.log", cwd=project)
     run_id = f"shadow-{uuid.uuid4().hex[:6]}"

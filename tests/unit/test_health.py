@@ -217,3 +217,47 @@ def test_of_two_silent_nodes_the_one_the_errors_name_is_blamed():
     # Without addresses (or errors that name none) both silent nodes are suspects.
     verdict = judge(observe(*ranks), POLICY, NOW, NOW - 0.1, 40)
     assert verdict.fault.nodes == ["node-2", "node-3"]
+
+
+def silent(r, alive=True, exit=None):
+    """Rank r of a script that writes no heartbeat (a plain torchrun script)."""
+    ended = RankExit(rank=r, step=None, **exit) if exit is not None else None
+    return RankObservation(rank=r, node=f"node-{r}", launched=True, alive=alive, exit=ended)
+
+
+def from_output(r, step, beat_age=0.5):
+    """Rank r whose launcher read `step` in its output (trainer.progress_pattern)."""
+    beat = Heartbeat(rank=r, step=step, phase="training", time=NOW - beat_age, first_step_at=NOW - 5, by="launcher")
+    return RankObservation(rank=r, node=f"node-{r}", launched=True, alive=True, heartbeat=beat)
+
+
+def test_a_script_that_reports_nothing_has_an_unknown_step_and_is_never_judged_hung():
+    quiet = observe(silent(0), silent(1))
+    verdict = judge(quiet, POLICY, NOW + 3600, NOW + 3599.9, 40)
+    assert verdict.fault is None and verdict.step is None and verdict.source is None and verdict.up
+    # Where the spec says the ranks write heartbeats (the built-in trainer), silence is a hang.
+    quiet.heartbeats_expected = True
+    assert judge(quiet, POLICY, NOW + 3600, NOW + 3599.9, 40).fault.kind == "hang"
+
+
+def test_every_rank_of_a_script_that_reports_nothing_exiting_0_is_completion():
+    done = {"code": 0, "time": NOW - 1}
+    verdict = judge(observe(silent(0, False, done), silent(1, False, done)), POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.completed and not verdict.stopped and verdict.fault is None and verdict.step is None
+
+
+def test_steps_read_from_output_count_the_ranks_that_print_them():
+    verdict = judge(observe(from_output(0, 12), from_output(1, 11), silent(2)), POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.source == "output" and verdict.step == 11 and verdict.fault is None
+    stale = judge(observe(from_output(0, 12, beat_age=11), silent(1)), POLICY, NOW, NOW - 0.1, 40)
+    assert stale.fault.kind == "hang" and stale.fault.rank == 0  # no step line for hang_after_seconds
+
+
+def test_a_script_that_reports_nothing_fails_as_a_program_only_while_young():
+    failed = {"code": 3, "time": NOW - 0.5}
+    everyone = observe(silent(0, False, failed), silent(1, False, failed), incarnation=0)
+    everyone.launched_at = NOW - 10
+    assert judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault.kind == "program_error"
+    # An hour in, every rank ending is a fault of the run to recover from, not a broken program.
+    everyone.launched_at = NOW - 3600
+    assert judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault.kind == "rank_exit"

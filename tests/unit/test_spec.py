@@ -113,3 +113,35 @@ def test_examples_are_valid():
 
     for path in sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml")):
         assert isinstance(load_spec(path), RunSpec)
+
+
+def test_a_progress_pattern_must_compile_and_name_the_step():
+    assert "is not a regular expression" in refuse({"trainer": {"progress_pattern": "step (\\d+"}})
+    assert "has no group for the step" in refuse({"trainer": {"progress_pattern": "step \\d+"}})
+    trainer = parse_spec({"name": "ok", "trainer": {"progress_pattern": "Epoch (?P<step>\\d+) \\|"}}).trainer
+    assert trainer.step_in("[rank 1] Epoch 12 | 4 batches") == 12 and trainer.step_in("loading") is None
+    assert parse_spec({"name": "ok", "trainer": {"progress_pattern": "it (\\d+)/"}}).trainer.step_in("it 7/9") == 7
+
+
+def test_a_planned_fault_names_a_step_or_a_time():
+    assert "either step or after_seconds" in refuse({"faults": [{"node": "node-1"}]})
+    assert "either step or after_seconds" in refuse({"faults": [{"node": "node-1", "step": 3, "after_seconds": 2}]})
+    timed_checkpoint = {"node": "node-1", "after_seconds": 2, "point": "checkpoint"}
+    assert "checkpoint needs a step" in refuse({"faults": [timed_checkpoint]})
+    [fault] = parse_spec({"name": "ok", "faults": [{"node": "node-1", "after_seconds": 2.5}]}).faults
+    assert fault.planned == "after:2.5"
+
+
+def test_relative_paths_are_taken_from_the_folder_the_run_starts_in(tmp_path):
+    from lazarus.local_paths import anchor_paths
+
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "mypkg").mkdir()
+    script = parse_spec({"name": "ok", "trainer": {"command": ["python", "train.py", "--out", "x"], "workdir": "w"}})
+    anchored = anchor_paths(script, tmp_path).trainer
+    assert anchored.command == ["python", str(tmp_path / "train.py"), "--out", "x"]
+    assert anchored.workdir == str(tmp_path / "w")
+    module = anchor_paths(parse_spec({"name": "ok", "trainer": {"command": ["python", "-m", "mypkg.train"]}}), tmp_path)
+    assert module.trainer.env["PYTHONPATH"] == str(tmp_path) and module.trainer.command[2] == "mypkg.train"
+    built_in = parse_spec({"name": "ok"})
+    assert anchor_paths(built_in, tmp_path) == built_in

@@ -1,0 +1,41 @@
+"""How the run's step is kept: who reports it (the trainer, the output, or nobody) and what each
+report changes. Pure functions over RunStatus, so the workflow says only when they apply."""
+
+from __future__ import annotations
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from lazarus.schema.records import RunStatus, StepSource
+    from lazarus.schema.run import TrainerSettings
+    from lazarus.schema.stages import ResumeResult
+
+
+def expected_source(trainer: TrainerSettings) -> StepSource | None:
+    """Who the spec says reports steps: the built-in trainer, the output through a progress pattern,
+    else nobody yet (a lazarus.session script shows itself with its first heartbeat)."""
+    return "trainer" if trainer.built_in else "output" if trainer.progress_pattern else None
+
+
+def take_progress(status: RunStatus, step: int | None, source: StepSource | None) -> None:
+    """A progress report: the step never goes back, and an unknown step leaves it as it was."""
+    if source is not None:
+        status.steps_from = source
+    if step is not None:
+        status.step = step if status.step is None else max(status.step, step)
+
+
+def take_resume(status: RunStatus, resumed: ResumeResult) -> None:
+    """The step once a new incarnation is up."""
+    if resumed.completed and status.steps_from == "trainer":
+        status.step = status.total_steps
+    elif resumed.step is not None:
+        status.step = resumed.step
+    elif resumed.resumed_from_step is not None and status.steps_from == "trainer":
+        status.step = resumed.resumed_from_step + 1  # recorded before ResumeResult.step existed
+
+
+def take_completion(status: RunStatus) -> None:
+    """Training is done: a trainer reached its last step; a script that decides its own end stays where it said."""
+    if status.steps_from == "trainer":
+        status.step = status.total_steps
