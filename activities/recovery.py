@@ -85,9 +85,11 @@ def missing_command(trainer: TrainerSettings, work_dir: Path, backend: str) -> s
         return None
     folder = Path(trainer.workdir) if trainer.workdir else work_dir
     program = trainer.command[0]
-    found = (folder / program if "/" in program else shutil.which(program)) if program != "python" else program
-    if found != "python" and not (found and os.access(found, os.X_OK) and Path(found).is_file()):
-        return f"trainer.command: {program!r} is not an executable on this node (not on PATH, not a file that can run)"
+    if program != "python":
+        found = folder / program if "/" in program else shutil.which(program)
+        if not found or not Path(found).is_file() or not os.access(found, os.X_OK):
+            why = "not on PATH, not a file that can run"
+            return f"trainer.command: {program!r} is not an executable on this node ({why})"
     script = python_script(trainer.command)
     if script and not (folder / script).is_file():
         where = "" if Path(script).is_absolute() else f" in the ranks' working directory {folder}"

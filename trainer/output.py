@@ -56,8 +56,11 @@ class OutputWatch:
 
     @property
     def needed(self) -> bool:
-        """Whether there is anything to watch: output heartbeats, or a fault only the launcher can carry out."""
-        return self.trainer.output_heartbeats or self.fault is not None
+        """Whether there is anything to watch: output heartbeats, or a fault only the launcher can carry out
+        (after a time; at a step, only where the output names steps)."""
+        fault = self.fault
+        timed_or_read = fault is not None and (fault.after_seconds is not None or self.trainer.progress_pattern)
+        return self.trainer.output_heartbeats or bool(timed_or_read)
 
     def add(self, rank: int, pid: int, log: Path, offset: int) -> None:
         """Watch a rank just started; with output as heartbeat, it is `starting` from now."""

@@ -23,7 +23,7 @@ import json, os, sys
 rank = int(os.environ["RANK"])
 with open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w") as out:
     json.dump({"argv": sys.argv, "path0": sys.path[0], "torch": "torch" in sys.modules, "pid": os.getpid(),
-               "ppid": os.getppid(), "world": os.environ["WORLD_SIZE"], "name": __name__}, out)
+               "ppid": os.getppid(), "world": os.environ["WORLD_SIZE"], "name": __name__, "cwd": os.getcwd()}, out)
 sys.exit(int(sys.argv[1]) + rank)
 """
 
@@ -36,17 +36,22 @@ def cluster(tmp_path):
         cluster.stop_run(run.name)
 
 
-def start(cluster: LocalCluster, tmp_path: Path, warm: bool = True) -> Path:
-    script = tmp_path / "reporter.py"
+def start(cluster: LocalCluster, tmp_path: Path, warm: bool = True, as_module: bool = False) -> Path:
+    script = tmp_path / "project" / "reporter.py"
+    script.parent.mkdir()
     script.write_text(REPORTER)
     reports = tmp_path / "reports"
     reports.mkdir()
+    env = {"REPORT_DIR": str(reports)}
+    command = ["python", str(script), "10"]
+    if as_module:  # `python -m reporter` with the project on PYTHONPATH, as local_paths makes it
+        command, env["PYTHONPATH"] = ["python", "-m", "reporter", "10"], str(script.parent)
     spec = parse_spec(
         {
             "name": "r",
             "cluster": {"active_nodes": 2, "spare_nodes": 1, "warm_standby": warm},
             "layout": {"dp": 2},
-            "trainer": {"command": ["python", str(script), "10"], "env": {"REPORT_DIR": str(reports)}},
+            "trainer": {"command": command, "env": env},
         }
     )
     cluster.create("r1", spec)
@@ -81,9 +86,10 @@ def test_a_warm_rank_gets_a_cold_ranks_environment_and_exit_status(cluster, tmp_
     assert [e.code for e in exits] == [10, 11]  # sys.exit(code) of each rank, recorded by its launcher
     for rank in (0, 1):
         report = json.loads((reports / f"{rank}.json").read_text())
-        assert report["argv"] == [str(tmp_path / "reporter.py"), "10"]
-        assert report["path0"] == str(tmp_path)  # as `python script.py` sets it
+        assert report["argv"] == [str(tmp_path / "project" / "reporter.py"), "10"]
+        assert report["path0"] == str(tmp_path / "project")  # as `python script.py` sets it
         assert report["name"] == "__main__" and report["world"] == "2"
+        assert report["cwd"] == str(run.work_dir)  # the run's own folder, not the worker's
         assert report["torch"] is True  # imported by the standby before the order came
         launcher = read_json(run.node_pid_file(0, rank))
         standby = read_json(run.standby(f"node-{rank}") / "pid")
@@ -97,8 +103,20 @@ def test_a_cold_start_gives_the_same_result(cluster, tmp_path):
     run = cluster.run_dir("r1")
     exits = both_exits(run)
     assert [e.code for e in exits] == [10, 11]
-    assert json.loads((reports / "0.json").read_text())["torch"] is False
+    report = json.loads((reports / "0.json").read_text())
+    assert report["torch"] is False and report["cwd"] == str(run.work_dir)
     assert not run.standby("node-0").exists()
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_module_on_the_ranks_pythonpath_runs_warm_or_cold(cluster, tmp_path, warm):
+    """The standby started before the rank's PYTHONPATH was known: a forked rank must find its module too."""
+    reports = start(cluster, tmp_path, warm=warm, as_module=True)
+    run = cluster.run_dir("r1")
+    assert [e.code for e in both_exits(run)] == [10, 11]
+    report = json.loads((reports / "1.json").read_text())
+    assert report["argv"][1:] == ["10"] and report["name"] == "__main__" and report["torch"] is warm
+    assert report["cwd"] == str(run.work_dir)
 
 
 def test_kill_node_kills_its_standby_and_a_late_order_starts_nothing(cluster, tmp_path):
