@@ -211,9 +211,9 @@ class FaultInjection(Strict):
     """A fault planned in advance: every rank of `node` is SIGKILLed at a given step or time.
 
     The built-in trainer and lazarus.session scripts kill themselves exactly at the step; for any
-    other script the node's launcher does it, when the rank's output shows the step before
-    (trainer.progress_pattern; within a poll of 20 ms, so perhaps a step later) or `after_seconds`
-    after the ranks started.
+    other script the node's launcher does it, when the output of that node's ranks shows the step
+    before (trainer.progress_pattern; within a poll of 20 ms, so perhaps a step later) or
+    `after_seconds` after the ranks started.
     """
 
     node: str = Field(description="Node whose ranks die, e.g. node-1.")
