@@ -112,7 +112,7 @@ def _incident_notes(incident: Incident) -> list[str]:
     if incident.new_assignment and incident.new_assignment.layout != incident.old_assignment.layout:
         old, new = incident.old_assignment.layout, incident.new_assignment.layout
         below = " (below the spec's dp)" if incident.decision and incident.decision.below_target_dp else ""
-        notes.append(f"layout: dp={old.dp} pp={old.pp} -> dp={new.dp} pp={new.pp}{below}")
+        notes.append(f"layout: {old.describe()} -> {new.describe()}{below}")
     discarded = ", ".join(f"step-{s}" for s in incident.discarded_checkpoints)
     skipped = ", ".join(f"step-{s} ({why})" for s, why in incident.skipped_checkpoints.items())
     kept = [discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"]

@@ -258,7 +258,8 @@ class RunSpec(Strict):
         description="What each rank runs, where, how it reports progress; the built-in trainer's model and schedule.",
     )
     layout: Layout = Field(
-        default_factory=Layout, description="Parallel layout: dp x pp x tp ranks, ranks_per_node ranks on each node."
+        default_factory=Layout,
+        description="Parallel layout: dp replicas of pp x dp_shard x tp ranks, ranks_per_node ranks on each node.",
     )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Backend and node counts.")
     recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy, description="Detection and recovery policy.")
@@ -271,14 +272,19 @@ class RunSpec(Strict):
         ranks = self.cluster.active_nodes * self.layout.ranks_per_node
         if self.layout.world_size != ranks:
             raise ValueError(
-                f"layout: dp*pp*tp = {self.layout.world_size} but cluster.active_nodes x "
+                f"layout: dp*pp*dp_shard*tp = {self.layout.world_size} but cluster.active_nodes x "
                 f"layout.ranks_per_node = {self.cluster.active_nodes} x {self.layout.ranks_per_node} = {ranks} ranks; "
-                f"make them equal (for example layout.dp: {ranks // (self.layout.pp * self.layout.tp) or 1})"
+                f"make them equal (for example layout.dp: {ranks // self.layout.replica_ranks or 1})"
             )
         if self.recovery.min_dp > self.layout.dp:
             raise ValueError(
                 f"recovery.min_dp: {self.recovery.min_dp} exceeds layout.dp {self.layout.dp}; "
                 f"set it between 1 and {self.layout.dp}"
+            )
+        if self.trainer.built_in and (self.layout.tp > 1 or self.layout.dp_shard > 1):
+            raise ValueError(
+                f"layout: tp {self.layout.tp}, dp_shard {self.layout.dp_shard}: the built-in trainer runs neither "
+                "tensor parallelism nor FSDP yet; set layout.tp and layout.dp_shard to 1 (a script of your own may)"
             )
         if self.trainer.built_in and self.layout.pp > self.trainer.n_layers:
             raise ValueError(

@@ -43,6 +43,7 @@ from lazarus.schema.contract import (
     write_exit,
     write_heartbeat,
 )
+from lazarus.schema.layout import MESH_DIMENSIONS
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir, commit_checkpoint
@@ -128,6 +129,21 @@ class TrainingSession:
                 return
             except OSError:
                 time.sleep(0.002)
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's place in the layout: {"dp", "pp", "dp_shard", "tp"} (schema/layout.py)."""
+        return self.layout.coordinates(self.rank)
+
+    def device_mesh(self, device_type: str = "cpu"):
+        """The run's device mesh, built from this incarnation's assignment, after init_process_group:
+        dimensions ("dp", "pp", "dp_shard", "tp") of the layout's sizes (1 where unused), this rank at
+        its `coordinates`. `mesh["tp"]` is for parallelize_module, `mesh["dp_shard"]` (or
+        `mesh["dp", "dp_shard"]` for HSDP) for fully_shard; after a reshard the same call gives
+        the smaller mesh."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.layout.shape, mesh_dim_names=MESH_DIMENSIONS)
 
     def checkpoint_dir(self, step: int) -> Path:
         """The folder for the checkpoint of `step` (created); every rank writes into the same one."""

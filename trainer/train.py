@@ -20,11 +20,14 @@ from lazarus.trainer.session import TrainingSession, maybe_fail
 
 def check_layout(layout: Layout, settings: TrainerSettings, world_size: int) -> None:
     """Refuse a layout this trainer cannot run, saying what to change."""
-    if layout.tp != 1:
-        raise SystemExit(f"trainer: layout.tp = {layout.tp} is not supported on CPU; set layout.tp: 1")
+    if layout.tp != 1 or layout.dp_shard != 1:
+        raise SystemExit(
+            f"trainer: layout.tp = {layout.tp}, layout.dp_shard = {layout.dp_shard}: the built-in trainer runs "
+            "tp 1 and dp_shard 1 only; set both to 1"
+        )
     if layout.world_size != world_size:
         raise SystemExit(
-            f"trainer: WORLD_SIZE {world_size} does not match the assignment's dp*pp*tp = {layout.world_size}"
+            f"trainer: WORLD_SIZE {world_size} does not match the assignment's dp*pp*dp_shard*tp = {layout.world_size}"
         )
     if layout.pp > settings.n_layers:
         raise SystemExit(

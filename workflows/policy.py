@@ -1,7 +1,7 @@
 """The recovery decision as a pure function of the inventory (deterministic, no I/O).
 
 Capacity is counted in model replicas, not nodes: a lost node takes down every replica
-(pipeline and tensor-parallel group) that has a rank on it.
+(its pipeline stages, FSDP shard groups and tensor-parallel groups) that has a rank on it.
 """
 
 from __future__ import annotations
@@ -12,17 +12,16 @@ from lazarus.schema.records import Assignment, Decision, Inventory
 
 def nodes_for(layout: Layout, dp: int) -> int | None:
     """Nodes that dp replicas of this layout fill exactly; None if they would leave a node part-used."""
-    ranks = dp * layout.pp * layout.tp
+    ranks = dp * layout.replica_ranks
     return ranks // layout.ranks_per_node if ranks % layout.ranks_per_node == 0 else None
 
 
 def broken_replicas(assignment: Assignment, lost: set[str]) -> list[int]:
     """Replicas with at least one rank on a lost node."""
     layout = assignment.layout
-    replica_ranks = layout.pp * layout.tp
     return sorted(
         {
-            rank // replica_ranks
+            layout.replica_of_rank(rank)
             for index, node in enumerate(assignment.nodes)
             if node in lost
             for rank in range(index * layout.ranks_per_node, (index + 1) * layout.ranks_per_node)
@@ -117,9 +116,9 @@ def _reshard_pool(assignment: Assignment, lost: set[str], broken: list[int]) -> 
     """The run's healthy nodes a reshard may use, in the order it fills them: the nodes of intact
     replicas, then the survivors of broken ones."""
     layout = assignment.layout
-    per_node, replica_ranks = layout.ranks_per_node, layout.pp * layout.tp
+    per_node = layout.ranks_per_node
     replicas_of_node = [
-        {rank // replica_ranks for rank in range(i * per_node, (i + 1) * per_node)}
+        {layout.replica_of_rank(rank) for rank in range(i * per_node, (i + 1) * per_node)}
         for i in range(len(assignment.nodes))
     ]
     intact = [n for i, n in enumerate(assignment.nodes) if not replicas_of_node[i] & set(broken)]

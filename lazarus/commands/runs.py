@@ -100,7 +100,7 @@ def status_view(status):
     facts.add_row("run", status.run_id)
     facts.add_row("state", status.state.value)
     facts.add_row("step", status.progress)
-    facts.add_row("layout", f"dp={layout.dp} pp={layout.pp} tp={layout.tp}")
+    facts.add_row("layout", f"{layout.describe()} ({layout.ranks_per_node} rank(s) per node)")
     if assignment:
         facts.add_row("incarnation", f"{assignment.incarnation} on {', '.join(assignment.nodes)}")
     if status.reason:

@@ -26,7 +26,7 @@ def assert_one_line_error(done: subprocess.CompletedProcess, starts: str) -> Non
 def test_bad_spec(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: x\nlayout:\n  dp: 3\n")
-    assert_one_line_error(lazarus("run", "start", str(path)), "layout: dp*pp*tp = 3")
+    assert_one_line_error(lazarus("run", "start", str(path)), "layout: dp*pp*dp_shard*tp = 3")
 
 
 def test_chaos_on_an_unknown_run(tmp_path):

@@ -213,7 +213,7 @@ def render(renderable) -> str:
 
 def test_status_shows_state_nodes_and_each_stage():
     text = render(status_view(recovered_run()))
-    assert "COMPLETED" in text and "60/60" in text and "dp=4 pp=1 tp=1" in text
+    assert "COMPLETED" in text and "60/60" in text and "dp=4 (1 rank(s) per node)" in text
     assert "1 on node-0, node-1, node-4, node-3" in text
     rows = {cells[0]: cells[1] for cells in map(str.split, text.splitlines()) if len(cells) > 1}
     assert rows["detect"] == "0.05" and rows["resume"] == "0.80" and rows["MTTR"] == "1.00"

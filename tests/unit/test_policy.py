@@ -55,6 +55,22 @@ def test_data_parallel_without_a_spare_reshards_to_the_survivors():
     assert decision.nodes == ["node-0", "node-2", "node-3"] and decision.released_nodes == []
 
 
+# Two replicas of 2 FSDP shards x 2 tensor-parallel ranks on nodes of 2 ranks: a replica is 4 ranks, 2 nodes.
+DP2_SHARD2_TP2 = Layout(dp=2, dp_shard=2, tp=2, ranks_per_node=2)
+
+
+def test_a_lost_node_takes_its_whole_fsdp_and_tensor_parallel_replica():
+    inventory, assignment = world(DP2_SHARD2_TP2, spares=1)
+    assert assignment.nodes == ["node-0", "node-1", "node-2", "node-3"]
+    decision = plan_recovery(inventory, assignment, ["node-3"], target_dp=2, min_dp=1)
+    assert decision.action == "replace" and decision.lost_replicas == [1]
+    assert decision.nodes == ["node-0", "node-1", "node-2", "node-4"] and decision.layout == DP2_SHARD2_TP2
+    inventory, assignment = world(DP2_SHARD2_TP2, spares=0)
+    decision = plan_recovery(inventory, assignment, ["node-3"], target_dp=2, min_dp=1)
+    assert decision.action == "reshard" and decision.layout == DP2_SHARD2_TP2.model_copy(update={"dp": 1})
+    assert decision.nodes == ["node-0", "node-1"] and decision.released_nodes == ["node-2"]
+
+
 def test_below_the_minimum_dp_means_wait():
     inventory, assignment = world(DP2_PP2, spares=0)
     decision = plan_recovery(inventory, assignment, ["node-1"], target_dp=2, min_dp=2)
@@ -67,17 +83,21 @@ def fits(layout: Layout, dp: int, nodes: int) -> bool:
     return needed is not None and needed <= nodes
 
 
+def layout_or_none(**sizes) -> Layout | None:
+    try:
+        return Layout(**sizes)
+    except ValueError:
+        return None  # e.g. a tensor-parallel group that would span nodes
+
+
 layouts = st.builds(
-    lambda dp, pp, per_node: Layout(dp=dp, pp=pp, tp=1, ranks_per_node=per_node),
+    layout_or_none,
     dp=st.integers(1, 8),
     pp=st.sampled_from([1, 2, 4]),
-    per_node=st.sampled_from([1, 2]),
-).filter(
-    lambda layout: (
-        layout.world_size % layout.ranks_per_node == 0
-        and (layout.pp % layout.ranks_per_node == 0 or layout.ranks_per_node % layout.pp == 0)
-    )
-)
+    dp_shard=st.sampled_from([1, 2]),
+    tp=st.sampled_from([1, 2]),
+    ranks_per_node=st.sampled_from([1, 2, 4]),
+).filter(lambda layout: layout is not None and layout.world_size % layout.ranks_per_node == 0)
 
 
 @given(layout=layouts, spares=st.integers(0, 4), dead=st.integers(0, 2), min_dp=st.integers(1, 8), data=st.data())
@@ -94,7 +114,12 @@ def test_every_decision_keeps_the_invariants(layout, spares, dead, min_dp, data)
         assert not [d for d in range(min_dp, layout.dp) if fits(layout, d, len(healthy) + len(free))]
         return
     new = decision.layout
-    assert (new.pp, new.tp, new.ranks_per_node) == (layout.pp, layout.tp, layout.ranks_per_node)
+    assert (new.pp, new.dp_shard, new.tp, new.ranks_per_node) == (
+        layout.pp,
+        layout.dp_shard,
+        layout.tp,
+        layout.ranks_per_node,
+    )
     assert len(decision.nodes) == nodes_for(layout, new.dp) == len(set(decision.nodes))
     assert not set(decision.nodes) & set(lost)
     assert set(decision.nodes) <= set(healthy) | set(free)

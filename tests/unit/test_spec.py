@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lazarus.schema import RunSpec, SpecError, load_spec, parse_spec
+from lazarus.schema import Layout, RunSpec, SpecError, load_spec, parse_spec
 
 
 def refuse(data: dict) -> str:
@@ -23,7 +23,9 @@ def test_the_defaults_make_a_valid_spec():
 def test_layout_must_match_the_active_nodes():
     message = refuse({"layout": {"dp": 8}})
     assert (
-        message.startswith("layout: dp*pp*tp = 8") and "cluster.active_nodes" in message and "layout.dp: 4" in message
+        message.startswith("layout: dp*pp*dp_shard*tp = 8")
+        and "cluster.active_nodes" in message
+        and "layout.dp: 4" in message
     )
 
 
@@ -145,3 +147,32 @@ def test_relative_paths_are_taken_from_the_folder_the_run_starts_in(tmp_path):
     assert module.trainer.env["PYTHONPATH"] == str(tmp_path) and module.trainer.command[2] == "mypkg.train"
     built_in = parse_spec({"name": "ok"})
     assert anchor_paths(built_in, tmp_path) == built_in
+
+
+def test_a_tensor_parallel_group_never_spans_nodes():
+    message = refuse({"layout": {"dp": 2, "tp": 2, "ranks_per_node": 1}, "trainer": {"command": ["python", "x.py"]}})
+    assert message.startswith("layout.tp: 2 does not divide layout.ranks_per_node 1") and "multiple of 2" in message
+
+
+def test_the_built_in_trainer_refuses_layouts_it_cannot_run():
+    message = refuse({"layout": {"dp": 2, "dp_shard": 2, "ranks_per_node": 1}})
+    assert "the built-in trainer runs neither tensor parallelism nor FSDP yet" in message
+
+
+def test_a_rank_s_coordinates_follow_the_rank_order():
+    layout = Layout(dp=2, pp=2, dp_shard=2, tp=2, ranks_per_node=2)
+    assert layout.world_size == 16 and layout.replica_ranks == 8 and layout.shape == (2, 2, 2, 2)
+    assert layout.coordinates(0) == {"dp": 0, "pp": 0, "dp_shard": 0, "tp": 0}
+    assert layout.coordinates(1) == {"dp": 0, "pp": 0, "dp_shard": 0, "tp": 1}  # tp fastest: inside a node
+    assert layout.coordinates(6) == {"dp": 0, "pp": 1, "dp_shard": 1, "tp": 0}
+    assert layout.coordinates(13) == {"dp": 1, "pp": 1, "dp_shard": 0, "tp": 1}
+    assert all(layout.replica_of_rank(r) == layout.coordinates(r)["dp"] for r in range(16))
+    assert layout.describe() == "dp=2 pp=2 dp_shard=2 tp=2" and Layout(dp=4).describe() == "dp=4"
+    user = parse_spec(
+        {
+            "name": "ok",
+            "trainer": {"command": ["python", "x.py"]},
+            "layout": {"dp": 2, "dp_shard": 2, "tp": 2, "ranks_per_node": 2},
+        }
+    )
+    assert user.layout.world_size == 8 == user.cluster.active_nodes * 2

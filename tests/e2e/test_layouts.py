@@ -1,0 +1,65 @@
+"""Layouts beyond DDP: a user's FSDP2 + tensor-parallel script takes its device mesh from Lazarus,
+and a hot spare that takes a lost node's mesh coordinates keeps the losses bit for bit."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from lazarus.config import Settings
+from lazarus.demo import drive_run
+from lazarus.infra.local import LocalCluster
+from lazarus.schema import RunState, load_spec
+from lazarus.worker import build_worker
+from tests.support.runs import SPECS, losses, with_absolute_command
+
+FSDP_TP_SPEC = SPECS / "fsdp-tp.yaml"
+HSDP_TP_SPEC = SPECS / "hsdp-tp.yaml"
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+async def test_fsdp_and_tensor_parallel_recover_on_a_hot_spare_bit_for_bit(dev_env, home, reference):
+    spec = with_absolute_command(load_spec(FSDP_TP_SPEC))
+    settings = Settings(task_queue=f"layouts-{uuid.uuid4().hex[:8]}", home=home)
+    cluster = LocalCluster(home)
+    run_id = f"fsdp-tp-{uuid.uuid4().hex[:6]}"
+    async with build_worker(dev_env.client, settings.task_queue, cluster):
+        status = await drive_run(dev_env.client, settings, cluster, spec, run_id, kill_at=15, say=lambda _: None)
+
+    assert status.state == RunState.COMPLETED and status.step == 40, status.reason
+    [incident] = status.incidents
+    assert incident.fault.nodes == ["node-1"] and incident.decision.replacements == {"node-1": "node-2"}
+    assert incident.resumed_from_step in (10, 20) and status.layout == spec.layout
+    run = cluster.run_dir(run_id)
+    resumed = losses(run, incarnation=1)
+    assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 41))
+    expected = reference(FSDP_TP_SPEC)
+    # The spare's ranks sit at the lost ranks' (dp_shard, tp) coordinates and load their shards
+    # of the DTensor state: every loss after the restore equals the unfaulted run's exactly.
+    assert {step: loss for step, loss in resumed.items() if loss != expected[step]} == {}
+    assert all(losses(run, incarnation=0)[step] == expected[step] for step in range(1, incident.resumed_from_step + 1))
+
+
+async def test_hsdp_and_tensor_parallel_without_a_spare_reshard_to_one_replica(dev_env, home, reference):
+    spec = with_absolute_command(load_spec(HSDP_TP_SPEC))
+    settings = Settings(task_queue=f"layouts-{uuid.uuid4().hex[:8]}", home=home)
+    cluster = LocalCluster(home)
+    run_id = f"hsdp-tp-{uuid.uuid4().hex[:6]}"
+    async with build_worker(dev_env.client, settings.task_queue, cluster):
+        status = await drive_run(dev_env.client, settings, cluster, spec, run_id, kill_at=15, say=lambda _: None)
+
+    assert status.state == RunState.COMPLETED and status.step == 40, status.reason
+    [incident] = status.incidents
+    # node-2 holds half of replica 1 (its dp_shard 0): the whole replica is lost, node-3 goes back.
+    assert incident.fault.nodes == ["node-2"] and incident.decision.action == "reshard"
+    assert incident.decision.lost_replicas == [1] and incident.decision.released_nodes == ["node-3"]
+    assert status.layout == spec.layout.model_copy(update={"dp": 1})
+    run = cluster.run_dir(run_id)
+    resumed = losses(run, incarnation=1)
+    assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 41))
+    expected = reference(HSDP_TP_SPEC)
+    # Same global batch, split 2 ways instead of 4: equal up to the order of the float sums.
+    worst = max(abs(loss - expected[step]) / abs(expected[step]) for step, loss in resumed.items())
+    assert worst < 1e-4, f"relative difference {worst:.2e}"
