@@ -20,19 +20,24 @@ HSDP_TP_SPEC = SPECS / "hsdp-tp.yaml"
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-async def test_fsdp_and_tensor_parallel_recover_on_a_hot_spare_bit_for_bit(dev_env, home, reference):
-    spec = with_absolute_command(load_spec(FSDP_TP_SPEC))
+async def killed_at_step_15(dev_env, home, spec_path):
+    """Run the spec with an in-process worker, a node killed at step 15; its final status, spec and run directory."""
+    spec = with_absolute_command(load_spec(spec_path))
     settings = Settings(task_queue=f"layouts-{uuid.uuid4().hex[:8]}", home=home)
     cluster = LocalCluster(home)
-    run_id = f"fsdp-tp-{uuid.uuid4().hex[:6]}"
+    run_id = f"{spec.name}-{uuid.uuid4().hex[:6]}"
     async with build_worker(dev_env.client, settings.task_queue, cluster):
         status = await drive_run(dev_env.client, settings, cluster, spec, run_id, kill_at=15, say=lambda _: None)
+    return status, spec, cluster.run_dir(run_id)
+
+
+async def test_fsdp_and_tensor_parallel_recover_on_a_hot_spare_bit_for_bit(dev_env, home, reference):
+    status, spec, run = await killed_at_step_15(dev_env, home, FSDP_TP_SPEC)
 
     assert status.state == RunState.COMPLETED and status.step == 40, status.reason
     [incident] = status.incidents
     assert incident.fault.nodes == ["node-1"] and incident.decision.replacements == {"node-1": "node-2"}
     assert incident.resumed_from_step in (10, 20) and status.layout == spec.layout
-    run = cluster.run_dir(run_id)
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 41))
     expected = reference(FSDP_TP_SPEC)
@@ -43,12 +48,7 @@ async def test_fsdp_and_tensor_parallel_recover_on_a_hot_spare_bit_for_bit(dev_e
 
 
 async def test_hsdp_and_tensor_parallel_without_a_spare_reshard_to_one_replica(dev_env, home, reference):
-    spec = with_absolute_command(load_spec(HSDP_TP_SPEC))
-    settings = Settings(task_queue=f"layouts-{uuid.uuid4().hex[:8]}", home=home)
-    cluster = LocalCluster(home)
-    run_id = f"hsdp-tp-{uuid.uuid4().hex[:6]}"
-    async with build_worker(dev_env.client, settings.task_queue, cluster):
-        status = await drive_run(dev_env.client, settings, cluster, spec, run_id, kill_at=15, say=lambda _: None)
+    status, spec, run = await killed_at_step_15(dev_env, home, HSDP_TP_SPEC)
 
     assert status.state == RunState.COMPLETED and status.step == 40, status.reason
     [incident] = status.incidents
@@ -56,7 +56,6 @@ async def test_hsdp_and_tensor_parallel_without_a_spare_reshard_to_one_replica(d
     assert incident.fault.nodes == ["node-2"] and incident.decision.action == "reshard"
     assert incident.decision.lost_replicas == [1] and incident.decision.released_nodes == ["node-3"]
     assert status.layout == spec.layout.model_copy(update={"dp": 1})
-    run = cluster.run_dir(run_id)
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 41))
     expected = reference(HSDP_TP_SPEC)
