@@ -38,6 +38,7 @@ from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.infra.local import LocalCluster
 from lazarus.infra.temporal_server import local_environment
+from lazarus.local_paths import anchor_paths
 from lazarus.schema import STAGES, RunState, load_spec
 from lazarus.schema.contract import read_heartbeat
 from lazarus.worker import build_worker
@@ -115,7 +116,7 @@ def _kill_node(home: str, run_id: str, node: str) -> list[int]:
 
 
 async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -> list[dict]:
-    spec = load_spec(spec_path)
+    spec = anchor_paths(load_spec(spec_path), Path.cwd())
     kill_at = kill_at or default_kill_step(spec)
     env = await local_environment()
     rows, splits = [], []

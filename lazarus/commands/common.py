@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lazarus.config import Settings
 
 
@@ -10,11 +12,13 @@ class UserError(Exception):
 
 
 def load_run_spec(path: str):
-    """The run spec at `path`; a bad one is the user's mistake, said in one line."""
+    """The run spec at `path`, its relative paths taken from the folder the command runs in
+    (lazarus/local_paths.py); a bad one is the user's mistake, said in one line."""
+    from lazarus.local_paths import anchor_paths
     from lazarus.schema.load import SpecError, load_spec
 
     try:
-        return load_spec(path)
+        return anchor_paths(load_spec(path), Path.cwd())
     except SpecError as error:
         raise UserError(str(error)) from None
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 from datetime import datetime
-from pathlib import Path
 
 from lazarus.commands.common import UserError, connect_client, load_run_spec
 from lazarus.config import Settings
@@ -53,10 +52,9 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
 
     from lazarus.activities.recovery import missing_command
     from lazarus.client import start_run
-    from lazarus.local_paths import anchor_paths
     from lazarus.schema.rundir import RunDir
 
-    spec = anchor_paths(load_run_spec(args.spec), Path.cwd())
+    spec = load_run_spec(args.spec)
     run_id = args.run_id or f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}"
     missing = missing_command(spec.trainer, RunDir(settings.home / "runs" / run_id).work_dir, spec.cluster.backend)
     if missing:

@@ -3,6 +3,9 @@ and a hot spare that takes a lost node's mesh coordinates keeps the losses bit f
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -10,9 +13,11 @@ import pytest
 from lazarus.config import Settings
 from lazarus.demo import drive_run
 from lazarus.infra.local import LocalCluster
-from lazarus.schema import RunState, load_spec
+from lazarus.schema import STAGES, RunState, load_spec
+from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker
-from tests.support.runs import SPECS, losses, with_absolute_command
+from tests.support.runs import REPO, SPECS, losses, with_absolute_command
+from tests.support.workers import lazarus_env
 
 FSDP_TP_SPEC = SPECS / "fsdp-tp.yaml"
 HSDP_TP_SPEC = SPECS / "hsdp-tp.yaml"
@@ -62,3 +67,28 @@ async def test_hsdp_and_tensor_parallel_without_a_spare_reshard_to_one_replica(d
     # Same global batch, split 2 ways instead of 4: equal up to the order of the float sums.
     worst = max(abs(loss - expected[step]) / abs(expected[step]) for step, loss in resumed.items())
     assert worst < 1e-4, f"relative difference {worst:.2e}"
+
+
+def test_the_hsdp_example_runs_as_the_demo_with_a_recovery(dev_env, home, reference):
+    """`lazarus demo --spec examples/hsdp-tp.yaml`: 8 ranks on 4 nodes, a node killed mid-run, the spare
+    takes its coordinates; the stage table comes with the final status, the losses with the run."""
+    env = lazarus_env(dev_env, home, f"demo-{uuid.uuid4().hex[:6]}")
+    done = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "demo", "--spec", "examples/hsdp-tp.yaml", "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = json.loads(done.stdout)
+    assert final["state"] == "COMPLETED" and final["step"] == 60
+    [incident] = final["incidents"]
+    assert incident["outcome"] == "recovered" and incident["decision"]["action"] == "replace"
+    assert incident["mttr_seconds"] > 0 and set(incident["stages"]) == set(STAGES)
+    run = RunDir(final["run_dir"])
+    resumed = losses(run, incarnation=1)
+    expected = reference(REPO / "examples" / "hsdp-tp.yaml")
+    assert sorted(resumed) == list(range(incident["resumed_from_step"] + 1, 61))
+    assert {step: loss for step, loss in resumed.items() if loss != expected[step]} == {}
