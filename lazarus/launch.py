@@ -377,7 +377,7 @@ async def _end_interrupted(handle, cluster, run_id: str, say) -> None:
 
 def _say_end(final, say) -> int:
     code = exit_status(final)
-    if final.state.value == "COMPLETED":
+    if code == 0:  # completed
         say(f"run {final.run_id} COMPLETED at step {final.progress} after {len(final.incidents)} incident(s)")
         return code
     failure = final.failure
