@@ -281,10 +281,10 @@ class RunSpec(Strict):
                 f"recovery.min_dp: {self.recovery.min_dp} exceeds layout.dp {self.layout.dp}; "
                 f"set it between 1 and {self.layout.dp}"
             )
-        if self.trainer.built_in and (self.layout.tp > 1 or self.layout.dp_shard > 1):
+        if self.trainer.built_in and self.trainer.n_heads % self.layout.tp:
             raise ValueError(
-                f"layout: tp {self.layout.tp}, dp_shard {self.layout.dp_shard}: the built-in trainer runs neither "
-                "tensor parallelism nor FSDP yet; set layout.tp and layout.dp_shard to 1 (a script of your own may)"
+                f"layout.tp: {self.layout.tp} does not divide trainer.n_heads {self.trainer.n_heads}, and each "
+                f"tensor-parallel rank computes whole attention heads; set tp to a divisor of {self.trainer.n_heads}"
             )
         if self.trainer.built_in and self.layout.pp > self.trainer.n_layers:
             raise ValueError(
@@ -299,9 +299,10 @@ class RunSpec(Strict):
                 )
             if fault.step is not None and fault.step > self.trainer.steps and self.trainer.progress_pattern is None:
                 raise ValueError(f"faults.step: {fault.step} is past trainer.steps {self.trainer.steps}")
-        if self.trainer.global_batch < self.layout.dp:
+        data_ranks = self.layout.dp * self.layout.dp_shard
+        if self.trainer.global_batch < data_ranks:
             raise ValueError(
-                f"trainer.global_batch: {self.trainer.global_batch} is smaller than layout.dp {self.layout.dp}; "
-                f"every replica needs at least one sample per step"
+                f"trainer.global_batch: {self.trainer.global_batch} is smaller than layout.dp x layout.dp_shard = "
+                f"{data_ranks}; every data-parallel rank needs at least one sample per step"
             )
         return self

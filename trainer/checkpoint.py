@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from lazarus.schema.rundir import RunDir
 from lazarus.trainer.session import commit_or_say_why
 
-# Optimizer state keyed by parameter name (`state.blocks.3.qkv.weight.exp_avg`, and the same
+# Optimizer state keyed by parameter name (`state.blocks.3.q.weight.exp_avg`, and the same
 # for param_groups): each pipeline stage then has keys of its own. Unflattened, every stage
 # has a `param_groups.0`, which the checkpoint's deduplication takes for one replicated value.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)

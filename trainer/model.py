@@ -1,4 +1,5 @@
-"""A small GPT and its pipeline stages: token and position embeddings, pre-norm blocks, a head."""
+"""A small GPT and its pipeline stages: token and position embeddings, pre-norm blocks, a head;
+and the tensor-parallel plan of a block (Megatron's column/row split of attention and MLP)."""
 
 from __future__ import annotations
 
@@ -8,31 +9,50 @@ from torch import nn
 
 
 class Block(nn.Module):
-    """Causal self-attention and an MLP, each behind a LayerNorm with a residual."""
+    """Causal self-attention and an MLP, each behind a LayerNorm with a residual.
+
+    q, k and v are separate projections so that a column split over tp ranks gives each rank
+    whole heads (of a fused qkv matrix it would get all of q and part of k). The forward reads
+    the head count from the projection's width, so it runs on a rank's share of the heads.
+    """
 
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
-        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
         self.ln_attn = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.ln_mlp = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(self.ln_attn(x)).split(width, dim=2)
-        heads = lambda t: t.view(batch, seq, self.n_heads, width // self.n_heads).transpose(1, 2)  # noqa: E731
-        attended = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, width))
+        batch, seq, _ = x.shape
+        normed = self.ln_attn(x)
+        heads = lambda t: t.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = heads(self.q(normed)), heads(self.k(normed)), heads(self.v(normed))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.mlp(self.ln_mlp(x))
+
+
+def tensor_parallel_plan() -> dict:
+    """How a Block splits over a tp group: q, k, v and the MLP's first layer by columns (each rank
+    computes whole heads and a slice of the hidden layer), proj and the MLP's second layer by
+    rows, whose partial outputs are summed; so a block costs two all-reduces forward and two
+    backward, and everything outside the blocks stays replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    columns, rows = ColwiseParallel(), RowwiseParallel()
+    return {"q": columns, "k": columns, "v": columns, "proj": rows, "mlp.0": columns, "mlp.2": rows}
 
 
 class GPT(nn.Module):
     """Decoder-only language model, or one pipeline stage of it.
 
     Blocks are kept by their index in the whole model, so a stage's parameter names are the
-    whole model's (`blocks.3.qkv.weight`), and a checkpoint written by any layout reads back
+    whole model's (`blocks.3.q.weight`), and a checkpoint written by any layout reads back
     into any other with the same stages.
     """
 

@@ -1,4 +1,4 @@
-"""The built-in training program: one rank of a dp x pp GPT run (contract: trainer/CONTRACT.md).
+"""The built-in training program: one rank of a dp x pp x dp_shard x tp GPT run (contract: trainer/CONTRACT.md).
 
 Run as `python -m lazarus.trainer` by the node launcher (trainer/launcher.py), with torchrun's
 environment plus LAZARUS_RUN_DIR, LAZARUS_INCARNATION, LAZARUS_NODE and LAZARUS_RESUME_STEP.
@@ -13,18 +13,13 @@ import sys
 import traceback
 from datetime import timedelta
 
-from lazarus.schema.layout import Layout
+from lazarus.schema.layout import MESH_DIMENSIONS, Layout
 from lazarus.schema.run import RunSpec, TrainerSettings
 from lazarus.trainer.session import TrainingSession, maybe_fail
 
 
 def check_layout(layout: Layout, settings: TrainerSettings, world_size: int) -> None:
-    """Refuse a layout this trainer cannot run, saying what to change."""
-    if layout.tp != 1 or layout.dp_shard != 1:
-        raise SystemExit(
-            f"trainer: layout.tp = {layout.tp}, layout.dp_shard = {layout.dp_shard}: the built-in trainer runs "
-            "tp 1 and dp_shard 1 only; set both to 1"
-        )
+    """Refuse a layout this trainer cannot run, saying what to change (the spec refuses it first)."""
     if layout.world_size != world_size:
         raise SystemExit(
             f"trainer: WORLD_SIZE {world_size} does not match the assignment's dp*pp*dp_shard*tp = {layout.world_size}"
@@ -34,21 +29,39 @@ def check_layout(layout: Layout, settings: TrainerSettings, world_size: int) -> 
             f"trainer: layout.pp = {layout.pp} exceeds trainer.n_layers = {settings.n_layers}; "
             f"every pipeline stage needs at least one block"
         )
+    if settings.n_heads % layout.tp:
+        raise SystemExit(f"trainer: layout.tp = {layout.tp} does not divide trainer.n_heads = {settings.n_heads}")
+
+
+def build_mesh(layout: Layout, device_type: str):
+    """The device mesh over the layout's dimensions above 1 (None for pure data parallelism).
+
+    Every dimension costs a process group per slice, each a rendezvous that delays every
+    resume, so a dimension of size 1 gets none; pure data parallelism uses the default group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    used = [(name, size) for name, size in zip(MESH_DIMENSIONS, layout.shape, strict=True) if size > 1]
+    if not used or [name for name, _ in used] == ["dp"]:
+        return None
+    names, sizes = zip(*used, strict=True)
+    return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
 class Trainer:
-    """One rank's pipeline stage of the model, its optimizer, and the training step.
+    """One rank's share of the model (a pipeline stage, its tp slice, its FSDP shard), its
+    optimizer, and the training step.
 
-    Math that survives resharding: replica r of dp trains on its share of each global batch
-    (shares differ by at most one sample), the loss is the sum of per-sample losses divided
-    by the global batch, and gradients are summed over the data-parallel group. The
-    optimizer therefore sees the gradient of the global batch's mean loss whatever dp is.
+    Math that survives resharding: each of the dp x dp_shard data-parallel ranks trains on its
+    share of each global batch (shares differ by at most one sample), the loss is the sum of
+    per-sample losses divided by the global batch, and gradients are summed: FSDP2 sums them over
+    dp_shard (reduce-scatter), one all-reduce sums them over dp. The optimizer therefore sees the
+    gradient of the global batch's mean loss whatever dp is. tp ranks compute the same samples.
     """
 
     def __init__(self, settings: TrainerSettings, layout: Layout, rank: int):
         import torch
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         from lazarus.trainer.data import share
         from lazarus.trainer.model import build_stage
@@ -59,20 +72,18 @@ class Trainer:
         self.device = (
             torch.device(f"cuda:{rank % layout.ranks_per_node}") if torch.cuda.is_available() else torch.device("cpu")
         )
-        if layout.pp == 1:
-            # Pure data parallelism: the default group is the dp group. A mesh would create
-            # a group per rank and dimension, each a rendezvous that delays every resume.
-            self.replica, self.stage = rank, 0
-            self.dp_group = self.pp_group = None
-        else:
-            mesh = init_device_mesh(self.device.type, (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
-            self.replica = mesh.get_local_rank("dp")
-            self.stage = mesh.get_local_rank("pp")
-            self.dp_group = mesh.get_group("dp")
-            self.pp_group = mesh.get_group("pp")
+        place = layout.coordinates(rank)
+        self.replica, self.stage = place["dp"], place["pp"]
         self.first_stage = self.stage == 0
         self.last_stage = self.stage == layout.pp - 1
-        self.offsets = share(settings.global_batch, layout.dp, self.replica)
+        # Among a stage's tp ranks, which all hold the same loss, one reports it.
+        self.reports_loss = self.last_stage and place["tp"] == 0
+        self.writes_samples = self.first_stage and place["tp"] == 0
+        self.offsets = share(
+            settings.global_batch, layout.dp * layout.dp_shard, place["dp"] * layout.dp_shard + place["dp_shard"]
+        )
+        self.mesh = build_mesh(layout, self.device.type)
+        self.dp_group = self.mesh["dp"].get_group() if self.mesh is not None and layout.dp > 1 else None
 
         torch.manual_seed(settings.seed)
         self.model = build_stage(
@@ -84,20 +95,41 @@ class Trainer:
             self.stage,
             layout.pp,
         ).to(self.device)
+        self._parallelize()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.learning_rate)
         self.params = list(self.model.parameters())
-        self.schedule = None
-        if layout.pp > 1:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        self.schedule = self._pipeline_schedule() if layout.pp > 1 else None
 
-            # Equal microbatches: a stage sizes its receive buffers from the first one. So the
-            # count is the largest divisor of this replica's share not above the setting.
-            wanted = settings.microbatches or 2 * layout.pp
-            share_size = len(self.offsets)
-            microbatches = max(n for n in range(1, min(wanted, share_size) + 1) if share_size % n == 0)
-            stage = PipelineStage(self.model, self.stage, layout.pp, self.device, group=self.pp_group)
-            # Gradients stay sums over microbatches; the loss already divides by the global batch.
-            self.schedule = Schedule1F1B(stage, microbatches, loss_fn=self.loss, scale_grads=False)
+    def _parallelize(self) -> None:
+        """Split each block over the tp ranks, then shard everything over the dp_shard ranks (FSDP2)."""
+        if self.layout.tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            from lazarus.trainer.model import tensor_parallel_plan
+
+            for block in self.model.blocks.values():
+                parallelize_module(block, self.mesh["tp"], tensor_parallel_plan())
+        if self.layout.dp_shard > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            # One FSDP unit for the stage: one all-gather forward, one reduce-scatter backward.
+            fully_shard(self.model, mesh=self.mesh["dp_shard"])
+            # Sum, not mean, over the shard group: the loss already divides by the global batch.
+            # A plain SUM: gloo has no PREMUL_SUM, which a custom factor would otherwise use.
+            self.model.set_gradient_divide_factor(1.0)
+            self.model.set_force_sum_reduction_for_comms(True)
+
+    def _pipeline_schedule(self):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        # Equal microbatches: a stage sizes its receive buffers from the first one. So the
+        # count is the largest divisor of this rank's share not above the setting.
+        wanted = self.settings.microbatches or 2 * self.layout.pp
+        share_size = len(self.offsets)
+        microbatches = max(n for n in range(1, min(wanted, share_size) + 1) if share_size % n == 0)
+        stage = PipelineStage(self.model, self.stage, self.layout.pp, self.device, group=self.mesh["pp"].get_group())
+        # Gradients stay sums over microbatches; the loss already divides by the global batch.
+        return Schedule1F1B(stage, microbatches, loss_fn=self.loss, scale_grads=False)
 
     def loss(self, logits, targets):
         """Sum of per-sample mean token losses, divided by the global batch."""
@@ -109,13 +141,13 @@ class Trainer:
     def step(self, first_sample: int, stop_requested: bool = False) -> tuple[float, bool]:
         """Train one optimizer step on samples first_sample .. first_sample+global_batch-1.
 
-        Returns the global batch's mean loss (on every rank of the last stage, and on rank 0)
-        and whether any rank asked to stop after this step; the request rides on the step's
-        own collectives, so every rank learns it at the same step.
+        Returns the global batch's mean loss and whether any rank asked to stop after this
+        step, on every rank; the request rides on the step's own collectives, so every rank
+        learns it at the same step.
         """
         from lazarus.trainer.data import batch
 
-        torch, dist = self.torch, self.dist
+        torch = self.torch
         inputs, targets = batch(
             self.settings.seed, first_sample, self.offsets, self.settings.seq_len, self.settings.vocab_size
         )
@@ -133,26 +165,41 @@ class Trainer:
             else:
                 self.schedule.step()
             local_loss = torch.stack(losses).sum() if self.last_stage else torch.zeros((), device=self.device)
-
-        # One hand-written all-reduce over a buffer of fixed layout instead of DDP: DDP
-        # rebuilds its buckets in each new process, which changes the summation order of
-        # the first step after a restart and so breaks bit-identical resumption.
-        flag = torch.tensor([1.0 if stop_requested else 0.0], device=self.device)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [flag, local_loss.detach().reshape(1)])
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for p in self.params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        with torch.no_grad():
+            stop, loss = self._sum_over_replicas(stop_requested, local_loss if self.reports_loss else None)
         self.optimizer.step()
-        tail = flat[-2:]
-        if self.layout.pp > 1:
-            # Only the last stage computed the loss; the others contribute zero. The stop flag
-            # reached the first stage of every replica through the dp group, and the rest here.
-            tail = tail.clone()
-            dist.all_reduce(tail, group=self.pp_group)
-        stop, loss = tail.tolist()
         return loss, stop > 0
+
+    def _sum_over_replicas(self, stop_requested: bool, local_loss) -> tuple[float, float]:
+        """Sum the gradients over dp; returns the summed (stop flag, loss) of every rank.
+
+        One hand-written all-reduce over a buffer of fixed layout instead of DDP: DDP rebuilds
+        its buckets in each new process, which changes the summation order of the first step
+        after a restart and so breaks bit-identical resumption. Under FSDP2 or tp a rank's
+        gradients are its local shards (DTensor), summed with the same coordinates' in every
+        replica. Pure data parallelism carries the flag and the loss in the same buffer; any
+        other layout sums them over the world, where only rank 0 asks and one rank per
+        data-parallel share reports a loss.
+        """
+        torch, dist = self.torch, self.dist
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.params]
+        tail = torch.tensor(
+            [1.0 if stop_requested else 0.0, 0.0 if local_loss is None else local_loss.item()], device=self.device
+        )
+        pure_dp = self.mesh is None
+        if pure_dp or self.dp_group is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads] + ([tail] if pure_dp else []))
+            dist.all_reduce(flat, group=self.dp_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            if pure_dp:
+                tail = flat[-2:]
+        if not pure_dp:
+            dist.all_reduce(tail)
+        stop, loss = tail.tolist()
+        return stop, loss
 
 
 def join(session: TrainingSession, spec: RunSpec) -> None:
@@ -176,7 +223,8 @@ def join(session: TrainingSession, spec: RunSpec) -> None:
 
 
 class SamplesLog:
-    """What the data-loading rank of a replica trained on, a line per step (the data position's audit)."""
+    """What a data-parallel share trained on, a line per step (the data position's audit), written
+    by the share's rank of the first stage and tp coordinate 0."""
 
     def __init__(self, session: TrainingSession, trainer: Trainer):
         path = session.run.samples_file(session.incarnation, session.rank)
@@ -218,7 +266,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
         progress = checkpoint.load(run, trainer.model, trainer.optimizer, session.resume_step)
         step, samples = progress["step"], progress["samples"]
     session.heartbeat(step, "restored")
-    consumed = SamplesLog(session, trainer) if trainer.first_stage else None
+    consumed = SamplesLog(session, trainer) if trainer.writes_samples else None
 
     stopped = False
     while step < settings.steps:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lazarus.schema import Layout, TrainerSettings
 from lazarus.schema.rundir import RunDir
@@ -19,8 +20,14 @@ STEPS = 3
 
 
 def flat_state(trainer: Trainer) -> dict:
+    """The stage's whole state with every DTensor (FSDP shard, tp slice) gathered: collective over
+    the rank's dp_shard and tp groups, so every rank of a stage calls it."""
     model, optim = checkpoint.get_state_dict(trainer.model, trainer.optimizer, options=checkpoint.OPTIONS)
-    return {**{f"model.{k}": v for k, v in model.items()}, **{f"optim.{k}": v for k, v in optim.items()}}
+
+    def whole(value):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    return {**{f"model.{k}": whole(v) for k, v in model.items()}, **{f"optim.{k}": whole(v) for k, v in optim.items()}}
 
 
 def run_rank(rank: int, world: int, port: int, layout: dict, mode: str, folder: str) -> None:
@@ -36,7 +43,10 @@ def run_rank(rank: int, world: int, port: int, layout: dict, mode: str, folder: 
         saver.save(trainer.model, trainer.optimizer, STEPS, STEPS * SETTINGS.global_batch)
         saver.wait()
         if trainer.replica == 0:
-            torch.save(flat_state(trainer), out / f"stage-{trainer.stage}.pt")
+            state = flat_state(trainer)
+            place = trainer.layout.coordinates(rank)
+            if place["dp_shard"] == 0 and place["tp"] == 0:
+                torch.save(state, out / f"stage-{trainer.stage}.pt")
     else:
         dist.barrier()
         progress = checkpoint.load(run, trainer.model, trainer.optimizer, STEPS)

@@ -1,4 +1,5 @@
-"""A checkpoint written by one data-parallel degree loads exactly into a smaller one."""
+"""A checkpoint written by one layout loads exactly into a smaller data-parallel degree, and its
+DTensor state (FSDP2 shards) into another dp_shard and a tensor-parallel split."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ def test_dp2_pp2_checkpoint_loads_exactly_into_dp1_pp2(tmp_path):
     for report in reports(tmp_path, "load-dp1", 2):
         assert report["keys"] > 10
         assert report["missing_or_different"] == [] and report["extra"] == []
+
+
+def test_hsdp_checkpoint_loads_exactly_into_fewer_replicas_other_shards_and_tp(tmp_path):
+    spawn(4, {"dp": 2, "dp_shard": 2}, "save", tmp_path)
+    for name, layout in {
+        "load-dp1-shard2": {"dp": 1, "dp_shard": 2},  # a reshard after a loss: one replica left
+        "load-dp1-tp2": {"dp": 1, "tp": 2, "ranks_per_node": 2},  # no FSDP, heads split over 2 ranks
+    }.items():
+        spawn(2, layout, name, tmp_path)
+        for report in reports(tmp_path, name, 2):
+            assert report["keys"] > 20
+            assert report["missing_or_different"] == [] and report["extra"] == []
+            assert report["progress"] == {"step": STEPS, "samples": STEPS * SETTINGS.global_batch}

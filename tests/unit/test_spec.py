@@ -70,7 +70,11 @@ def test_heads_must_divide_width():
 
 
 def test_global_batch_below_dp_is_refused():
-    assert refuse({"trainer": {"global_batch": 2}}).startswith("trainer.global_batch: 2 is smaller than layout.dp 4")
+    assert refuse({"trainer": {"global_batch": 2}}).startswith(
+        "trainer.global_batch: 2 is smaller than layout.dp x layout.dp_shard = 4"
+    )
+    sharded = {"layout": {"dp": 2, "dp_shard": 2, "ranks_per_node": 1}, "trainer": {"global_batch": 3}}
+    assert refuse(sharded).startswith("trainer.global_batch: 3 is smaller than layout.dp x layout.dp_shard = 4")
 
 
 def test_hang_threshold_must_exceed_the_interval():
@@ -154,9 +158,14 @@ def test_a_tensor_parallel_group_never_spans_nodes():
     assert message.startswith("layout.tp: 2 does not divide layout.ranks_per_node 1") and "multiple of 2" in message
 
 
-def test_the_built_in_trainer_refuses_layouts_it_cannot_run():
-    message = refuse({"layout": {"dp": 2, "dp_shard": 2, "ranks_per_node": 1}})
-    assert "the built-in trainer runs neither tensor parallelism nor FSDP yet" in message
+def test_the_built_in_trainer_splits_whole_heads_over_tp():
+    message = refuse({"layout": {"dp": 1, "tp": 8, "ranks_per_node": 8}, "cluster": {"active_nodes": 1}})
+    assert message == (
+        "layout.tp: 8 does not divide trainer.n_heads 4, and each tensor-parallel rank computes whole attention "
+        "heads; set tp to a divisor of 4"
+    )
+    four_d = {"dp": 1, "pp": 2, "dp_shard": 2, "tp": 2, "ranks_per_node": 4}
+    assert parse_spec({"name": "ok", "layout": four_d, "cluster": {"active_nodes": 2}}).layout.world_size == 8
 
 
 def test_a_rank_s_coordinates_follow_the_rank_order():
