@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/checkpoint.py [--spec examples/demo.yaml] [--d-model N] [--n-layers N] [--saves 5] [--json]
 
-Runs the spec's layout (dp x pp ranks on this machine) with the built-in trainer's own
-model, step and Checkpointer. For each mode it trains, saves every `--gap` steps, and
-measures on rank 0:
+Runs the spec's layout (dp x pp x dp_shard x tp ranks on this machine) with the built-in
+trainer's own model, step and Checkpointer (for a spec that runs a script of its own, the
+built-in model with the spec's layout and the trainer section's defaults). For each mode it
+trains, saves every `--gap` steps, and measures on rank 0:
   blocked   seconds the training loop spends inside save() (sync: the whole write;
             async: staging a copy of the state and handing it to the writer thread)
   stall     extra seconds the steps from one save to the next take compared with steps
@@ -96,6 +97,7 @@ def _rank(
     result["load_s"] = time.perf_counter() - start
     size = sum(p.stat().st_size for p in RunDir(Path(folder) / "async").checkpoint(newest).iterdir())
     result["checkpoint_mb"] = size / 1e6
+    # A DTensor's numel is the whole parameter's, not this rank's shard.
     result["parameters"] = sum(p.numel() for p in trainer.model.parameters())
     if rank == 0:
         (Path(folder) / "result.json").write_text(json.dumps(result))
@@ -138,7 +140,7 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(
-        f"layout dp={spec.layout.dp} pp={spec.layout.pp}, {result['parameters']:,} parameters on rank 0, "
+        f"layout {spec.layout.describe()}, {result['parameters']:,} parameters in rank 0's stage, "
         f"checkpoint {result['checkpoint_mb']:.1f} MB, step without a save {result['plain_step_s'] * 1000:.0f} ms"
     )
     print(f"{'mode':<8}{'blocked (s)':>14}{'stall (s)':>12}{'committed (s)':>16}")

@@ -1,6 +1,6 @@
 """Recovery cost on the local backend: kill a node N times, print each stage's median seconds.
 
-    .venv/bin/python bench/recovery.py [--kills 3] [--spec examples/demo.yaml] [--kill-at-step N] [--json]
+    .venv/bin/python bench/recovery.py [--kills 3] [--spec examples/demo.yaml] [--kill-at-step N] [--json] [--keep DIR]
 
 Each kill is its own run (4 active nodes, 1 hot spare) on a private Temporal dev server and
 one in-process worker. Stage times are those the workflow records (activity scheduled to
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import statistics
@@ -115,7 +116,7 @@ def _kill_node(home: str, run_id: str, node: str) -> list[int]:
     return LocalCluster(home).kill_node(run_id, node)
 
 
-async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -> list[dict]:
+async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool, keep: Path | None = None) -> list[dict]:
     spec = anchor_paths(load_spec(spec_path), Path.cwd())
     kill_at = kill_at or default_kill_step(spec)
     env = await local_environment()
@@ -123,7 +124,7 @@ async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool) -
     metrics = Metrics()
     chaos = None
     try:
-        with tempfile.TemporaryDirectory() as home:
+        with contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory() as home:
             settings = Settings(
                 address=env.client.service_client.config.target_host, home=Path(home), task_queue="bench"
             )
@@ -171,11 +172,18 @@ def main() -> None:
     parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="run spec (default: examples/demo.yaml)")
     parser.add_argument("--kill-at-step", type=int, help="step at which the node dies (default: mid-run)")
     parser.add_argument("--json", action="store_true", help="print per-run rows and medians as JSON")
+    parser.add_argument(
+        "--keep", type=Path, metavar="DIR", help="keep the runs' directories (logs, heartbeats) under DIR/runs"
+    )
     args = parser.parse_args()
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        if (args.keep / "runs").exists() and any((args.keep / "runs").iterdir()):
+            parser.error(f"--keep {args.keep}: holds runs already; give an empty or new folder")
     if args.kills < 1:
         parser.error("--kills must be at least 1")
 
-    rows, splits = asyncio.run(bench(args.spec, args.kills, args.kill_at_step, quiet=args.json))
+    rows, splits = asyncio.run(bench(args.spec, args.kills, args.kill_at_step, quiet=args.json, keep=args.keep))
     medians = {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
     split_medians = {c: statistics.median(r[c] for r in splits) for c in SPLIT}
     resume_medians = {c: statistics.median(r["resume"][c] for r in splits) for c in RESUME_PARTS}
