@@ -40,6 +40,18 @@ class Metrics:
             ["kind", "decision"],
             registry=self.registry,
         )
+        self.restores = Counter(
+            "lazarus_restores",
+            "Incarnations a resume started (after a fault or an operator's restart), by where their state came "
+            "from: survivors, checkpoint or scratch.",
+            ["source"],
+            registry=self.registry,
+        )
+        self.lost_steps = Counter(
+            "lazarus_lost_steps",
+            "Completed steps lost to faults and trained again (steps).",
+            registry=self.registry,
+        )
         self.runs = Gauge(
             "lazarus_runs",
             "TrainingRun workflows by state (from the LazarusState search attribute).",

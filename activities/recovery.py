@@ -24,6 +24,7 @@ from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.health import judge
 from lazarus.activities.metrics import Metrics, Span
 from lazarus.infra.backend import ClusterBackend, ClusterError
+from lazarus.infra.runfiles import survivor_source
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
 from lazarus.schema.run import TrainerSettings
 from lazarus.schema.stages import (
@@ -245,6 +246,11 @@ class RecoveryActivities:
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
+        survivors = {}
+        if request.survivor_grace_seconds > 0:
+            survivors = await in_thread(
+                self.cluster.await_survivors, request.run_id, request.incarnation, request.survivor_grace_seconds
+            )
         in_flight, committed = await in_thread(
             self.cluster.await_checkpoint_in_flight, request.run_id, request.incarnation, request.save_grace_seconds
         )
@@ -262,6 +268,7 @@ class RecoveryActivities:
             removed_partial_checkpoints=removed,
             in_flight_checkpoint=in_flight,
             in_flight_committed=committed,
+            survivors=survivors,
         )
 
     @activity.defn(name="reschedule")
@@ -306,12 +313,25 @@ class RecoveryActivities:
         """Start the incarnation from the newest complete checkpoint; return once it is up: past its
         first new step where the ranks report steps, else once every rank runs."""
         run_id, incarnation = request.run_id, request.assignment.incarnation
-        newest, skipped = await in_thread(self.cluster.run_dir(run_id).newest_checkpoint)
+        run = self.cluster.run_dir(run_id)
+        newest, skipped = await in_thread(run.newest_checkpoint)
+        survivors = None
+        if request.survivors_of is not None:
+            found = await in_thread(survivor_source, run, request.survivors_of, request.assignment.layout, newest)
+            if found is not None:
+                newest, survivors = found
+        restored_from = "survivors" if survivors else "checkpoint" if newest else "scratch"
         if newest >= request.total_steps:
             await in_thread(self.cluster.release_standbys, run_id)
-            return ResumeResult(resumed_from_step=newest, skipped_checkpoints=skipped, completed=True)
-        launch = await in_thread(self.cluster.start_ranks, run_id, incarnation, newest, skipped, request.policy)
+            return ResumeResult(
+                resumed_from_step=newest, skipped_checkpoints=skipped, completed=True, restored_from=restored_from
+            )
+        launch = await in_thread(
+            self.cluster.start_ranks, run_id, incarnation, newest, skipped, request.policy, survivors
+        )
+        # The record in force: a retried resume restores what its first attempt chose.
         resumed_from, skipped = launch.resume_step, launch.skipped
+        restored_from = "survivors" if launch.survivors else "checkpoint" if resumed_from else "scratch"
         await self.failpoints.reach("resume.after_launch")
 
         def up(verdict, _now) -> bool:
@@ -321,22 +341,30 @@ class RecoveryActivities:
                 return verdict.step is not None  # the script restored what it chose: any step it reports
             return verdict.up
 
-        await self._note(run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from}")
+        await self._note(
+            run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from} from {restored_from}"
+        )
         verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps, until=up)
         if verdict.fault:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
+        if activity.info().attempt == 1 and restored_from is not None:
+            self.metrics.restores.labels(restored_from).inc()
+            if request.fault_step is not None:
+                self.metrics.lost_steps.inc(max(0, request.fault_step - resumed_from))
         beats = await in_thread(self._heartbeats, run_id, incarnation)
         first_steps = [beat.first_step for beat in beats if beat.first_step is not None]
         if request.steps_from != "trainer" and not resumed_from:
             # No checkpoint of Lazarus's was restored: the script restored its own snapshot, the
             # step before the first it reported (unknown when it reports none).
             resumed_from = min(first_steps) - 1 if first_steps else None
+            restored_from = None
         # Every reporting rank records when it finished its first step; the step is done when the
         # last of them has, whatever the poll interval was.
         firsts = [beat.first_step_at for beat in beats if beat.first_step_at]
         return ResumeResult(
             resumed_from_step=resumed_from,
             skipped_checkpoints=skipped,
+            restored_from=restored_from,
             completed=verdict.completed,
             first_step_at=datetime.fromtimestamp(max(firsts), UTC) if firsts else None,
             step=verdict.step,

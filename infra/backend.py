@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit
+from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit, SurvivorSource
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment, Inventory, StepSource
 from lazarus.schema.run import RunSpec
@@ -115,9 +115,11 @@ class ClusterBackend(Protocol):
         resume_step: int,
         skipped: dict[int, str] | None = None,
         policy: RecoveryPolicy | None = None,
+        survivors: SurvivorSource | None = None,
     ) -> LaunchRecord:
         """Start every rank of an incarnation that is not running; returns the launch record in
-        force (the first launch's). `policy` is the recovery policy in force."""
+        force (the first launch's). `policy` is the recovery policy in force; `survivors`, where
+        the ranks load the resume step's state from instead of its checkpoint."""
 
     def observe(self, run_id: str, incarnation: int) -> Observation:
         """One look at the incarnation's ranks and nodes."""
@@ -129,6 +131,10 @@ class ClusterBackend(Protocol):
     def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
         """If a checkpoint was being written at the fault, give it `grace` seconds to commit while a
         rank lives; returns its step (None if none) and whether it committed."""
+
+    def await_survivors(self, run_id: str, incarnation: int, grace: float) -> dict[int, int]:
+        """Give the ranks that outlived the fault `grace` seconds to save their state and end while
+        a rank lives; returns rank -> the step each saved."""
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
         """End every rank of the incarnation and return once none can still write anything; returns

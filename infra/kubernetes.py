@@ -47,7 +47,7 @@ from lazarus.infra.kubernetes_objects import (
 )
 from lazarus.infra.kubernetes_watch import RunWatches
 from lazarus.infra.runfiles import RunFiles
-from lazarus.schema.contract import LaunchRecord
+from lazarus.schema.contract import LaunchRecord, SurvivorSource
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment, Inventory, NodeRecord
 from lazarus.schema.run import KubernetesSettings, RunSpec
@@ -243,11 +243,12 @@ class KubernetesCluster(RunFiles):
         resume_step: int,
         skipped: dict[int, str] | None = None,
         policy: RecoveryPolicy | None = None,
+        survivors: SurvivorSource | None = None,
     ) -> LaunchRecord:
         """Create the incarnation's pods (one per node) unless they exist; returns the launch record
         in force. The pods tolerate a not-ready node as `policy` (the one in force) says."""
         _, assignment = self._incarnation(run_id, incarnation)
-        record = self.record_launch(run_id, incarnation, resume_step, skipped)
+        record = self.record_launch(run_id, incarnation, resume_step, skipped, survivors)
         spec = self.spec(run_id)
         for index in range(len(assignment.nodes)):
             pod = rank_pod(run_id, spec, assignment, index, record.resume_step, policy or spec.recovery)
@@ -339,6 +340,14 @@ class KubernetesCluster(RunFiles):
             return any(pod_running(p) for p in self._pods(run_id, incarnation, watched=True).values())
 
         return self.wait_for_commit(run_id, grace, alive)
+
+    def await_survivors(self, run_id: str, incarnation: int, grace: float) -> dict[int, int]:
+        """Give the surviving ranks `grace` seconds to save their state while the incarnation's pods run."""
+
+        def alive() -> bool:
+            return any(pod_running(p) for p in self._pods(run_id, incarnation, watched=True).values())
+
+        return self.wait_for_survivors(run_id, incarnation, grace, alive)
 
     def release_standbys(self, run_id: str) -> None:
         """No warm standbys on Kubernetes (yet): each pod starts its interpreter."""

@@ -27,6 +27,7 @@ from lazarus.schema.contract import (
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     LaunchRecord,
+    SurvivorSource,
 )
 from lazarus.schema.files import lock_is_held, write_json_atomic
 from lazarus.schema.policy import RecoveryPolicy
@@ -161,12 +162,13 @@ class LocalCluster(RunFiles):
         resume_step: int,
         skipped: dict[int, str] | None = None,
         policy: RecoveryPolicy | None = None,
+        survivors: SurvivorSource | None = None,
     ) -> LaunchRecord:
         """Start every rank of an incarnation that is not running (through the warm standbys when
         the spec has them); returns the launch record in force. Local processes need nothing of
         `policy`."""
         run, assignment = self._incarnation(run_id, incarnation)
-        record = self.record_launch(run_id, incarnation, resume_step, skipped)
+        record = self.record_launch(run_id, incarnation, resume_step, skipped, survivors)
 
         def start_cold(index: int) -> None:
             self._start_launcher(run, incarnation, index, assignment.nodes[index], record.resume_step)
@@ -258,6 +260,12 @@ class LocalCluster(RunFiles):
         run, assignment = self._incarnation(run_id, incarnation)
         locks = [run.lock_file(incarnation, r) for r in range(assignment.layout.world_size)]
         return self.wait_for_commit(run_id, grace, lambda: any(lock_is_held(lock) for lock in locks))
+
+    def await_survivors(self, run_id: str, incarnation: int, grace: float) -> dict[int, int]:
+        """Give the surviving ranks `grace` seconds to save their state and end (RunFiles.wait_for_survivors)."""
+        run, assignment = self._incarnation(run_id, incarnation)
+        locks = [run.lock_file(incarnation, r) for r in range(assignment.layout.world_size)]
+        return self.wait_for_survivors(run_id, incarnation, grace, lambda: any(lock_is_held(lock) for lock in locks))
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
         """SIGKILL every process of an incarnation (launchers and ranks) and wait until none is alive;

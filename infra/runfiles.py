@@ -14,8 +14,17 @@ from datetime import datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, Observation, RankObservation
-from lazarus.schema.contract import LaunchRecord, read_exit, read_heartbeat, read_launch, write_launch
-from lazarus.schema.files import write_json_atomic, write_once
+from lazarus.schema.contract import (
+    LaunchRecord,
+    SurvivorSource,
+    read_exit,
+    read_heartbeat,
+    read_launch,
+    read_survivors,
+    write_launch,
+)
+from lazarus.schema.files import file_sha256, write_json_atomic, write_once
+from lazarus.schema.layout import Layout
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir
@@ -80,11 +89,18 @@ class RunFiles:
         return Assignment.model_validate_json(path.read_text())
 
     def record_launch(
-        self, run_id: str, incarnation: int, resume_step: int, skipped: dict[int, str] | None
+        self,
+        run_id: str,
+        incarnation: int,
+        resume_step: int,
+        skipped: dict[int, str] | None,
+        survivors: SurvivorSource | None = None,
     ) -> LaunchRecord:
         """The incarnation's launch record, written by its first launch (a retried launch restores
-        the same checkpoint as the ranks the first attempt may have started)."""
-        proposed = LaunchRecord(resume_step=resume_step, skipped=skipped or {}, launched_at=time.time())
+        the same state as the ranks the first attempt may have started)."""
+        proposed = LaunchRecord(
+            resume_step=resume_step, skipped=skipped or {}, launched_at=time.time(), survivors=survivors
+        )
         return write_launch(self._existing(run_id), incarnation, proposed)
 
     def _observation(
@@ -156,6 +172,20 @@ class RunFiles:
             time.sleep(COMMIT_POLL_SECONDS)
         return step, True
 
+    def wait_for_survivors(self, run_id: str, incarnation: int, grace: float, alive) -> dict[int, int]:
+        """Give the ranks that outlived the fault `grace` seconds to save their state and end while
+        `alive()` (some rank of the incarnation still runs); returns rank -> the step each saved.
+
+        The built-in trainer's ranks save and exit as soon as a collective breaks, so the wait
+        usually ends within a few tens of milliseconds of the fault; a hung rank costs the grace.
+        """
+        run, assignment = self._incarnation(run_id, incarnation)
+        deadline = time.monotonic() + grace
+        while alive() and time.monotonic() < deadline:
+            time.sleep(COMMIT_POLL_SECONDS)
+        saved = read_survivors(run, incarnation, assignment.layout.world_size)
+        return {rank: manifest.step for rank, manifest in saved.items()}
+
     def remove_partial_checkpoints(self, run_id: str) -> list[int]:
         """Delete checkpoint folders that never got their commit marker; returns their steps.
 
@@ -173,3 +203,49 @@ class RunFiles:
 
     def record_stage(self, run_id: str, stage: str, message: str) -> None:
         """Note a recovery stage where the cluster's own tools show it (Kubernetes: an Event); here nothing."""
+
+
+def survivor_source(
+    run: RunDir, incarnation: int, layout: Layout, after_step: int
+) -> tuple[int, SurvivorSource] | None:
+    """The last step every survivor of `incarnation` completed, if it is newer than `after_step`
+    and saved for every (pp, dp_shard, tp) place of `layout`, with the survivor each of its ranks
+    loads; None otherwise (no full replica survived, or a second fault cut a save short).
+
+    A rank may finish the step its peers failed in (its all-reduce completed before the fault
+    broke theirs): the run completed only the step they all did, so that is the one restored.
+    Every replica holds the same state at the same place, so any survivor there will do; each
+    file must match its manifest, and a survivor whose file does not is passed over.
+    """
+    saved = read_survivors(run, incarnation, _world_size_of(run, incarnation))
+    if not saved or min(m.step for m in saved.values()) <= after_step:
+        return None
+    step = min(m.step for m in saved.values())
+    holders = {}
+    for rank in range(layout.world_size):
+        c = layout.coordinates(rank)
+        place = (c["pp"], c["dp_shard"], c["tp"])
+        if place not in holders:
+            at_place = [r for r, m in sorted(saved.items()) if m.step == step and m.place() == place]
+            holders[place] = next((r for r in at_place if _matches(run, incarnation, r, saved[r])), None)
+        if holders[place] is None:
+            return None
+    ranks = {}
+    for rank in range(layout.world_size):
+        c = layout.coordinates(rank)
+        ranks[rank] = holders[(c["pp"], c["dp_shard"], c["tp"])]
+    return step, SurvivorSource(incarnation=incarnation, ranks=ranks)
+
+
+def _world_size_of(run: RunDir, incarnation: int) -> int:
+    path = run.assignment_file(incarnation)
+    return Assignment.model_validate_json(path.read_text()).layout.world_size if path.exists() else 0
+
+
+def _matches(run: RunDir, incarnation: int, rank: int, manifest) -> bool:
+    """The survivor's state file is whole: its size and SHA-256 are the manifest's."""
+    path = run.survivor_state(incarnation, rank)
+    try:
+        return path.stat().st_size == manifest.size and file_sha256(path) == manifest.sha256
+    except FileNotFoundError:
+        return False

@@ -168,11 +168,16 @@ class Simulation:
                 self.regrow()
             elif self.train_until_event():
                 self.out.faults += 1
-                self.lose_pending_training()
                 if self.policy == "wait-for-human":
+                    self.lose_pending_training(kept=False)
                     self.wait_for_human()
                 else:
-                    self.recover()
+                    hang = self.rng.random() < self.scenario.failures.hang_share
+                    # A hung rank holds its peers in their collective past any grace, and with
+                    # one replica the dead node took a part of the only copy.
+                    kept = self.policy == "survivors" and not hang and self.dp > 1
+                    self.lose_pending_training(kept)
+                    self.recover(hang, kept)
         return self.out
 
     def downtime(self, seconds: float, cause: str) -> None:
@@ -234,10 +239,14 @@ class Simulation:
             self.out.useful += min(self.phase, self.interval) * gpus * share
         return busy >= until_fault
 
-    def lose_pending_training(self) -> None:
+    def lose_pending_training(self, kept: bool) -> None:
         """A fault: the training since the last checkpoint is lost (a save in progress never
-        commits), and the failed node goes to repair."""
-        self.out.lost["recomputed_steps"] += min(self.phase, self.interval) * self.scenario.gpus * self.share
+        commits), unless the survivors `kept` it: then only the step in flight is (half a step on
+        average), and their saved state is the new restore point; the failed node goes to repair."""
+        pending = min(self.phase, self.interval)
+        lost = min(pending, self.scenario.checkpoint.step_seconds / 2) if kept else pending
+        self.out.useful += (pending - lost) * self.scenario.gpus * self.share
+        self.out.lost["recomputed_steps"] += lost * self.scenario.gpus * self.share
         self.phase = 0.0
         self.collect_repairs()
         heapq.heappush(self.repairs, self.t + self.scenario.repair_hours * 3600.0)
@@ -250,12 +259,12 @@ class Simulation:
         self.pool -= 1
         self.downtime(self.human() + self.scenario.checkpoint.load_seconds, "human")
 
-    def recover(self) -> None:
-        """Lazarus's recovery: the five stages, with the workflow's own decision."""
-        failures = self.scenario.failures
-        hang = self.rng.random() < failures.hang_share
+    def recover(self, hang: bool, kept: bool) -> None:
+        """Lazarus's recovery: the five stages, with the workflow's own decision; drain waits for
+        the survivors' saves when they `kept` the state."""
+        failures, survivor_save = self.scenario.failures, self.scenario.checkpoint.survivor_save_seconds
         self.downtime(failures.hang_detect_seconds if hang else self.stage_cost["detect"](), "detect")
-        self.downtime(self.stage_cost["drain"](), "drain")
+        self.downtime(self.stage_cost["drain"]() + (survivor_save if kept else 0.0), "drain")
         while True:
             action, new_dp, released = self.table.decide(self.dp, self.pool > 0)
             self.downtime(self.stage_cost["reschedule"](), "reschedule")
@@ -314,7 +323,7 @@ def run_policy(
     """Simulate one policy over many repetitions."""
     repetitions = repetitions or scenario.repetitions
     rng = random.Random(scenario.seed if seed is None else seed)
-    table = PolicyTable(scenario, use_spares=policy == "automatic")
+    table = PolicyTable(scenario, use_spares=policy in ("automatic", "survivors"))
     outcomes = [simulate_once(scenario, policy, table, rng, interval_minutes, spare_nodes) for _ in range(repetitions)]
     spares = scenario.spare_nodes if spare_nodes is None else spare_nodes
     job = scenario.gpus * scenario.days * 86400.0

@@ -123,9 +123,10 @@ def _incident_notes(incident: Incident) -> list[str]:
     elif incident.resumed_from_step is None:
         notes.append(f"outcome: {incident.outcome}")
     else:
+        source = f" ({incident.restored_from})" if incident.restored_from else ""
         notes.append(
-            f"resumed from step {incident.resumed_from_step}, lost {_or_unknown(incident.lost_steps)} step(s); "
-            f"outcome: {incident.outcome}"
+            f"resumed from step {incident.resumed_from_step}{source}, lost {_or_unknown(incident.lost_steps)} "
+            f"step(s); outcome: {incident.outcome}"
         )
     return notes
 

@@ -96,6 +96,7 @@ def plan(scenario: Scenario, repetitions: int | None = None) -> dict:
             "young_daly_minutes": young_daly_minutes(scenario),
             "repetitions": sweep_reps,
             "sweep": {name: [list(point) for point in points] for name, points in sweeps.items()},
+            "best_by_policy": {name: list(max(points, key=lambda point: point[1])) for name, points in sweeps.items()},
         },
         "spares": {
             "target_ettr": scenario.target_ettr,
@@ -141,6 +142,9 @@ def _advice(result: dict) -> list[str]:
         f"best {interval['best_minutes']:.1f} min (ETTR {interval['best_ettr']:.2%}); "
         f"Young-Daly sqrt(2 x save stall x MTBF) = {interval['young_daly_minutes']:.1f} min",
     ]
+    for name, (minutes, ettr) in interval.get("best_by_policy", {}).items():
+        if name not in (interval["policy"], "wait-for-human"):
+            lines.append(f"  best for {name}: {minutes:.1f} min (ETTR {ettr:.2%})")
     spares = result["spares"]
     if spares["smallest_for_target"] is not None:
         lines.append(

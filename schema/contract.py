@@ -82,6 +82,34 @@ class LaunchRecord(Record):
         default_factory=dict, description="Newer checkpoints not restored, with the reason (incomplete or corrupt)."
     )
     launched_at: float = Field(description="When the first launch started the ranks (seconds since the epoch).")
+    survivors: SurvivorSource | None = Field(
+        None, description="Restore the resume step from an earlier incarnation's survivors (None: the checkpoint)."
+    )
+
+
+class SurvivorSource(Record):
+    """Where an incarnation's ranks take the state of its resume step from, instead of a checkpoint:
+    the ranks of an earlier incarnation that survived its fault and saved their state."""
+
+    incarnation: int = Field(ge=0, description="The incarnation whose survivors saved the state.")
+    ranks: dict[int, int] = Field(
+        description="Each rank of this incarnation -> the survivor rank at the same (pp, dp_shard, tp) it loads."
+    )
+
+
+class SurvivorManifest(Record):
+    """`incarnations/K/survivors/R.json`: rank R's state file after the last step it completed when
+    incarnation K's collectives broke; written after the file, and only while K was not ended."""
+
+    step: int = Field(ge=0, description="Optimizer steps the saved state has taken.")
+    coordinates: dict[str, int] = Field(description="The rank's mesh coordinates: {dp, pp, dp_shard, tp}.")
+    size: int = Field(ge=0, description="Size of the state file (bytes).")
+    sha256: str = Field(description="SHA-256 of the state file, hex.")
+    time: float = Field(description="When it was written (seconds since the epoch).")
+
+    def place(self) -> tuple[int, int, int]:
+        """The (pp, dp_shard, tp) coordinates: what any replica's rank there holds the same of."""
+        return self.coordinates["pp"], self.coordinates["dp_shard"], self.coordinates["tp"]
 
 
 class MetricsLine(Record):
@@ -138,6 +166,27 @@ def read_launch(run: RunDir, incarnation: int) -> LaunchRecord | None:
     """The incarnation's launch record; None before its first launch."""
     path = run.launch_file(incarnation)
     return _parsed(LaunchRecord, read_text(path), path)
+
+
+def write_survivor(run: RunDir, incarnation: int, rank: int, manifest: SurvivorManifest) -> bool:
+    """Record a survivor's saved state, last; False, writing nothing, once the controller has
+    ended the incarnation (the fence every checkpoint commit has)."""
+    if run.ended_file(incarnation).exists():
+        return False
+    write_json_atomic(run.survivor_manifest(incarnation, rank), manifest.model_dump_json())
+    return True
+
+
+def read_survivor(run: RunDir, incarnation: int, rank: int) -> SurvivorManifest | None:
+    """What survivor `rank` of the incarnation saved; None if it saved nothing that counts."""
+    path = run.survivor_manifest(incarnation, rank)
+    return _parsed(SurvivorManifest, read_text(path), path)
+
+
+def read_survivors(run: RunDir, incarnation: int, world_size: int) -> dict[int, SurvivorManifest]:
+    """The survivors of an incarnation that saved their state: rank -> its manifest."""
+    found = {rank: read_survivor(run, incarnation, rank) for rank in range(world_size)}
+    return {rank: manifest for rank, manifest in found.items() if manifest is not None}
 
 
 class MetricsLog:

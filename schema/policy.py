@@ -131,6 +131,15 @@ class RecoveryPolicy(Strict):
             "(seconds)."
         ),
     )
+    survivor_grace_seconds: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "Drain waits at most this long for the ranks that survived the fault to save the state of their last "
+            "completed step and end (the built-in trainer does when its collectives break), so that the next "
+            "incarnation starts from that step instead of the newest checkpoint; 0 turns it off (seconds)."
+        ),
+    )
     not_ready_toleration_seconds: int = Field(
         10,
         ge=0,

@@ -117,6 +117,8 @@ class Inventory(Record):
 
 
 StepSource = Literal["trainer", "output"]
+RestoreSource = Literal["survivors", "checkpoint", "scratch"]
+"""Where a new incarnation's state came from: the fault's survivors, a periodic checkpoint, nothing."""
 """Who reports the step: trainer (the built-in trainer or a lazarus.session script, which train to
 trainer.steps), output (trainer.progress_pattern on the ranks' output; the script decides its end)."""
 
@@ -243,6 +245,13 @@ class Incident(Record):
     skipped_checkpoints: dict[int, str] = Field(
         default_factory=dict,
         description="Newer checkpoints that were not restored, with the reason (incomplete or corrupt).",
+    )
+    restored_from: RestoreSource | None = Field(
+        None,
+        description=(
+            "Where the restored state came from: survivors (the ranks that outlived the fault saved their last "
+            "step), checkpoint (the newest periodic one), scratch; None when the script restores its own."
+        ),
     )
     lost_steps: int | None = Field(
         None, description="Steps trained after that checkpoint and lost to the fault (steps); None when unknown."

@@ -223,11 +223,12 @@ class FaultInjection(Strict):
         gt=0,
         description="Or: seconds after the incarnation's ranks started, for a script that reports no steps (seconds).",
     )
-    point: Literal["step", "checkpoint"] = Field(
+    point: Literal["step", "checkpoint", "survivor_save"] = Field(
         "step",
         description=(
             "step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, "
-            "while it is being written (the built-in trainer and lazarus.session scripts)."
+            "while it is being written (the built-in trainer and lazarus.session scripts); survivor_save: while "
+            "saving the state of `step` as a survivor of another node's fault (the built-in trainer)."
         ),
     )
     incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
@@ -236,8 +237,8 @@ class FaultInjection(Strict):
     def _step_or_time(self) -> FaultInjection:
         if (self.step is None) == (self.after_seconds is None):
             raise ValueError(f"faults: give {self.node} either step or after_seconds, not both nor neither")
-        if self.after_seconds is not None and self.point == "checkpoint":
-            raise ValueError("faults.point: checkpoint needs a step, not after_seconds")
+        if self.after_seconds is not None and self.point != "step":
+            raise ValueError(f"faults.point: {self.point} needs a step, not after_seconds")
         return self
 
     @property
@@ -297,6 +298,8 @@ class RunSpec(Strict):
                 raise ValueError(
                     f"faults.node: {fault.node!r} is not a node of this run; use node-0 .. node-{nodes - 1}"
                 )
+            if fault.point == "survivor_save" and not self.trainer.built_in:
+                raise ValueError("faults.point: survivor_save is a point of the built-in trainer only")
             if fault.step is not None and fault.step > self.trainer.steps and self.trainer.progress_pattern is None:
                 raise ValueError(f"faults.step: {fault.step} is past trainer.steps {self.trainer.steps}")
         data_ranks = self.layout.dp * self.layout.dp_shard

@@ -8,9 +8,11 @@ from pydantic import Field, model_validator
 
 from lazarus.schema.base import Strict
 
-POLICIES = ("automatic", "reshard-only", "wait-for-human")
-"""automatic: hot spares, else reshard (Lazarus's policy); reshard-only: never use spares;
-wait-for-human: every fault waits for a person to restart the run on a spare."""
+POLICIES = ("automatic", "survivors", "reshard-only", "wait-for-human")
+"""automatic: hot spares, else reshard, restoring the newest checkpoint; survivors: the same,
+restoring what the surviving replicas saved at a crash (Lazarus's policy for the built-in
+trainer); reshard-only: never use spares; wait-for-human: every fault waits for a person to
+restart the run on a spare."""
 
 
 class Fixed(Strict):
@@ -104,6 +106,20 @@ class CheckpointModel(Strict):
     load_seconds: float = Field(
         60.0, ge=0, description="Time to load a checkpoint on resume, added to the resume stage (seconds)."
     )
+    step_seconds: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Time of one optimizer step (seconds): under the survivors policy a crash loses the step in flight "
+            "(half of one on average), not the training since the last checkpoint."
+        ),
+    )
+    survivor_save_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="Survivors policy: time the surviving ranks take to save their state at a fault, added to drain "
+        "(seconds).",
+    )
 
 
 class Scenario(Strict):
@@ -129,7 +145,7 @@ class Scenario(Strict):
     regrow: bool = Field(
         True, description="When repaired or released nodes can hold a whole replica again, restart at a larger dp."
     )
-    policies: list[Literal["automatic", "reshard-only", "wait-for-human"]] = Field(
+    policies: list[Literal["automatic", "survivors", "reshard-only", "wait-for-human"]] = Field(
         default_factory=lambda: list(POLICIES), description="Policies to compare."
     )
     target_ettr: float = Field(0.9, gt=0, lt=1, description="ETTR the spare-count search aims for (fraction).")

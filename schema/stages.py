@@ -8,7 +8,7 @@ from pydantic import Field
 
 from lazarus.schema.base import Record
 from lazarus.schema.policy import RecoveryPolicy
-from lazarus.schema.records import Assignment, Decision, FaultReport, StepSource
+from lazarus.schema.records import Assignment, Decision, FaultReport, RestoreSource, StepSource
 from lazarus.schema.run import RunSpec
 
 
@@ -47,6 +47,14 @@ class DrainInput(Record):
         ge=0,
         description="How long to let a checkpoint being written commit before the ranks are stopped (seconds).",
     )
+    survivor_grace_seconds: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "How long to let the surviving ranks save their state and end before they are stopped (seconds; 0: "
+            "stop them at once, the trainer saves none)."
+        ),
+    )
     detect_seconds: float = Field(
         0.0, ge=0, description="The incident's fault-to-report time, for the detect metric (seconds)."
     )
@@ -63,6 +71,9 @@ class DrainResult(Record):
     )
     in_flight_committed: bool = Field(
         False, description="That checkpoint committed within the grace time (else it was discarded)."
+    )
+    survivors: dict[int, int] = Field(
+        default_factory=dict, description="Ranks that saved their state at the fault -> the step it holds."
     )
 
 
@@ -97,6 +108,16 @@ class ResumeInput(Record):
             "None (wait until every rank runs: the script reports nothing)."
         ),
     )
+    fault_step: int | None = Field(
+        None, description="The step the fault interrupted, as reported, for the lost-steps metric (None: unknown)."
+    )
+    survivors_of: int | None = Field(
+        None,
+        description=(
+            "The failed incarnation, when its survivors saved their state: restore from them if they hold a step "
+            "newer than the newest checkpoint for every (pp, dp_shard, tp) place."
+        ),
+    )
 
 
 class ResumeResult(Record):
@@ -111,6 +132,9 @@ class ResumeResult(Record):
     )
     skipped_checkpoints: dict[int, str] = Field(
         default_factory=dict, description="Newer checkpoints not restored, with the reason (incomplete or corrupt)."
+    )
+    restored_from: RestoreSource | None = Field(
+        None, description="Where the restored state came from; None when the script restores its own."
     )
     first_step_at: datetime | None = Field(
         None, description="When every rank had completed its first step past the restored one (UTC)."

@@ -13,6 +13,7 @@ import sys
 import traceback
 from datetime import timedelta
 
+from lazarus.schema.contract import read_launch
 from lazarus.schema.layout import MESH_DIMENSIONS, Layout
 from lazarus.schema.run import RunSpec, TrainerSettings
 from lazarus.trainer.session import TrainingSession, maybe_fail
@@ -99,6 +100,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.learning_rate)
         self.params = list(self.model.parameters())
         self.schedule = self._pipeline_schedule() if layout.pp > 1 else None
+        self.updating = False
+        """True only inside the optimizer step: a failure there may leave the state half updated."""
 
     def _parallelize(self) -> None:
         """Split each block over the tp ranks, then shard everything over the dp_shard ranks (FSDP2)."""
@@ -170,7 +173,9 @@ class Trainer:
             local_loss = torch.stack(losses).sum() if self.last_stage else torch.zeros((), device=self.device)
         with torch.no_grad():
             stop, loss = self._sum_over_replicas(stop_requested, local_loss if self.reports_loss else None)
+        self.updating = True
         self.optimizer.step()
+        self.updating = False
         return loss, stop > 0
 
     def _sum_over_replicas(self, stop_requested: bool, local_loss) -> tuple[float, float]:
@@ -252,7 +257,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     the controller stopped the run before it."""
     import torch.distributed as dist
 
-    from lazarus.trainer import checkpoint
+    from lazarus.trainer import checkpoint, survivors
 
     run = session.run
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
@@ -266,7 +271,13 @@ def train(session: TrainingSession) -> tuple[int, bool]:
 
     step, samples = 0, 0  # samples: the data position, global index of the next sample
     if session.resume_step:
-        progress = checkpoint.load(run, trainer.model, trainer.optimizer, session.resume_step)
+        launch = read_launch(run, session.incarnation)
+        if launch is not None and launch.survivors is not None:
+            # The state of the step the fault interrupted, from a survivor at this rank's place.
+            source = launch.survivors
+            progress = survivors.load(run, source.incarnation, source.ranks[session.rank], trainer)
+        else:
+            progress = checkpoint.load(run, trainer.model, trainer.optimizer, session.resume_step)
         step, samples = progress["step"], progress["samples"]
     session.heartbeat(step, "restored")
     consumed = SamplesLog(session, trainer) if trainer.writes_samples else None
@@ -275,7 +286,14 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     while step < settings.steps:
         maybe_fail("step", step + 1)
         # Rank 0's stop request rides on the step's own collectives (no extra one per step).
-        loss, stopped = trainer.step(samples, stop_requested=session.stop_requested(agree=lambda asked: asked))
+        try:
+            loss, stopped = trainer.step(samples, stop_requested=session.stop_requested(agree=lambda asked: asked))
+        except Exception:
+            # A broken collective (a peer's node died) fails the step before the optimizer
+            # touched anything: what this rank holds is exactly the state after `step` steps.
+            if not trainer.updating:
+                survivors.save(run, session.incarnation, session.rank, trainer, step, samples)
+            raise
         if consumed:
             consumed.write(step + 1, samples)
         step += 1

@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from lazarus.schema.stages import (
         DrainInput,
+        DrainResult,
         LaunchInput,
         ReplaceInput,
         RescheduleInput,
@@ -213,12 +214,13 @@ class TrainingRun(OperatorControls):
         replace-or-reshard and resume. A fault in the result hit the new incarnation before its
         first step: it is the next incident."""
         incident = self._open_incident(fault)
-        await self._drain(incident, fault)
+        drained = await self._drain(incident, fault)
+        survivors_of = fault.incarnation if drained.survivors else None
         while True:
             decision = await self._reschedule(incident, fault)
             self._check_abort()
             try:
-                resumed = await self._replace_and_resume(decision, incident, fault.kind)
+                resumed = await self._replace_and_resume(decision, incident, fault.kind, survivors_of)
                 break
             except StageRefused as refused:
                 # A spare that died or was taken since the inventory was read: decide again.
@@ -227,6 +229,7 @@ class TrainingRun(OperatorControls):
                 workflow.logger.warning("%s; rescheduling", refused)
         incident.resumed_from_step = resumed.resumed_from_step
         incident.skipped_checkpoints = resumed.skipped_checkpoints
+        incident.restored_from = resumed.restored_from
         if fault.step is not None and resumed.resumed_from_step is not None:
             incident.lost_steps = max(0, fault.step - resumed.resumed_from_step)
         if resumed.fault is not None:
@@ -258,7 +261,7 @@ class TrainingRun(OperatorControls):
             status.step = fault.step
         return incident
 
-    async def _drain(self, incident: Incident, fault: FaultReport) -> None:
+    async def _drain(self, incident: Incident, fault: FaultReport) -> DrainResult:
         """Quarantine the blamed nodes and stop every rank of the failed incarnation."""
         status = self._status
         self._enter(RunState.DRAINING)
@@ -268,12 +271,15 @@ class TrainingRun(OperatorControls):
             nodes=fault.nodes,
             reason=f"incident {incident.number}: {fault.kind}: {fault.reason}",
             save_grace_seconds=self._policy.save_grace_seconds,
+            # Only the built-in trainer saves its state when its collectives break (so far).
+            survivor_grace_seconds=self._policy.survivor_grace_seconds if self._start.spec.trainer.built_in else 0.0,
             detect_seconds=max(0.0, (fault.detected_at - fault.occurred_at).total_seconds()),
         )
         drained = await self._stage("drain", RecoveryActivities.drain, draining, incident)
         status.quarantined_nodes = sorted(set(status.quarantined_nodes) | set(drained.quarantined))
         incident.checkpoint_in_flight = drained.in_flight_checkpoint
         incident.discarded_checkpoints = drained.removed_partial_checkpoints
+        return drained
 
     async def _reschedule(self, incident: Incident, fault: FaultReport) -> Decision:
         """Read the inventory until the policy can place the next incarnation: without capacity,
@@ -353,7 +359,9 @@ class TrainingRun(OperatorControls):
         if self._requested("abort"):
             raise RunAborted("aborted by an operator during recovery; the newest checkpoint is kept")
 
-    async def _replace_and_resume(self, decision: Decision, incident: Incident | None, fault_kind: str) -> ResumeResult:
+    async def _replace_and_resume(
+        self, decision: Decision, incident: Incident | None, fault_kind: str, survivors_of: int | None = None
+    ) -> ResumeResult:
         """Replace-or-reshard and resume, for a fault's recovery (its incident records the stages) and
         an operator's restart (no incident): claim the decision's nodes and write the next assignment,
         start it from the newest complete checkpoint. TRAINING again unless a fault hit it first."""
@@ -373,6 +381,8 @@ class TrainingRun(OperatorControls):
             total_steps=status.total_steps,
             policy=self._policy,
             steps_from=status.steps_from,
+            fault_step=incident.fault.step if incident is not None else None,
+            survivors_of=survivors_of,
         )
         resumed = await self._stage("resume", RecoveryActivities.resume, starting, incident)
         if resumed.fault is None:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from lazarus.infra.backend import ClusterBackend, ClusterError
+from lazarus.schema.contract import SurvivorManifest, write_survivor
 from lazarus.schema.rundir import commit_checkpoint
 from tests.support.backends import every_rank_training
 from tests.support.waiting import wait_until
@@ -145,6 +146,20 @@ def test_a_checkpoint_in_flight_gets_its_grace_and_partial_ones_are_removed(back
     backend.cluster.stop_incarnation("r1", 0)
     assert backend.cluster.remove_partial_checkpoints("r1") == [20]
     assert run.checkpoint_steps() == [10]
+
+
+def test_survivors_get_their_grace_and_what_they_saved_is_read(backend):
+    backend.launch("r1")
+    every_rank_training(backend, "r1")
+    run = backend.cluster.run_dir("r1")
+    coordinates = {"dp": 1, "pp": 0, "dp_shard": 0, "tp": 0}
+    saved = SurvivorManifest(step=7, coordinates=coordinates, size=0, sha256="", time=time.time())
+    assert write_survivor(run, 0, 1, saved)
+    # The stand-in ranks keep running, as hung ones would: the grace runs out, the save counts.
+    assert backend.cluster.await_survivors("r1", 0, grace=0.2) == {1: 7}
+    backend.cluster.stop_incarnation("r1", 0)
+    assert backend.cluster.await_survivors("r1", 0, grace=30) == {1: 7}  # no rank lives: no wait
+    assert not write_survivor(run, 0, 2, saved)  # the incarnation is ended: a late save never counts
 
 
 def test_stages_are_recorded_where_the_cluster_shows_them_without_failing(backend):

@@ -79,7 +79,9 @@ async def test_the_built_in_trainer_on_four_dimensions_recovers_on_a_hot_spare_b
     [incident] = status.incidents
     # node-2 holds stage 1's dp_shard 0, both its tp ranks: the spare takes exactly those coordinates.
     assert incident.fault.nodes == ["node-2"] and incident.decision.replacements == {"node-2": "node-4"}
+    # dp 1: no replica outlived the fault whole, so the newest periodic checkpoint it is.
     assert status.layout == spec.layout and incident.resumed_from_step in (5, 10, 15)
+    assert incident.restored_from == "checkpoint"
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 21))
     expected = reference(PP_FSDP_TP_SPEC)
@@ -95,7 +97,9 @@ async def test_the_built_in_trainer_as_hsdp_with_a_pipeline_reshards_to_one_repl
     # node-2 holds replica 1's first stage: the replica is lost with it, its other node goes back.
     assert incident.fault.nodes == ["node-2"] and incident.decision.action == "reshard"
     assert incident.decision.lost_replicas == [1] and incident.decision.released_nodes == ["node-3"]
-    assert status.layout == spec.layout.model_copy(update={"dp": 1}) and incident.resumed_from_step in (5, 10, 15)
+    # Replica 0 outlived it whole: its ranks saved the interrupted step for both stages.
+    assert status.layout == spec.layout.model_copy(update={"dp": 1})
+    assert incident.restored_from == "survivors" and incident.lost_steps == 0
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 21))
     expected = reference(HSDP_PP_SPEC)

@@ -67,6 +67,10 @@ async def test_pause_resume_then_a_recovery_with_metrics_and_report(dev_env, hom
         assert f'lazarus_stage_seconds_count{{stage="{stage}"}}' in body, stage
     assert 'lazarus_stage_seconds_count{stage="resume"} 2.0' in body  # operator's resume and the recovery
     assert 'lazarus_incidents_total{decision="replace",kind="node_down"} 1.0' in body
+    # The operator's resume restored a checkpoint; the recovery, what the survivors saved.
+    assert incident.restored_from == "survivors" and incident.lost_steps == 0
+    assert 'lazarus_restores_total{source="survivors"} 1.0' in body
+    assert 'lazarus_restores_total{source="checkpoint"} 1.0' in body and "lazarus_lost_steps_total 0.0" in body
 
     summary = summarize(final)
     assert 0 < summary["ettr"] < 1 and summary["incidents"] == 1 and summary["lost_steps"] == incident.lost_steps

@@ -84,10 +84,10 @@ def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, refe
     assert incident["decision"]["action"] == "replace"
     assert incident["decision"]["replacements"] == {"node-2": "node-4"}
     assert incident["new_assignment"]["nodes"] == ["node-0", "node-1", "node-4", "node-3"]
-    # The newest checkpoint at the fault; the one before it if the kill hit its save.
-    assert incident["resumed_from_step"] in (fault["step"] // 10 * 10, fault["step"] // 10 * 10 - 10)
-    assert incident["resumed_from_step"] >= 10
-    assert incident["lost_steps"] == fault["step"] - incident["resumed_from_step"]
+    # The survivors saved the step the fault interrupted: the spare's replica starts from it, not
+    # from the newest checkpoint, and no completed step is lost.
+    assert incident["restored_from"] == "survivors" and incident["lost_steps"] == 0
+    assert incident["resumed_from_step"] >= fault["step"] and incident["resumed_from_step"] % 10 != 0
     assert incident["mttr_seconds"] > incident["stages"]["resume"]["seconds"] > 0
     assert status["assignment"] == incident["new_assignment"]
 

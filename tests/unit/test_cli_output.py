@@ -220,6 +220,13 @@ def test_status_shows_state_nodes_and_each_stage():
     assert "resumed from step 10, lost 5 step(s); outcome: recovered" in text
 
 
+def test_an_incident_says_where_its_state_came_from():
+    status = recovered_run()
+    incident = status.incidents[0]
+    incident.restored_from, incident.resumed_from_step, incident.lost_steps = "survivors", 15, 0
+    assert "resumed from step 15 (survivors), lost 0 step(s); outcome: recovered" in render(status_view(status))
+
+
 def test_report_shows_ettr_and_where_the_time_went():
     status = recovered_run()
     summary = summarize(status)

@@ -47,6 +47,27 @@ def test_simulated_ettr_matches_the_closed_form(interval_minutes, resume_seconds
     assert abs(simulated - expected) / expected < 0.01, (simulated, expected)
 
 
+def test_with_survivors_a_fault_costs_half_a_step_and_the_survivors_save():
+    # dp 2: a replica always survives; no hangs. Between faults (MTBF 2 h of training) the run
+    # loses half a 60 s step and stands still for resume (600 s) plus the survivors' save (60 s).
+    scenario = closed_form_scenario(
+        gpus=16,
+        dp=2,
+        checkpoint={
+            "interval_minutes": 30,
+            "save_stall_seconds": 0,
+            "load_seconds": 0,
+            "step_seconds": 60,
+            "survivor_save_seconds": 60,
+        },
+        policies=["survivors"],
+    )
+    expected = (7200 - 30) / (7200 + 600 + 60)
+    simulated = run_policy(scenario, "survivors").ettr
+    assert abs(simulated - expected) / expected < 0.01, (simulated, expected)
+    assert simulated > run_policy(scenario, "automatic").ettr
+
+
 def test_decisions_come_from_the_workflow_policy():
     scenario = Scenario.model_validate(
         {
@@ -132,12 +153,14 @@ def test_simulate_command_prints_json_and_writes_a_plot(tmp_path):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     names = [p["name"] for p in result["policies"]]
-    assert names == ["automatic", "reshard-only", "wait-for-human"]
+    assert names == ["automatic", "survivors", "reshard-only", "wait-for-human"]
     for policy in result["policies"]:
         assert 0 < policy["ettr"] < 1 and 0 < policy["goodput"] <= policy["ettr"]
         assert set(policy["lost_gpu_hours"]) >= {"detect", "resume", "recomputed_steps", "idle_spares"}
-    human = result["policies"][2]
-    assert human["lost_gpu_hours"]["human"] > 0 and human["ettr"] < result["policies"][0]["ettr"]
+    automatic, survivors, _, human = result["policies"]
+    assert human["lost_gpu_hours"]["human"] > 0 and human["ettr"] < automatic["ettr"]
+    recomputed = survivors["lost_gpu_hours"]["recomputed_steps"]
+    assert recomputed < automatic["lost_gpu_hours"]["recomputed_steps"] / 10
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,0 +1,84 @@
+"""Which survivors a new incarnation restores from: the last step every survivor completed, saved
+for every (pp, dp_shard, tp) place of its layout, past the newest checkpoint, from files that
+match their manifests; none when no full replica survived."""
+
+from __future__ import annotations
+
+import time
+
+from lazarus.infra.runfiles import survivor_source
+from lazarus.schema.contract import SurvivorManifest, write_survivor
+from lazarus.schema.files import file_sha256
+from lazarus.schema.layout import Layout
+from lazarus.schema.records import Assignment
+from lazarus.schema.rundir import RunDir
+
+DP2_PP2 = Layout(dp=2, pp=2)
+
+
+def failed_incarnation(run: RunDir, layout: Layout = DP2_PP2) -> None:
+    nodes = [f"node-{i}" for i in range(layout.nodes)]
+    assignment = Assignment(incarnation=0, nodes=nodes, layout=layout, master_addr="127.0.0.1", master_port=1)
+    run.assignment_file(0).parent.mkdir(parents=True, exist_ok=True)
+    run.assignment_file(0).write_text(assignment.model_dump_json())
+
+
+def survivor(run: RunDir, rank: int, step: int, layout: Layout = DP2_PP2, corrupt: bool = False) -> None:
+    path = run.survivor_state(0, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes([rank, step]) * 100)
+    manifest = SurvivorManifest(
+        step=step, coordinates=layout.coordinates(rank), size=200, sha256=file_sha256(path), time=time.time()
+    )
+    assert write_survivor(run, 0, rank, manifest)
+    if corrupt:
+        path.write_bytes(bytes([255, step]) * 100)
+
+
+def test_the_surviving_replica_covers_every_place_of_the_same_layout(tmp_path):
+    run = RunDir(tmp_path)
+    failed_incarnation(run)
+    survivor(run, 0, 7)
+    survivor(run, 1, 7)  # replica 0, both stages; replica 1 lost a node
+    step, source = survivor_source(run, 0, DP2_PP2, after_step=5)
+    assert step == 7 and source.incarnation == 0 and source.ranks == {0: 0, 1: 1, 2: 0, 3: 1}
+    # After a reshard to one replica, the same places.
+    assert survivor_source(run, 0, Layout(dp=1, pp=2), after_step=5)[1].ranks == {0: 0, 1: 1}
+
+
+def test_nothing_newer_than_the_checkpoint_or_a_place_uncovered_falls_back(tmp_path):
+    run = RunDir(tmp_path)
+    failed_incarnation(run)
+    survivor(run, 0, 7)
+    assert survivor_source(run, 0, DP2_PP2, after_step=5) is None  # stage 1 saved by nobody
+    survivor(run, 3, 7)  # stage 1 of the other replica: any replica's rank at the place will do
+    assert survivor_source(run, 0, DP2_PP2, after_step=5)[1].ranks == {0: 0, 1: 3, 2: 0, 3: 3}
+    assert survivor_source(run, 0, DP2_PP2, after_step=7) is None  # the checkpoint is as new
+
+
+def test_a_file_that_does_not_match_its_manifest_is_passed_over(tmp_path):
+    run = RunDir(tmp_path)
+    failed_incarnation(run)
+    survivor(run, 0, 7, corrupt=True)
+    survivor(run, 1, 7)
+    assert survivor_source(run, 0, DP2_PP2, after_step=5) is None
+    survivor(run, 2, 7)
+    assert survivor_source(run, 0, DP2_PP2, after_step=5)[1].ranks == {0: 2, 1: 1, 2: 2, 3: 1}
+
+
+def test_the_step_every_survivor_completed_wins(tmp_path):
+    run = RunDir(tmp_path)
+    failed_incarnation(run, Layout(dp=3))
+    survivor(run, 0, 8, Layout(dp=3))  # its all-reduce of step 8 completed before the fault broke rank 1's
+    survivor(run, 1, 7, Layout(dp=3))
+    step, source = survivor_source(run, 0, Layout(dp=3), after_step=5)
+    assert step == 7 and source.ranks == {0: 1, 1: 1, 2: 1}
+
+
+def test_an_ended_incarnation_records_no_survivor(tmp_path):
+    run = RunDir(tmp_path)
+    failed_incarnation(run)
+    run.ended_file(0).write_text("")
+    manifest = SurvivorManifest(step=7, coordinates=DP2_PP2.coordinates(0), size=0, sha256="", time=0.0)
+    assert write_survivor(run, 0, 0, manifest) is False
+    assert survivor_source(run, 0, DP2_PP2, after_step=0) is None

@@ -1,0 +1,83 @@
+"""A surviving rank's state at its last completed step, saved when a collective breaks.
+
+When a node dies mid-step, the ranks that survive it fail in their next collective, before the
+optimizer step: their parameters, optimizer state and RNG are exactly those of the last step
+they completed, the same in every replica at the same mesh coordinates. Each survivor saves its
+own share (its FSDP shard, its tp slice, its pipeline stage) with torch.save, no collective
+needed, and writes a manifest last, unless the controller has ended the incarnation (the fence
+of every checkpoint). A rank of the next incarnation at the same (pp, dp_shard, tp) coordinates
+loads it and goes on from that step instead of the newest periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lazarus.schema.contract import SurvivorManifest, read_survivor, write_survivor
+from lazarus.schema.files import file_sha256
+from lazarus.schema.rundir import RunDir
+from lazarus.trainer.session import maybe_fail
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's own values of a parameter or optimizer state (a DTensor's local shard)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a value of the same kind as `param`: a DTensor on its mesh if `param` is one."""
+    if not hasattr(param, "to_local") or local.dim() == 0:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def save(run: RunDir, incarnation: int, rank: int, trainer, step: int, samples: int) -> bool:
+    """Save this rank's state after `step` steps (data position `samples`); False, leaving no
+    manifest, when the controller has already ended the incarnation."""
+    if run.ended_file(incarnation).exists():
+        return False
+    params = trainer.params
+    state = {
+        "step": step,
+        "samples": samples,
+        "rng": torch.get_rng_state(),
+        "params": [_local(p).detach().clone() for p in params],
+        "optimizer": [{k: _local(v).clone() for k, v in trainer.optimizer.state.get(p, {}).items()} for p in params],
+    }
+    path = run.survivor_state(incarnation, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save(state, partial)
+    maybe_fail("survivor_save", step)  # a planned second fault, while the state is half saved
+    partial.replace(path)
+    manifest = SurvivorManifest(
+        step=step,
+        coordinates=trainer.layout.coordinates(rank),
+        size=path.stat().st_size,
+        sha256=file_sha256(path),
+        time=time.time(),
+    )
+    return write_survivor(run, incarnation, rank, manifest)
+
+
+def load(run: RunDir, incarnation: int, rank: int, trainer) -> dict:
+    """Restore a fresh trainer from survivor `rank` of `incarnation`, which must hold the same
+    mesh coordinates' share; returns {"step", "samples"}. Refuses a file its manifest does not match."""
+    record = read_survivor(run, incarnation, rank)
+    path = run.survivor_state(incarnation, rank)
+    if record is None or record.size != path.stat().st_size or record.sha256 != file_sha256(path):
+        raise RuntimeError(f"survivor state {path} is incomplete or does not match its manifest")
+    state = torch.load(path, weights_only=True)
+    with torch.no_grad():
+        for param, saved, optimizer_state in zip(trainer.params, state["params"], state["optimizer"], strict=True):
+            _local(param).copy_(saved)
+            if optimizer_state:
+                trainer.optimizer.state[param] = {k: _like(param, v) for k, v in optimizer_state.items()}
+    torch.set_rng_state(state["rng"])
+    return {"step": state["step"], "samples": state["samples"]}
