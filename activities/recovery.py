@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import re
-import shutil
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -23,10 +20,10 @@ from temporalio.exceptions import ApplicationError
 from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.health import judge
 from lazarus.activities.metrics import Metrics, Span
+from lazarus.activities.preflight import missing_command
 from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.infra.runfiles import survivor_source
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
-from lazarus.schema.run import TrainerSettings
 from lazarus.schema.stages import (
     DetectInput,
     DrainInput,
@@ -64,41 +61,6 @@ def timed(stage: str):
 def natural_order(name: str) -> list:
     """Sort key that puts node-2 before node-10."""
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
-
-
-def python_script(command: list[str]) -> str | None:
-    """The script of a `python script.py ...` command (None for `python -m`, or any other program)."""
-    if command[0] in ("python", "python3") and len(command) > 1 and not command[1].startswith("-"):
-        return command[1]
-    return None
-
-
-def missing_command(trainer: TrainerSettings, work_dir: Path, backend: str) -> str | None:
-    """Why the ranks could not start trainer.command in their working directory, or None. On the
-    local backend `python` is the worker's interpreter and paths are this machine's; on Kubernetes
-    only the pod can tell, so only a relative workdir is refused."""
-    if trainer.workdir and not Path(trainer.workdir).is_absolute():
-        return (
-            f"trainer.workdir: {trainer.workdir!r} is relative; give an absolute path "
-            "(`lazarus run start` and `lazarus launch` make it absolute from the folder they run in)"
-        )
-    if backend != "local":
-        return None
-    folder = Path(trainer.workdir) if trainer.workdir else work_dir
-    program = trainer.command[0]
-    if program != "python":
-        found = folder / program if "/" in program else shutil.which(program)
-        if not found or not Path(found).is_file() or not os.access(found, os.X_OK):
-            why = "not on PATH, not a file that can run"
-            return f"trainer.command: {program!r} is not an executable on this node ({why})"
-    script = python_script(trainer.command)
-    if script and not (folder / script).is_file():
-        where = "" if Path(script).is_absolute() else f" in the ranks' working directory {folder}"
-        return (
-            f"trainer.command: no script {script!r}{where}; give its absolute path "
-            "(`lazarus run start` and `lazarus launch` do that from the folder they run in)"
-        )
-    return None
 
 
 def _permanent(error: Exception, kind: str) -> ApplicationError:

@@ -13,11 +13,8 @@ from lazarus.console import table
 from lazarus.planner import (
     CAUSES,
     RECOVERY_STAGES,
-    default_intervals,
-    interval_sweep,
     job_mtbf_seconds,
     run_policy,
-    smallest_spares,
     young_daly_minutes,
 )
 from lazarus.schema.load import SpecError, load_spec
@@ -74,6 +71,45 @@ def measured_costs(path: str) -> dict[str, Measured]:
             f"(expected `lazarus run status --json` output with recovered incidents)"
         )
     return {name: Measured(dist="measured", samples=values) for name, values in samples.items()}
+
+
+def interval_sweep(
+    scenario: Scenario, policy: str, intervals: list[float], repetitions: int
+) -> list[tuple[float, float]]:
+    """(interval minutes, ETTR) for each interval, same random streams for every interval."""
+    return [
+        (minutes, run_policy(scenario, policy, repetitions, interval_minutes=minutes).ettr) for minutes in intervals
+    ]
+
+
+def default_intervals(scenario: Scenario) -> list[float]:
+    """Checkpoint intervals to try: log-spaced around the Young-Daly interval and the scenario's."""
+    centre = young_daly_minutes(scenario) or scenario.checkpoint.interval_minutes
+    grid = sorted({round(centre * 2 ** (k / 2), 3) for k in range(-6, 7)} | {scenario.checkpoint.interval_minutes})
+    return [m for m in grid if m > 0]
+
+
+def smallest_spares(scenario: Scenario, repetitions: int, limit: int = 256) -> int | None:
+    """Fewest hot spares with which the automatic policy reaches the target ETTR (None: not within `limit`).
+
+    Doubles the count until the target is met, then bisects between the last miss and the hit
+    (ETTR grows with spares, up to the Monte Carlo noise).
+    """
+
+    def reaches(count: int) -> bool:
+        return run_policy(scenario, "automatic", repetitions, spare_nodes=count).ettr >= scenario.target_ettr
+
+    if reaches(0):
+        return 0
+    miss, hit = 0, 1
+    while not reaches(hit):
+        miss, hit = hit, hit * 2
+        if hit > limit:
+            return None
+    while hit - miss > 1:
+        middle = (miss + hit) // 2
+        miss, hit = (miss, middle) if reaches(middle) else (middle, hit)
+    return hit
 
 
 def plan(scenario: Scenario, repetitions: int | None = None) -> dict:

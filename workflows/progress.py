@@ -1,12 +1,13 @@
 """How the run's step is kept: who reports it (the trainer, the output, or nobody) and what each
-report changes. Pure functions over RunStatus, so the workflow says only when they apply."""
+report changes, and what a recovery's resume tells its incident. Pure functions, so the workflow
+says only when they apply."""
 
 from __future__ import annotations
 
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from lazarus.schema.records import RunStatus, StepSource
+    from lazarus.schema.records import Incident, RunStatus, StepSource
     from lazarus.schema.run import TrainerSettings
     from lazarus.schema.stages import ResumeResult
 
@@ -39,3 +40,18 @@ def take_completion(status: RunStatus) -> None:
     """Training is done: a trainer reached its last step; a script that decides its own end stays where it said."""
     if status.steps_from == "trainer":
         status.step = status.total_steps
+
+
+def take_recovery(incident: Incident, resumed: ResumeResult) -> None:
+    """What the resume of an incident's recovery tells the incident: the restore point and where
+    it came from, the steps lost, and the outcome (a fault before the first step interrupts it)."""
+    incident.resumed_from_step = resumed.resumed_from_step
+    incident.skipped_checkpoints = resumed.skipped_checkpoints
+    incident.restored_from = resumed.restored_from
+    if incident.fault.step is not None and resumed.resumed_from_step is not None:
+        incident.lost_steps = max(0, incident.fault.step - resumed.resumed_from_step)
+    if resumed.fault is not None:
+        incident.outcome = "interrupted"
+    else:
+        incident.first_step_at = resumed.first_step_at
+        incident.outcome = "recovered"

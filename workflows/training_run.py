@@ -40,7 +40,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.workflows.policy import plan_recovery
 
 from lazarus.workflows.controls import OperatorControls
-from lazarus.workflows.progress import expected_source, take_completion, take_progress, take_resume
+from lazarus.workflows.progress import expected_source, take_completion, take_progress, take_recovery, take_resume
 from lazarus.workflows.stage_calls import RunAborted, RunFailed, StageRefused, call_stage
 from lazarus.workflows.watch import watch
 
@@ -227,16 +227,7 @@ class TrainingRun(OperatorControls):
                 if (refused.stage, refused.kind) != ("replace_or_reshard", "SpareUnavailable"):
                     raise
                 workflow.logger.warning("%s; rescheduling", refused)
-        incident.resumed_from_step = resumed.resumed_from_step
-        incident.skipped_checkpoints = resumed.skipped_checkpoints
-        incident.restored_from = resumed.restored_from
-        if fault.step is not None and resumed.resumed_from_step is not None:
-            incident.lost_steps = max(0, fault.step - resumed.resumed_from_step)
-        if resumed.fault is not None:
-            incident.outcome = "interrupted"
-        else:
-            incident.first_step_at = resumed.first_step_at
-            incident.outcome = "recovered"
+        take_recovery(incident, resumed)
         return resumed
 
     def _open_incident(self, fault: FaultReport) -> Incident:

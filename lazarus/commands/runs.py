@@ -50,7 +50,7 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
     """Start a TrainingRun workflow from a spec; says how to follow it."""
     from temporalio.service import RPCError
 
-    from lazarus.activities.recovery import missing_command
+    from lazarus.activities.preflight import missing_command
     from lazarus.client import start_run
     from lazarus.schema.rundir import RunDir
 

@@ -182,7 +182,7 @@ def test_every_json_command_prints_one_document_whatever_writes_to_stdout(tmp_pa
     if argv[:2] == ["run", "report"]:
         assert document == summarize(status)
     elif patch == "simulate":
-        assert [p["name"] for p in document["policies"]] == ["automatic", "reshard-only", "wait-for-human"]
+        assert [p["name"] for p in document["policies"]] == ["automatic", "survivors", "reshard-only", "wait-for-human"]
     else:
         assert document == status.summary()
 
