@@ -252,6 +252,26 @@ class SamplesLog:
         self.file.flush()
 
 
+def restore(session: TrainingSession, trainer: Trainer) -> tuple[int, int]:
+    """Load the state the controller chose into `trainer`; returns its step and data position
+    ((0, 0) from scratch): what the fault's survivors saved, if the launch record names them,
+    else the checkpoint of the resume step."""
+    from lazarus.trainer import checkpoint, survivors
+
+    if not session.resume_step:
+        return 0, 0
+    run, launch = session.run, read_launch(session.run, session.incarnation)
+    if launch is not None and launch.survivors is not None:
+        # The state of the step the fault interrupted, from a survivor at this rank's place.
+        source = launch.survivors
+        progress = survivors.load(run, source.incarnation, source.ranks[session.rank], trainer)
+        if progress["step"] != session.resume_step:
+            raise RuntimeError(f"survivor state holds step {progress['step']}, expected {session.resume_step}")
+    else:
+        progress = checkpoint.load(run, trainer.model, trainer.optimizer, session.resume_step)
+    return progress["step"], progress["samples"]
+
+
 def train(session: TrainingSession) -> tuple[int, bool]:
     """Train from the resume step to the last step; returns the last step trained and whether
     the controller stopped the run before it."""
@@ -269,16 +289,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
         run, session.incarnation, settings.keep_checkpoints, asynchronous=settings.async_checkpoint
     )
 
-    step, samples = 0, 0  # samples: the data position, global index of the next sample
-    if session.resume_step:
-        launch = read_launch(run, session.incarnation)
-        if launch is not None and launch.survivors is not None:
-            # The state of the step the fault interrupted, from a survivor at this rank's place.
-            source = launch.survivors
-            progress = survivors.load(run, source.incarnation, source.ranks[session.rank], trainer)
-        else:
-            progress = checkpoint.load(run, trainer.model, trainer.optimizer, session.resume_step)
-        step, samples = progress["step"], progress["samples"]
+    step, samples = restore(session, trainer)  # samples: the data position, index of the next sample
     session.heartbeat(step, "restored")
     consumed = SamplesLog(session, trainer) if trainer.writes_samples else None
 
@@ -301,7 +312,12 @@ def train(session: TrainingSession) -> tuple[int, bool]:
 
         session.step_done(step, loss)
         if session.checkpoint_due(step) or stopped:
-            checkpointer.save(trainer.model, trainer.optimizer, step, samples)
+            try:
+                checkpointer.save(trainer.model, trainer.optimizer, step, samples)
+            except Exception:
+                # A synchronous save's collectives broke: the state is still that after `step`.
+                survivors.save(run, session.incarnation, session.rank, trainer, step, samples)
+                raise
             maybe_fail("checkpoint", step)
         if stopped:
             break

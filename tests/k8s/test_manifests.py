@@ -89,6 +89,7 @@ def drive_every_method(harness: Harness) -> set[str]:
         lambda: watches.cached("nodes", "test") is not None and watches.cached("pods", "lz") is not None,
         "the watches to list (they watch next)",
     )
+    cluster.await_survivors("r1", 0, 0.0)
     cluster.await_checkpoint_in_flight("r1", 0, 0.0)
     lost, spare = harness.active[1], harness.spares[0]
     cluster.quarantine("r1", [lost], "node_down: test")
