@@ -4,9 +4,6 @@ bit for bit, and a reshard to fewer replicas keeps them within 1e-4."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -18,7 +15,7 @@ from lazarus.schema import STAGES, RunState, load_spec
 from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker
 from tests.support.runs import REPO, SPECS, losses, with_absolute_command
-from tests.support.workers import lazarus_env
+from tests.support.workers import demo_json, lazarus_env
 
 HSDP_TP_SPEC = SPECS / "hsdp-tp.yaml"
 PP_FSDP_TP_SPEC = SPECS / "pp-fsdp-tp.yaml"
@@ -95,16 +92,7 @@ def test_the_hsdp_example_runs_as_the_demo_with_a_recovery(dev_env, home, refere
     """`lazarus demo --spec examples/hsdp-tp.yaml`: 8 ranks on 4 nodes, a node killed mid-run, the spare
     takes its coordinates; the stage table comes with the final status, the losses with the run."""
     env = lazarus_env(dev_env, home, f"demo-{uuid.uuid4().hex[:6]}")
-    done = subprocess.run(
-        [sys.executable, "-m", "lazarus.cli", "demo", "--spec", "examples/hsdp-tp.yaml", "--json"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    final = json.loads(done.stdout)
+    final = demo_json(env, "--spec", "examples/hsdp-tp.yaml", cwd=REPO)
     assert final["state"] == "COMPLETED" and final["step"] == 60
     [incident] = final["incidents"]
     assert incident["outcome"] == "recovered" and incident["decision"]["action"] == "replace"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 import uuid
 
@@ -19,7 +17,7 @@ from lazarus.schema.files import read_json
 from lazarus.schema.rundir import RunDir
 from tests.support.runs import SMALL_SPEC, losses, trained_step
 from tests.support.waiting import wait_until
-from tests.support.workers import lazarus_env
+from tests.support.workers import demo_json, lazarus_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -51,25 +49,7 @@ def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, refe
     """`lazarus demo --json` kills a node; the spare takes over; losses equal the unfaulted run's."""
     env = lazarus_env(dev_env, home, f"demo-{uuid.uuid4().hex[:6]}")
     env["LAZARUS_UI_URL"] = f"http://127.0.0.1:{dev_env.ui_port}"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lazarus.cli",
-            "demo",
-            "--json",
-            "--spec",
-            str(SMALL_SPEC),
-            "--kill-at-step",
-            str(KILL_AT_STEP),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    status = json.loads(done.stdout)
+    status = demo_json(env, "--spec", str(SMALL_SPEC), "--kill-at-step", str(KILL_AT_STEP))
     for key in ("run_id", "run_dir", "state", "step", "layout", "assignment", "incidents"):
         assert key in status
     assert status["state"] == "COMPLETED" and status["step"] == 60

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,20 @@ def lazarus_env(env, home: Path, queue: str) -> dict:
         "LAZARUS_HOME": str(home),
         "LAZARUS_TASK_QUEUE": queue,
     }
+
+
+def demo_json(env: dict, *args: str, cwd: Path | None = None) -> dict:
+    """Run `lazarus demo --json ARGS` to its end in `env`; its final status, the one document on stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "demo", "--json", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 class WorkerProcess:
