@@ -272,22 +272,23 @@ class RecoveryActivities:
     @activity.defn(name="resume")
     @timed("resume")
     async def resume(self, request: ResumeInput) -> ResumeResult:
-        """Start the incarnation from the newest complete checkpoint; return once it is up: past its
-        first new step where the ranks report steps, else once every rank runs."""
+        """Start the incarnation from what the fault's survivors saved, else from the newest complete
+        checkpoint; return once it is up: past its first new step where the ranks report steps,
+        else once every rank runs."""
         run_id, incarnation = request.run_id, request.assignment.incarnation
         run = self.cluster.run_dir(run_id)
         newest, skipped = await in_thread(run.newest_checkpoint)
-        survivors = None
-        if request.survivors_of is not None:
-            found = await in_thread(survivor_source, run, request.survivors_of, request.assignment.layout, newest)
-            if found is not None:
-                newest, survivors = found
-        restored_from = "survivors" if survivors else "checkpoint" if newest else "scratch"
         if newest >= request.total_steps:
             await in_thread(self.cluster.release_standbys, run_id)
             return ResumeResult(
-                resumed_from_step=newest, skipped_checkpoints=skipped, completed=True, restored_from=restored_from
+                resumed_from_step=newest, skipped_checkpoints=skipped, completed=True, restored_from="checkpoint"
             )
+        survivors = None
+        if request.survivors_of is not None:
+            found = await in_thread(survivor_source, run, request.survivors_of, request.assignment.layout, newest)
+            # The last step's state belongs in a checkpoint: a run never ends on survivors' files.
+            if found is not None and found[0] < request.total_steps:
+                newest, survivors = found
         launch = await in_thread(
             self.cluster.start_ranks, run_id, incarnation, newest, skipped, request.policy, survivors
         )
