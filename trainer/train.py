@@ -231,8 +231,9 @@ def join(session: TrainingSession, spec: RunSpec) -> None:
 
 
 class SamplesLog:
-    """What a data-parallel share trained on, a line per step (the data position's audit), written
-    by the share's rank of the first stage and tp coordinate 0."""
+    """What a data-parallel share trains on, a line per step as it starts (the data position's
+    audit; a step trained again by a later incarnation has its lines there), written by the
+    share's rank of the first stage and tp coordinate 0."""
 
     def __init__(self, session: TrainingSession, trainer: Trainer):
         path = session.run.samples_file(session.incarnation, session.rank)
@@ -296,6 +297,10 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     stopped = False
     while step < settings.steps:
         maybe_fail("step", step + 1)
+        if consumed:
+            # Before the step: a rank can die after its share reached the all-reduce that its
+            # survivors complete, and the step it never logged is then restored from them.
+            consumed.write(step + 1, samples)
         # Rank 0's stop request rides on the step's own collectives (no extra one per step).
         try:
             loss, stopped = trainer.step(samples, stop_requested=session.stop_requested(agree=lambda asked: asked))
@@ -305,8 +310,6 @@ def train(session: TrainingSession) -> tuple[int, bool]:
             if not trainer.updating:
                 survivors.save(run, session.incarnation, session.rank, trainer, step, samples)
             raise
-        if consumed:
-            consumed.write(step + 1, samples)
         step += 1
         samples += settings.global_batch
 
