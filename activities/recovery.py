@@ -310,10 +310,8 @@ class RecoveryActivities:
         verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps, until=up)
         if verdict.fault:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
-        if activity.info().attempt == 1 and restored_from is not None:
-            self.metrics.restores.labels(restored_from).inc()
-            if request.fault_step is not None:
-                self.metrics.lost_steps.inc(max(0, request.fault_step - resumed_from))
+        if activity.info().attempt == 1:
+            self._count_restore(restored_from, request.fault_step, resumed_from)
         beats = await in_thread(self._heartbeats, run_id, incarnation)
         first_steps = [beat.first_step for beat in beats if beat.first_step is not None]
         if request.steps_from != "trainer" and not resumed_from:
@@ -332,6 +330,14 @@ class RecoveryActivities:
             first_step_at=datetime.fromtimestamp(max(firsts), UTC) if firsts else None,
             step=verdict.step,
         )
+
+    def _count_restore(self, restored_from: str | None, fault_step: int | None, resumed_from: int | None) -> None:
+        """Count where a resumed incarnation's state came from, and the steps its fault lost."""
+        if restored_from is None:
+            return
+        self.metrics.restores.labels(restored_from).inc()
+        if fault_step is not None and resumed_from is not None:
+            self.metrics.lost_steps.inc(max(0, fault_step - resumed_from))
 
     def _heartbeats(self, run_id: str, incarnation: int) -> list:
         """The newest heartbeat of every rank of the incarnation that has written one."""
