@@ -137,30 +137,38 @@ async def local_environment(
 
     from lazarus.infra.backend import free_ports
 
-    grpc, http, metrics, ui_port = free_ports(4)
     keys = {"Keyword": SearchAttributeKey.for_keyword, "Int": SearchAttributeKey.for_int}
-    with output_to_stderr():
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=temporal_cli(),
-            data_converter=pydantic_data_converter,
-            ip="127.0.0.1",
-            port=grpc,
-            ui=ui,
-            ui_port=ui_port if ui else None,
-            dev_server_database_filename=str(db_file) if db_file else None,
-            search_attributes=[keys[kind](name) for name, kind in SEARCH_ATTRIBUTES.items()],
-            runtime=runtime,
-            dev_server_extra_args=[
-                *DYNAMIC_CONFIG,
-                *extra_args,
-                "--http-port",
-                str(http),
-                "--metrics-port",
-                str(metrics),
-            ],
-        )
-    env.ui_port = ui_port if ui else None
-    return env
+    for attempt in range(PORT_ATTEMPTS):
+        # A port free when chosen can be taken (another test's server, an outgoing connection's
+        # ephemeral port) before the server binds it; fresh ports are the only cure.
+        grpc, http, metrics, ui_port = free_ports(4)
+        try:
+            with output_to_stderr():
+                env = await WorkflowEnvironment.start_local(
+                    dev_server_existing_path=temporal_cli(),
+                    data_converter=pydantic_data_converter,
+                    ip="127.0.0.1",
+                    port=grpc,
+                    ui=ui,
+                    ui_port=ui_port if ui else None,
+                    dev_server_database_filename=str(db_file) if db_file else None,
+                    search_attributes=[keys[kind](name) for name, kind in SEARCH_ATTRIBUTES.items()],
+                    runtime=runtime,
+                    dev_server_extra_args=[
+                        *DYNAMIC_CONFIG,
+                        *extra_args,
+                        *("--http-port", str(http), "--metrics-port", str(metrics)),
+                    ],
+                )
+        except RuntimeError as error:
+            if "Failed starting Temporal dev server" not in str(error) or attempt == PORT_ATTEMPTS - 1:
+                raise
+        else:
+            env.ui_port = ui_port if ui else None
+            return env
+
+
+PORT_ATTEMPTS = 3  # starts of the dev server on fresh ports before a test's server is given up
 
 
 def start_detached(state_dir: Path, port: int, ui_port: int, wait: float = 30.0) -> int:
