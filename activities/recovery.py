@@ -218,6 +218,7 @@ class RecoveryActivities:
         )
         stopped = await in_thread(self.cluster.stop_incarnation, request.run_id, request.incarnation)
         removed = await in_thread(self.cluster.remove_partial_checkpoints, request.run_id)
+        await in_thread(self.cluster.remove_stale_survivors, request.run_id, request.incarnation)
         await self._note(
             request.run_id,
             "drained",

@@ -1,9 +1,10 @@
 """Recovery cost on the local backend: kill a node N times, print each stage's median seconds.
 
-    .venv/bin/python bench/recovery.py [--kills 3] [--spec examples/demo.yaml] [--kill-at-step N] [--json] [--keep DIR]
+    .venv/bin/python bench/recovery.py [--kills 3] [--spec examples/demo.yaml] [--spares N] [--kill-at-step N]
+                                       [--json] [--keep DIR]
 
-Each kill is its own run (4 active nodes, 1 hot spare) on a private Temporal dev server and
-one in-process worker. Stage times are those the workflow records (activity scheduled to
+Each kill is its own run (the spec's nodes, with its hot spares or --spares) on a private
+Temporal dev server and one in-process worker. Stage times are those the workflow records (activity scheduled to
 result, as the history shows them; detect spans the node's death to its report); MTTR is the
 node's death to the first training step of the new incarnation (it ends inside resume, which
 returns once it has seen that step). A stage starts when the workflow schedules its activity,
@@ -54,6 +55,7 @@ def row(incident) -> dict:
         **{name: incident.stages[name].seconds for name in STAGES},
         "MTTR": incident.mttr_seconds,
         "lost_steps": incident.lost_steps,
+        "restored_from": incident.restored_from,
     }
 
 
@@ -116,8 +118,12 @@ def _kill_node(home: str, run_id: str, node: str) -> list[int]:
     return LocalCluster(home).kill_node(run_id, node)
 
 
-async def bench(spec_path: Path, kills: int, kill_at: int | None, quiet: bool, keep: Path | None = None) -> list[dict]:
+async def bench(
+    spec_path: Path, kills: int, kill_at: int | None, quiet: bool, keep: Path | None = None, spares: int | None = None
+) -> list[dict]:
     spec = anchor_paths(load_spec(spec_path), Path.cwd())
+    if spares is not None:
+        spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"spare_nodes": spares})})
     kill_at = kill_at or default_kill_step(spec)
     env = await local_environment()
     rows, splits = [], []
@@ -175,7 +181,12 @@ def main() -> None:
     parser.add_argument(
         "--keep", type=Path, metavar="DIR", help="keep the runs' directories (logs, heartbeats) under DIR/runs"
     )
+    parser.add_argument(
+        "--spares", type=int, metavar="N", help="hot spares instead of the spec's (0: every recovery reshards)"
+    )
     args = parser.parse_args()
+    if args.spares is not None and args.spares < 0:
+        parser.error("--spares must be 0 or more")
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         if (args.keep / "runs").exists() and any((args.keep / "runs").iterdir()):
@@ -183,7 +194,9 @@ def main() -> None:
     if args.kills < 1:
         parser.error("--kills must be at least 1")
 
-    rows, splits = asyncio.run(bench(args.spec, args.kills, args.kill_at_step, quiet=args.json, keep=args.keep))
+    rows, splits = asyncio.run(
+        bench(args.spec, args.kills, args.kill_at_step, quiet=args.json, keep=args.keep, spares=args.spares)
+    )
     medians = {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
     split_medians = {c: statistics.median(r[c] for r in splits) for c in SPLIT}
     resume_medians = {c: statistics.median(r["resume"][c] for r in splits) for c in RESUME_PARTS}
@@ -201,12 +214,15 @@ def main() -> None:
             )
         )
         return
-    print(f"\nRecovery with a hot spare, {len(rows)} kill(s), spec {args.spec} (seconds)")
+    how = "by resharding" if args.spares == 0 else "with a hot spare"
+    print(f"\nRecovery {how}, {len(rows)} kill(s), spec {args.spec} (seconds)")
     widths = {c: max(len(c), 6) + 2 for c in COLUMNS}
     print("run     " + "".join(f"{c:>{widths[c]}}" for c in COLUMNS))
     for i, r in enumerate(rows, 1):
         print(f"{i:<8}" + "".join(f"{r[c]:>{widths[c]}.2f}" for c in COLUMNS))
     print("median  " + "".join(f"{medians[c]:>{widths[c]}.2f}" for c in COLUMNS))
+    sources = [r["restored_from"] for r in rows]
+    print("restored from: " + ", ".join(f"{name} {sources.count(name)}/{len(rows)}" for name in sorted(set(sources))))
     print("\nWhere the MTTR goes (seconds; overhead = wf_task + dispatch, % of MTTR)")
     print("run     " + "".join(f"{c:>14}" for c in SPLIT))
     for i, r in enumerate(splits, 1):

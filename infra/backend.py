@@ -143,6 +143,9 @@ class ClusterBackend(Protocol):
     def remove_partial_checkpoints(self, run_id: str) -> list[int]:
         """Delete checkpoint folders that never committed; returns their steps."""
 
+    def remove_stale_survivors(self, run_id: str, incarnation: int) -> list[int]:
+        """Delete the survivors' states of incarnations before `incarnation`; returns those incarnations."""
+
     def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
         """Hold the nodes out of the run and of every spare pool."""
 

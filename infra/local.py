@@ -18,8 +18,8 @@ from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, Observation, free_port
 from lazarus.infra.processes import any_exit, kill_and_wait, live_pids, node_groups, open_pidfds, start_locked
-from lazarus.infra.runfiles import RunFiles
-from lazarus.infra.standbys import any_standby_alive, ensure_standby, kill_standbys, order_launchers
+from lazarus.infra.runfiles import RunFiles, survivor_holders
+from lazarus.infra.standbys import any_standby_alive, ensure_standby, kill_standbys, order_launchers, order_prefetch
 from lazarus.schema.contract import (
     ENV_INCARNATION,
     ENV_NODE,
@@ -262,10 +262,16 @@ class LocalCluster(RunFiles):
         return self.wait_for_commit(run_id, grace, lambda: any(lock_is_held(lock) for lock in locks))
 
     def await_survivors(self, run_id: str, incarnation: int, grace: float) -> dict[int, int]:
-        """Give the surviving ranks `grace` seconds to save their state and end (RunFiles.wait_for_survivors)."""
+        """Give the surviving ranks `grace` seconds to save their state and end (RunFiles.wait_for_survivors),
+        then have the warm standbys read what their nodes' next ranks will load."""
         run, assignment = self._incarnation(run_id, incarnation)
         locks = [run.lock_file(incarnation, r) for r in range(assignment.layout.world_size)]
-        return self.wait_for_survivors(run_id, incarnation, grace, lambda: any(lock_is_held(lock) for lock in locks))
+        saved = self.wait_for_survivors(run_id, incarnation, grace, lambda: any(lock_is_held(lock) for lock in locks))
+        found = survivor_holders(run, incarnation, assignment.layout) if saved else None
+        if found is not None and self.spec(run_id).cluster.warm_standby:
+            # The standbys read the states while the controller reschedules: off the critical path.
+            order_prefetch(run, assignment, self._read_inventory(run), found[1])
+        return saved
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
         """SIGKILL every process of an incarnation (launchers and ranks) and wait until none is alive;

@@ -198,6 +198,18 @@ class RunFiles:
             shutil.rmtree(run.checkpoint(step), ignore_errors=True)
         return partial
 
+    def remove_stale_survivors(self, run_id: str, incarnation: int) -> list[int]:
+        """Delete the survivors' states of incarnations before `incarnation`; returns those incarnations.
+
+        Only the survivors of the incarnation a fault ended are ever restored, into the next one,
+        whose ranks have read them once it faults in turn: drain of `incarnation` calls this.
+        """
+        run = self._existing(run_id)
+        stale = [k for k in run.incarnations() if k < incarnation and run.survivors(k).is_dir()]
+        for k in stale:
+            shutil.rmtree(run.survivors(k), ignore_errors=True)
+        return stale
+
     def close(self) -> None:
         """Release what the backend holds for its lifetime (the Kubernetes backend's watches); nothing here."""
 
@@ -205,12 +217,20 @@ class RunFiles:
         """Note a recovery stage where the cluster's own tools show it (Kubernetes: an Event); here nothing."""
 
 
-def survivor_source(
-    run: RunDir, incarnation: int, layout: Layout, after_step: int
-) -> tuple[int, SurvivorSource] | None:
-    """The last step every survivor of `incarnation` completed, if it is newer than `after_step`
-    and saved for every (pp, dp_shard, tp) place of `layout`, with the survivor each of its ranks
-    loads; None otherwise (no full replica survived, or a second fault cut a save short).
+Place = tuple[int, int, int]
+"""A rank's (pp, dp_shard, tp) coordinates: the share of the state it holds, whatever its replica."""
+
+
+def place_of(layout: Layout, rank: int) -> Place:
+    """The (pp, dp_shard, tp) place of `rank` in `layout`."""
+    c = layout.coordinates(rank)
+    return c["pp"], c["dp_shard"], c["tp"]
+
+
+def survivor_holders(run: RunDir, incarnation: int, layout: Layout) -> tuple[int, dict[Place, int]] | None:
+    """The last step every survivor of `incarnation` completed, and for each (pp, dp_shard, tp)
+    place of `layout` the survivor to load it from (None: no survivor saved it whole); None if
+    no survivor saved anything.
 
     A rank may finish the step its peers failed in (its all-reduce completed before the fault
     broke theirs): the run completed only the step they all did, so that is the one restored.
@@ -218,22 +238,27 @@ def survivor_source(
     file must match its manifest, and a survivor whose file does not is passed over.
     """
     saved = read_survivors(run, incarnation, _world_size_of(run, incarnation))
-    if not saved or min(m.step for m in saved.values()) <= after_step:
+    if not saved:
         return None
     step = min(m.step for m in saved.values())
     holders = {}
-    for rank in range(layout.world_size):
-        c = layout.coordinates(rank)
-        place = (c["pp"], c["dp_shard"], c["tp"])
-        if place not in holders:
-            at_place = [r for r, m in sorted(saved.items()) if m.step == step and m.place() == place]
-            holders[place] = next((r for r in at_place if _matches(run, incarnation, r, saved[r])), None)
-        if holders[place] is None:
-            return None
-    ranks = {}
-    for rank in range(layout.world_size):
-        c = layout.coordinates(rank)
-        ranks[rank] = holders[(c["pp"], c["dp_shard"], c["tp"])]
+    for place in sorted({place_of(layout, rank) for rank in range(layout.world_size)}):
+        at_place = [r for r, m in sorted(saved.items()) if m.step == step and m.place() == place]
+        holders[place] = next((r for r in at_place if _matches(run, incarnation, r, saved[r])), None)
+    return step, holders
+
+
+def survivor_source(
+    run: RunDir, incarnation: int, layout: Layout, after_step: int
+) -> tuple[int, SurvivorSource] | None:
+    """The state to restore from the survivors of `incarnation`: their last common step, if it is
+    newer than `after_step` and saved for every place of `layout`, with the survivor each rank
+    loads; None otherwise (no full replica survived, or a second fault cut a save short)."""
+    found = survivor_holders(run, incarnation, layout)
+    if found is None or found[0] <= after_step or None in found[1].values():
+        return None
+    step, holders = found
+    ranks = {rank: holders[place_of(layout, rank)] for rank in range(layout.world_size)}
     return step, SurvivorSource(incarnation=incarnation, ranks=ranks)
 
 

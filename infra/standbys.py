@@ -2,7 +2,8 @@
 trainer imported before any fault, that forks the node's launcher when an incarnation starts.
 
 A standby lives in `standby/<node>/` of the run directory: `lock` (held while it lives), `pid`,
-`orders` (a FIFO of JSON lines), `ready` and `log`.
+`orders` (a FIFO of JSON lines: an incarnation to start, or survivors' states to read ahead),
+`ready` and `log`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import time
 from collections.abc import Callable
 
 from lazarus.infra.processes import KILL_WAIT_SECONDS, kill_group, start_locked, wait_released
+from lazarus.infra.runfiles import Place, place_of
 from lazarus.schema.contract import ENV_NODE, ENV_RUN_DIR, ENV_STANDBY_LOCK_FD
 from lazarus.schema.files import lock_is_held
-from lazarus.schema.records import Assignment
+from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
 
@@ -80,6 +82,36 @@ def order_launchers(run: RunDir, assignment: Assignment, resume_step: int, start
     finally:
         for fd in writers.values():
             os.close(fd)
+
+
+def order_prefetch(run: RunDir, assignment: Assignment, inventory: Inventory, holders: dict[Place, int]) -> None:
+    """Tell each healthy node's standby which survivors' states to read now, before any rank of
+    the next incarnation exists: those of the places its node holds, or, for a spare, of the
+    places the dead nodes held (the one it may take).
+
+    A replica fills whole nodes, so a node keeps its places when a reshard renumbers it: the
+    guess is right for a hot spare and for a reshard alike; a wrong one only costs the rank a
+    read of its own.
+    """
+    per_node = assignment.layout.ranks_per_node
+
+    def places(index: int) -> set[Place]:
+        return {place_of(assignment.layout, rank) for rank in range(index * per_node, (index + 1) * per_node)}
+
+    dead = {node.name for node in inventory.nodes if not node.healthy or node.role == "quarantined"}
+    lost = set().union(*(places(i) for i, name in enumerate(assignment.nodes) if name in dead))
+    for node in inventory.nodes:
+        if node.name in dead or not lock_is_held(run.standby(node.name) / "lock"):
+            continue
+        wanted = places(assignment.nodes.index(node.name)) if node.name in assignment.nodes else lost
+        ranks = sorted({holders[place] for place in wanted if holders.get(place) is not None})
+        if ranks:
+            order = {"prefetch": {"incarnation": assignment.incarnation, "ranks": ranks}}
+            fd = os.open(run.standby(node.name) / "orders", os.O_RDWR | os.O_NONBLOCK)
+            try:
+                os.write(fd, json.dumps(order).encode() + b"\n")
+            finally:
+                os.close(fd)
 
 
 def kill_standbys(run: RunDir, nodes: list[str] | None = None, wait: bool = True) -> None:

@@ -63,6 +63,15 @@ class TrainerSettings(Strict):
             "`^step (?P<step>\\d+)`. It then feeds the run's step, lost steps and hang detection."
         ),
     )
+    survivor_state: bool = Field(
+        False,
+        description=(
+            "The script saves its share of the last completed step with session.save_survivor_state when a "
+            "collective breaks, and restores it with session.load_survivor_state (trainer/CONTRACT.md): drain "
+            "then waits up to recovery.survivor_grace_seconds for the survivors, and a fault that leaves a whole "
+            "replica loses no completed step. The built-in trainer always does."
+        ),
+    )
     output_is_heartbeat: bool = Field(
         False,
         description=(
@@ -101,6 +110,11 @@ class TrainerSettings(Strict):
     def built_in(self) -> bool:
         """True when the ranks run the built-in trainer."""
         return self.command == BUILT_IN_TRAINER
+
+    @property
+    def saves_survivors(self) -> bool:
+        """True when the ranks save their state on a broken collective (built-in, or survivor_state)."""
+        return self.built_in or self.survivor_state
 
     @property
     def output_heartbeats(self) -> bool:
@@ -228,7 +242,7 @@ class FaultInjection(Strict):
         description=(
             "step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, "
             "while it is being written (the built-in trainer and lazarus.session scripts); survivor_save: while "
-            "saving the state of `step` as a survivor of another node's fault (the built-in trainer)."
+            "saving the state of `step` as a survivor of another node's fault (a trainer that saves survivors)."
         ),
     )
     incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
@@ -298,8 +312,11 @@ class RunSpec(Strict):
                 raise ValueError(
                     f"faults.node: {fault.node!r} is not a node of this run; use node-0 .. node-{nodes - 1}"
                 )
-            if fault.point == "survivor_save" and not self.trainer.built_in:
-                raise ValueError("faults.point: survivor_save is a point of the built-in trainer only")
+            if fault.point == "survivor_save" and not self.trainer.saves_survivors:
+                raise ValueError(
+                    "faults.point: survivor_save needs a trainer that saves survivors' state "
+                    "(the built-in trainer, or trainer.survivor_state: true)"
+                )
             if fault.step is not None and fault.step > self.trainer.steps and self.trainer.progress_pattern is None:
                 raise ValueError(f"faults.step: {fault.step} is past trainer.steps {self.trainer.steps}")
         data_ranks = self.layout.dp * self.layout.dp_shard

@@ -86,14 +86,18 @@ class RunDir:
     def node_pid_file(self, k: int, node_index: int) -> Path:
         return self.incarnation(k) / "nodes" / f"{node_index}.pid"
 
+    def survivors(self, k: int) -> Path:
+        """The folder of incarnation k's survivors' states and manifests."""
+        return self.incarnation(k) / "survivors"
+
     def survivor_state(self, k: int, rank: int) -> Path:
         """Rank R's state at its last completed step, saved when incarnation k's collectives broke
         (trainer/survivors.py); it counts only with its manifest, survivor_manifest(k, R)."""
-        return self.incarnation(k) / "survivors" / f"{rank}.pt"
+        return self.survivors(k) / f"{rank}.pt"
 
     def survivor_manifest(self, k: int, rank: int) -> Path:
         """Step, mesh coordinates, size and SHA-256 of survivor_state(k, R), written last."""
-        return self.incarnation(k) / "survivors" / f"{rank}.json"
+        return self.survivors(k) / f"{rank}.json"
 
     def ended_file(self, k: int) -> Path:
         """Written by the backend before it kills an incarnation: a launcher started later must not run."""

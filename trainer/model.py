@@ -81,16 +81,13 @@ def stage_blocks(n_layers: int, stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def build_stage(
-    vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, stage: int, stages: int
-) -> GPT:
-    """The whole model built from the current RNG state, cut down to one pipeline stage.
+def cut_to_stage(model: GPT, stage: int, stages: int) -> GPT:
+    """`model`, the whole GPT, cut down to pipeline stage `stage` of `stages` (in place).
 
-    Building the whole model first makes every parameter's initial value independent of
+    The whole model is built first, so that every parameter's initial value is independent of
     the pipeline layout.
     """
-    model = GPT(vocab_size, seq_len, d_model, n_layers, n_heads)
-    keep = {str(i) for i in stage_blocks(n_layers, stages, stage)}
+    keep = {str(i) for i in stage_blocks(len(model.blocks), stages, stage)}
     for name in [name for name in model.blocks if name not in keep]:
         del model.blocks[name]
     if stage != 0:

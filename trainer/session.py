@@ -4,9 +4,13 @@
 
     session = TrainingSession.from_environ()
     if session.resume_step:                        # restore what you saved at that step
-        state = torch.load(session.checkpoint_dir(session.resume_step) / "model.pt")
+        state = session.load_survivor_state() or torch.load(session.resume_checkpoint / "model.pt")
     for step in range(session.resume_step + 1, session.total_steps + 1):
-        loss = train_one_step(...)
+        try:
+            loss = train_one_step(...)
+        except Exception:                          # a peer died: the state is that after step - 1
+            session.save_survivor_state(step - 1, state)   # if the spec sets trainer.survivor_state
+            raise
         session.step_done(step, loss)              # heartbeat (every rank), metrics line (rank 0)
         if session.checkpoint_due(step):
             torch.save(state, session.checkpoint_dir(step) / f"rank-{rank}.pt")   # your format
@@ -40,6 +44,7 @@ from lazarus.schema.contract import (
     MetricsLog,
     Phase,
     RankExit,
+    read_launch,
     write_exit,
     write_heartbeat,
 )
@@ -87,6 +92,9 @@ class TrainingSession:
         """trainer.steps: the step at which the run is complete."""
         self.checkpoint_every = spec.trainer.checkpoint_every
         """trainer.checkpoint_every: steps between checkpoints."""
+        self.saves_survivors = spec.trainer.saves_survivors
+        """Whether the spec says this trainer saves its state when a collective breaks (the
+        controller then waits for it and may restore from it)."""
         self.layout = Assignment.model_validate_json(run.assignment_file(incarnation).read_text()).layout
         self.first_step_at: float | None = None
         self._first_step: int | None = None
@@ -168,6 +176,36 @@ class TrainingSession:
         maybe_fail("checkpoint", step)
         if self.rank == 0:
             commit_or_say_why(self.run, step, self.incarnation)
+
+    def save_survivor_state(self, step: int, state) -> bool:
+        """After a collective broke (a peer's node died), and before anything changed the state
+        after `step` steps: save this rank's share of it, `state` (anything torch.save takes,
+        such as {"model": model.state_dict(), "optimizer": optimizer.state_dict()}; local
+        tensors only, for no collective works now). Call it where the step failed, then re-raise.
+
+        The next incarnation then starts from the last step every survivor completed instead of
+        the newest checkpoint, if a survivor saved each (pp, dp_shard, tp) place. Returns False,
+        saving nothing, when the spec does not set trainer.survivor_state or the controller has
+        already ended this incarnation.
+        """
+        if not self.saves_survivors:
+            return False
+        from lazarus.trainer.survivors import write_state
+
+        return write_state(self.run, self.incarnation, self.rank, self.coordinates, step, state)
+
+    def load_survivor_state(self):
+        """The state to resume from when the controller chose the fault's survivors over the
+        checkpoint: what the survivor at this rank's place passed to save_survivor_state (its
+        step is resume_step); None when the resume is from the checkpoint of resume_step or from
+        scratch. Raises if the file does not match its manifest."""
+        launch = read_launch(self.run, self.incarnation) if self.resume_step else None
+        if launch is None or launch.survivors is None:
+            return None
+        from lazarus.trainer.survivors import read_state
+
+        source = launch.survivors
+        return read_state(self.run, source.incarnation, source.ranks[self.rank])[1]
 
     def heartbeat(self, step: int, phase: Phase = "training") -> None:
         """Tell the controller this rank completed `step` (call after every optimizer step)."""

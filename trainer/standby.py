@@ -8,9 +8,11 @@ node) on every recovery; here that is paid once, before any fault. An order is o
 written to the node's FIFO ({"incarnation", "node_index", "resume_step"}); the standby forks
 a launcher for it (its own session, so the backend kills an incarnation by killing its group
 without touching the standby), and the launcher forks the ranks, each of which runs the
-trainer's `python -m module` or `python script.py` in place. Nothing here runs a torch
-operation or starts a thread, so forking is safe: a child starts exactly as a fresh process
-would after its imports.
+trainer's `python -m module` or `python script.py` in place. For the built-in trainer the
+standby also builds the model before any order and, on a prefetch order from drain
+({"prefetch": {"incarnation", "ranks"}}), reads the survivors' states its ranks will load
+(trainer/prepared.py). Nothing here starts a thread (it is checked), so forking is safe: a
+child starts exactly as a fresh process would after its imports.
 
 The standby exits when its run has had no live launcher for `IDLE_EXIT_SECONDS` (the run
 ended, failed or is paused: the next launch starts a new standby), or when its run directory
@@ -236,6 +238,29 @@ def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -
         os._exit(code)
 
 
+def _follow(run: RunDir, node: str, order: dict, private_fds: list[int], prepares: bool) -> None:
+    """Carry out one order: read the survivors' states the node's ranks will load (a prefetch,
+    sent by drain), or start a launcher for an incarnation."""
+    if "prefetch" in order:
+        if prepares:
+            from lazarus.trainer import prepared
+
+            wanted = order["prefetch"]
+            began = time.monotonic()
+            read = prepared.prefetch(run, int(wanted["incarnation"]), [int(r) for r in wanted["ranks"]])
+            print(
+                f"lazarus standby {node}: read the states of survivors {read} of incarnation "
+                f"{wanted['incarnation']} in {time.monotonic() - began:.3f} s",
+                flush=True,
+            )
+        return
+    _launch_order(run, node, order, private_fds)
+    if prepares:
+        from lazarus.trainer import prepared
+
+        prepared.forget_states()  # the launcher's ranks have them; the next fault brings new ones
+
+
 def _launcher_alive(run: RunDir) -> bool:
     incarnations = run.incarnations()
     if not incarnations:
@@ -262,6 +287,11 @@ def serve(run: RunDir, node: str) -> int:
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
     started = time.time()
     failed = warm_up(spec.trainer.command)
+    built_in = spec.trainer.command == BUILT_IN_TRAINER and not failed
+    if built_in and len(os.listdir("/proc/self/task")) == 1:
+        from lazarus.trainer import prepared
+
+        prepared.prepare_model(spec.trainer)
     global _fork_safe
     threads = len(os.listdir("/proc/self/task"))
     _fork_safe = threads == 1
@@ -289,7 +319,7 @@ def serve(run: RunDir, node: str) -> int:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 if line.strip():
-                    _launch_order(run, node, json.loads(line), [orders, lock])
+                    _follow(run, node, json.loads(line), [orders, lock], built_in and _fork_safe)
             idle_since = time.monotonic()
         elif _launcher_alive(run):
             idle_since = time.monotonic()

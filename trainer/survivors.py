@@ -11,12 +11,13 @@ loads it and goes on from that step instead of the newest periodic checkpoint.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import time
 
 import torch
 
 from lazarus.schema.contract import SurvivorManifest, read_survivor, write_survivor
-from lazarus.schema.files import file_sha256
 from lazarus.schema.rundir import RunDir
 from lazarus.trainer.session import maybe_fail
 
@@ -37,47 +38,68 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     )
 
 
-def save(run: RunDir, incarnation: int, rank: int, trainer, step: int, samples: int) -> bool:
-    """Save this rank's state after `step` steps (data position `samples`); False, leaving no
-    manifest, when the controller has already ended the incarnation."""
+def write_state(run: RunDir, incarnation: int, rank: int, coordinates: dict[str, int], step: int, state) -> bool:
+    """Save `state`, rank `rank`'s share of the state after `step` steps (anything torch.save
+    takes), with its manifest last; False, leaving no manifest, once the controller has ended
+    the incarnation."""
     if run.ended_file(incarnation).exists():
         return False
+    # Serialised in memory and hashed there: the file is written once and never read back.
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getbuffer()
+    path = run.survivor_state(incarnation, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(data)
+    maybe_fail("survivor_save", step)  # a planned second fault, while the state is half saved
+    partial.replace(path)
+    manifest = SurvivorManifest(
+        step=step, coordinates=coordinates, size=len(data), sha256=hashlib.sha256(data).hexdigest(), time=time.time()
+    )
+    return write_survivor(run, incarnation, rank, manifest)
+
+
+def read_state(run: RunDir, incarnation: int, rank: int) -> tuple[str, dict]:
+    """Survivor `rank`'s saved state, read once and checked against its manifest: (its SHA-256,
+    the state). Raises if the file is incomplete or not the one the manifest describes."""
+    record = read_survivor(run, incarnation, rank)
+    path = run.survivor_state(incarnation, rank)
+    data = path.read_bytes()
+    sha256 = hashlib.sha256(data).hexdigest()
+    if record is None or record.size != len(data) or record.sha256 != sha256:
+        raise RuntimeError(f"survivor state {path} is incomplete or does not match its manifest")
+    return sha256, torch.load(io.BytesIO(data), weights_only=True)
+
+
+def save(run: RunDir, incarnation: int, rank: int, trainer, step: int, samples: int) -> bool:
+    """The built-in trainer's state after `step` steps (data position `samples`): parameters and
+    optimizer state as local tensors, and the RNG (write_state)."""
+    if run.ended_file(incarnation).exists():
+        return False  # before copying anything: the controller has given up on these ranks
     params = trainer.params
     state = {
         "step": step,
         "samples": samples,
         "rng": torch.get_rng_state(),
+        # Copies: a local shard can be a view, and torch.save would write all of its storage.
         "params": [_local(p).detach().clone() for p in params],
         "optimizer": [{k: _local(v).clone() for k, v in trainer.optimizer.state.get(p, {}).items()} for p in params],
     }
-    path = run.survivor_state(incarnation, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    torch.save(state, partial)
-    maybe_fail("survivor_save", step)  # a planned second fault, while the state is half saved
-    partial.replace(path)
-    manifest = SurvivorManifest(
-        step=step,
-        coordinates=trainer.layout.coordinates(rank),
-        size=path.stat().st_size,
-        sha256=file_sha256(path),
-        time=time.time(),
-    )
-    return write_survivor(run, incarnation, rank, manifest)
+    return write_state(run, incarnation, rank, trainer.layout.coordinates(rank), step, state)
 
 
 def load(run: RunDir, incarnation: int, rank: int, trainer) -> dict:
     """Restore a fresh trainer from survivor `rank` of `incarnation`, which must hold the same
-    mesh coordinates' share; returns {"step", "samples"}. Refuses a file its manifest does not match."""
-    record = read_survivor(run, incarnation, rank)
-    path = run.survivor_state(incarnation, rank)
-    if record is None or record.size != path.stat().st_size or record.sha256 != file_sha256(path):
-        raise RuntimeError(f"survivor state {path} is incomplete or does not match its manifest")
-    state = torch.load(path, weights_only=True)
+    mesh coordinates' share; returns {"step", "samples", "prefetched"} (whether the node's
+    standby had read the state already). Refuses a file its manifest does not match."""
+    from lazarus.trainer.prepared import survivor_state
+
+    state, prefetched = survivor_state(run, incarnation, rank)
     with torch.no_grad():
         for param, saved, optimizer_state in zip(trainer.params, state["params"], state["optimizer"], strict=True):
             _local(param).copy_(saved)
             if optimizer_state:
                 trainer.optimizer.state[param] = {k: _like(param, v) for k, v in optimizer_state.items()}
     torch.set_rng_state(state["rng"])
-    return {"step": state["step"], "samples": state["samples"]}
+    return {"step": state["step"], "samples": state["samples"], "prefetched": prefetched}

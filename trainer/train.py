@@ -64,8 +64,9 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
+        from lazarus.trainer import prepared
         from lazarus.trainer.data import share
-        from lazarus.trainer.model import build_stage
+        from lazarus.trainer.model import cut_to_stage
 
         self.torch, self.dist = torch, dist
         self.settings, self.layout = settings, layout
@@ -86,16 +87,10 @@ class Trainer:
         self.mesh = build_mesh(layout, self.device.type)
         self.dp_group = self.mesh["dp"].get_group() if self.mesh is not None and layout.dp > 1 else None
 
-        torch.manual_seed(settings.seed)
-        self.model = build_stage(
-            settings.vocab_size,
-            settings.seq_len,
-            settings.d_model,
-            settings.n_layers,
-            settings.n_heads,
-            self.stage,
-            layout.pp,
-        ).to(self.device)
+        # Built by this node's warm standby before the rank existed, where there is one.
+        whole, rng = prepared.whole_model(settings)
+        torch.set_rng_state(rng)
+        self.model = cut_to_stage(whole, self.stage, layout.pp).to(self.device)
         self._parallelize()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.learning_rate)
         self.params = list(self.model.parameters())
@@ -265,9 +260,16 @@ def restore(session: TrainingSession, trainer: Trainer) -> tuple[int, int]:
     if launch is not None and launch.survivors is not None:
         # The state of the step the fault interrupted, from a survivor at this rank's place.
         source = launch.survivors
-        progress = survivors.load(run, source.incarnation, source.ranks[session.rank], trainer)
+        holder = source.ranks[session.rank]
+        progress = survivors.load(run, source.incarnation, holder, trainer)
         if progress["step"] != session.resume_step:
             raise RuntimeError(f"survivor state holds step {progress['step']}, expected {session.resume_step}")
+        read = "read by the node's standby before this rank started" if progress["prefetched"] else "read now"
+        print(
+            f"lazarus trainer: restored step {progress['step']} from survivor {holder} "
+            f"of incarnation {source.incarnation} ({read})",
+            flush=True,
+        )
     else:
         progress = checkpoint.load(run, trainer.model, trainer.optimizer, session.resume_step)
     return progress["step"], progress["samples"]

@@ -262,8 +262,10 @@ class TrainingRun(OperatorControls):
             nodes=fault.nodes,
             reason=f"incident {incident.number}: {fault.kind}: {fault.reason}",
             save_grace_seconds=self._policy.save_grace_seconds,
-            # Only the built-in trainer saves its state when its collectives break (so far).
-            survivor_grace_seconds=self._policy.survivor_grace_seconds if self._start.spec.trainer.built_in else 0.0,
+            # A script that does not save its state on a broken collective would only cost the grace.
+            survivor_grace_seconds=(
+                self._policy.survivor_grace_seconds if self._start.spec.trainer.saves_survivors else 0.0
+            ),
             detect_seconds=max(0.0, (fault.detected_at - fault.occurred_at).total_seconds()),
         )
         drained = await self._stage("drain", RecoveryActivities.drain, draining, incident)

@@ -160,6 +160,9 @@ def test_survivors_get_their_grace_and_what_they_saved_is_read(backend):
     backend.cluster.stop_incarnation("r1", 0)
     assert backend.cluster.await_survivors("r1", 0, grace=30) == {1: 7}  # no rank lives: no wait
     assert not write_survivor(run, 0, 2, saved)  # the incarnation is ended: a late save never counts
+    # Drain of incarnation 0 keeps its survivors (the next one restores them); drain of 1 drops them.
+    assert backend.cluster.remove_stale_survivors("r1", 0) == [] and run.survivor_manifest(0, 1).exists()
+    assert backend.cluster.remove_stale_survivors("r1", 1) == [0] and not run.survivors(0).exists()
 
 
 def test_stages_are_recorded_where_the_cluster_shows_them_without_failing(backend):

@@ -73,6 +73,12 @@ def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, refe
 
     run = RunDir(status["run_dir"])
     assert_last_incarnation_matches(run, incident, reference_losses)
+    # Each node's warm standby had read the state its rank loads before the rank existed.
+    new = incident["new_assignment"]["incarnation"]
+    for rank in range(4):
+        log = run.log_file(new, rank).read_text()
+        assert f"restored step {incident['resumed_from_step']} from survivor" in log, log
+        assert "read by the node's standby before this rank started" in log, log
     assert LocalCluster(home).live_pids(status["run_id"]) == []
 
     names = activity_names_in_web_ui(dev_env.ui_port, status["run_id"])

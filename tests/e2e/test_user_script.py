@@ -108,15 +108,17 @@ def user_project(folder: Path) -> None:
         path.write_text(f"raise ImportError('the project\\'s own {name} was imported instead of Lazarus\\'s')\n")
 
 
-async def test_a_script_beside_its_own_trainer_spec_and_infra_recovers(dev_env, home, workers, reference, tmp_path):
+async def test_a_script_beside_its_own_modules_recovers_from_its_survivors(dev_env, home, workers, reference, tmp_path):
     """The worker runs in the project's folder (its launchers and standbys too) and the ranks run
     the project's train.py (its folder first on sys.path): nothing of Lazarus may import the
-    project's modules instead."""
+    project's modules instead. The script saves its state through the session when its process
+    group breaks (trainer.survivor_state), so the recovery loses no completed step."""
     project = tmp_path / "project"
     user_project(project)
     spec = load_spec(USER_DDP_SPEC)
     command = ["python", str(project / "train.py")]  # the ranks run in the run's own folder, not the project's
-    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"command": command})})
+    trainer = spec.trainer.model_copy(update={"command": command, "survivor_state": True})
+    spec = spec.model_copy(update={"trainer": trainer})
     queue = f"shadow-{uuid.uuid4().hex[:6]}"
     workers(lazarus_env(dev_env, home, queue), tmp_path / "worker.log", cwd=project)
     run_id = f"shadow-{uuid.uuid4().hex[:6]}"
@@ -130,6 +132,9 @@ async def test_a_script_beside_its_own_trainer_spec_and_infra_recovers(dev_env, 
     assert status.state == RunState.COMPLETED and status.step == 150, status.reason
     [incident] = status.incidents
     assert incident.fault.nodes == ["node-2"] and incident.outcome == "recovered"
+    # Restored from the survivors' state of the interrupted step, not the checkpoint of step 50.
+    assert incident.restored_from == "survivors" and incident.lost_steps == 0
+    assert incident.resumed_from_step >= incident.fault.step > 50
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 151))
     expected = reference(USER_DDP_SPEC)

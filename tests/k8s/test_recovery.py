@@ -95,6 +95,8 @@ async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(
     assert {"FaultDetected", "Drained", "Rescheduled", "Replaced", "Resuming"} <= on_run
     assert any(e.reason == "Quarantined" and e.involved_object.name == "worker-2" for e in events)
 
+    # The survivors' pods saved the interrupted step: no completed step is trained twice.
+    assert incident.restored_from == "survivors" and incident.lost_steps == 0
     # What the trainer computed: every step, and the resumed steps bit for bit as without a fault.
     trained = losses(cluster.run_dir(run_id))
     assert sorted(trained) == list(range(1, spec.trainer.steps + 1))

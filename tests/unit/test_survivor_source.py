@@ -4,13 +4,16 @@ match their manifests; none when no full replica survived."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
-from lazarus.infra.runfiles import survivor_source
+from lazarus.infra.runfiles import survivor_holders, survivor_source
+from lazarus.infra.standbys import order_prefetch
 from lazarus.schema.contract import SurvivorManifest, write_survivor
-from lazarus.schema.files import file_sha256
+from lazarus.schema.files import file_sha256, take_lock
 from lazarus.schema.layout import Layout
-from lazarus.schema.records import Assignment
+from lazarus.schema.records import Assignment, Inventory, NodeRecord
 from lazarus.schema.rundir import RunDir
 
 DP2_PP2 = Layout(dp=2, pp=2)
@@ -82,3 +85,40 @@ def test_an_ended_incarnation_records_no_survivor(tmp_path):
     manifest = SurvivorManifest(step=7, coordinates=DP2_PP2.coordinates(0), size=0, sha256="", time=0.0)
     assert write_survivor(run, 0, 0, manifest) is False
     assert survivor_source(run, 0, DP2_PP2, after_step=0) is None
+
+
+def test_each_standby_is_told_to_read_the_states_its_node_may_load(tmp_path):
+    """Drain's prefetch: an active node reads its own places' states, the spare those of the
+    node it may replace, the dead node nothing; so the next ranks need not read them."""
+    run = RunDir(tmp_path)
+    failed_incarnation(run)
+    for rank in (0, 1, 2):  # node-3 (replica 1, stage 1) died
+        survivor(run, rank, 7)
+    names = ["node-0", "node-1", "node-2", "node-3", "node-4"]
+    inventory = Inventory(
+        nodes=[
+            NodeRecord(name=n, role="quarantined" if n == "node-3" else "spare" if n == "node-4" else "active")
+            for n in names
+        ]
+    )
+    readers, locks = {}, []
+    for name in names:
+        home = run.standby(name)
+        home.mkdir(parents=True)
+        os.mkfifo(home / "orders")
+        readers[name] = os.open(home / "orders", os.O_RDONLY | os.O_NONBLOCK)
+        locks.append(take_lock(home / "lock"))
+    try:
+        assignment = Assignment.model_validate_json(run.assignment_file(0).read_text())
+        _, holders = survivor_holders(run, 0, DP2_PP2)
+        order_prefetch(run, assignment, inventory, holders)
+        told = {}
+        for name, fd in readers.items():
+            try:
+                told[name] = [json.loads(line)["prefetch"]["ranks"] for line in os.read(fd, 65536).splitlines()]
+            except BlockingIOError:
+                told[name] = []
+        assert told == {"node-0": [[0]], "node-1": [[1]], "node-2": [[0]], "node-3": [], "node-4": [[1]]}
+    finally:
+        for fd in [*readers.values(), *locks]:
+            os.close(fd)

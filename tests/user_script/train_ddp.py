@@ -36,22 +36,30 @@ def main() -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 
     step = 0
-    if session.resume_checkpoint:
-        state = torch.load(session.resume_checkpoint / "state.pt")
+    if session.resume_step:
+        # The survivors' state of the step the fault interrupted (trainer.survivor_state: true),
+        # else the checkpoint of resume_step.
+        state = session.load_survivor_state() or torch.load(session.resume_checkpoint / "state.pt")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
 
     print(f"rank {rank} of {world}: training steps {step + 1}..{session.total_steps}", flush=True)
     while step < session.total_steps:
-        step += 1
-        inputs, targets = batch(step, rank)
-        loss = F.mse_loss(ddp(inputs), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
+        inputs, targets = batch(step + 1, rank)
+        try:
+            loss = F.mse_loss(ddp(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()  # DDP's all-reduce: where a dead peer shows
+            optimizer.step()
+            step += 1
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+        except Exception:
+            # The process group broke; what this rank holds is the state after `step` steps.
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            session.save_survivor_state(step, state)
+            raise
         session.step_done(step, mean_loss.item() / world)
         if session.checkpoint_due(step):
             if rank == 0:
