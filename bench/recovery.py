@@ -214,6 +214,11 @@ def main() -> None:
             )
         )
         return
+    print_tables(rows, splits, medians, split_medians, resume_medians, args)
+
+
+def print_tables(rows, splits, medians, split_medians, resume_medians, args) -> None:
+    """The per-run rows and medians, as three tables."""
     how = "by resharding" if args.spares == 0 else "with a hot spare"
     print(f"\nRecovery {how}, {len(rows)} kill(s), spec {args.spec} (seconds)")
     widths = {c: max(len(c), 6) + 2 for c in COLUMNS}

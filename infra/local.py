@@ -267,9 +267,11 @@ class LocalCluster(RunFiles):
         run, assignment = self._incarnation(run_id, incarnation)
         locks = [run.lock_file(incarnation, r) for r in range(assignment.layout.world_size)]
         saved = self.wait_for_survivors(run_id, incarnation, grace, lambda: any(lock_is_held(lock) for lock in locks))
-        found = survivor_holders(run, incarnation, assignment.layout) if saved else None
+        # The standbys read the states while the controller reschedules: off the critical path.
+        # Which to read is a hint: the standby checks each file against its manifest, and a rank
+        # whose survivor resume names otherwise reads its own.
+        found = survivor_holders(run, incarnation, assignment.layout, verify=False) if saved else None
         if found is not None and self.spec(run_id).cluster.warm_standby:
-            # The standbys read the states while the controller reschedules: off the critical path.
             order_prefetch(run, assignment, self._read_inventory(run), found[1])
         return saved
 

@@ -227,7 +227,9 @@ def place_of(layout: Layout, rank: int) -> Place:
     return c["pp"], c["dp_shard"], c["tp"]
 
 
-def survivor_holders(run: RunDir, incarnation: int, layout: Layout) -> tuple[int, dict[Place, int]] | None:
+def survivor_holders(
+    run: RunDir, incarnation: int, layout: Layout, verify: bool = True
+) -> tuple[int, dict[Place, int]] | None:
     """The last step every survivor of `incarnation` completed, and for each (pp, dp_shard, tp)
     place of `layout` the survivor to load it from (None: no survivor saved it whole); None if
     no survivor saved anything.
@@ -235,7 +237,8 @@ def survivor_holders(run: RunDir, incarnation: int, layout: Layout) -> tuple[int
     A rank may finish the step its peers failed in (its all-reduce completed before the fault
     broke theirs): the run completed only the step they all did, so that is the one restored.
     Every replica holds the same state at the same place, so any survivor there will do; each
-    file must match its manifest, and a survivor whose file does not is passed over.
+    file must match its manifest, and a survivor whose file does not is passed over (unless not
+    `verify`: for a hint that whoever reads the file checks anyway).
     """
     saved = read_survivors(run, incarnation, _world_size_of(run, incarnation))
     if not saved:
@@ -244,7 +247,7 @@ def survivor_holders(run: RunDir, incarnation: int, layout: Layout) -> tuple[int
     holders = {}
     for place in sorted({place_of(layout, rank) for rank in range(layout.world_size)}):
         at_place = [r for r, m in sorted(saved.items()) if m.step == step and m.place() == place]
-        holders[place] = next((r for r in at_place if _matches(run, incarnation, r, saved[r])), None)
+        holders[place] = next((r for r in at_place if not verify or _matches(run, incarnation, r, saved[r])), None)
     return step, holders
 
 

@@ -52,12 +52,23 @@ def whole_model(settings: TrainerSettings):
     return model, torch.get_rng_state()
 
 
-def prepare_model(settings: TrainerSettings) -> None:
-    """In the standby: build the model the next ranks will start from."""
+def prepare_model(settings: TrainerSettings, data_ranks: int) -> None:
+    """In the standby: build the model the next ranks will start from, and run one forward and
+    backward pass of a rank's batch (`data_ranks`: dp x dp_shard) through it, so that the
+    kernels' one-time setup is done before any rank exists; the model is left as built."""
     global _model
     torch.set_num_threads(1)  # as each rank does; a thread pool would make forking unsafe
     _model = None
     model, rng = whole_model(settings)
+    from lazarus.trainer.data import batch, share
+
+    inputs, targets = batch(
+        settings.seed, 0, share(settings.global_batch, data_ranks, 0), settings.seq_len, settings.vocab_size
+    )
+    logits = model(inputs)
+    torch.nn.functional.cross_entropy(logits.reshape(-1, settings.vocab_size), targets.reshape(-1)).backward()
+    for param in model.parameters():
+        param.grad = None
     _model = (_model_key(settings), model, rng)
 
 

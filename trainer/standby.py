@@ -22,6 +22,7 @@ is gone.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import runpy
@@ -193,6 +194,10 @@ def fork_starter(private_fds: list[int]):
 
 def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -> None:
     """Fork a launcher (own session) that starts this node's ranks of the ordered incarnation."""
+    # Everything the standby holds (torch's modules, the prepared model, prefetched states)
+    # moves to the permanent generation: a collection in a rank would otherwise touch every
+    # inherited object and copy its page (copy-on-write) on the rank's critical path.
+    gc.freeze()
     if os.fork():
         return
     code = 1
@@ -291,7 +296,7 @@ def serve(run: RunDir, node: str) -> int:
     if built_in and len(os.listdir("/proc/self/task")) == 1:
         from lazarus.trainer import prepared
 
-        prepared.prepare_model(spec.trainer)
+        prepared.prepare_model(spec.trainer, spec.layout.dp * spec.layout.dp_shard)
     global _fork_safe
     threads = len(os.listdir("/proc/self/task"))
     _fork_safe = threads == 1

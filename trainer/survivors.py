@@ -44,6 +44,7 @@ def write_state(run: RunDir, incarnation: int, rank: int, coordinates: dict[str,
     the incarnation."""
     if run.ended_file(incarnation).exists():
         return False
+    began = time.monotonic()
     # Serialised in memory and hashed there: the file is written once and never read back.
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -57,7 +58,14 @@ def write_state(run: RunDir, incarnation: int, rank: int, coordinates: dict[str,
     manifest = SurvivorManifest(
         step=step, coordinates=coordinates, size=len(data), sha256=hashlib.sha256(data).hexdigest(), time=time.time()
     )
-    return write_survivor(run, incarnation, rank, manifest)
+    recorded = write_survivor(run, incarnation, rank, manifest)
+    print(
+        f"lazarus trainer: saved the state of step {step} for the next incarnation in "
+        f"{time.monotonic() - began:.3f} s ({len(data) / 1e6:.1f} MB)"
+        + ("" if recorded else "; too late, not recorded"),
+        flush=True,
+    )
+    return recorded
 
 
 def read_state(run: RunDir, incarnation: int, rank: int) -> tuple[str, dict]:

@@ -39,14 +39,14 @@ async def test_user_ddp_script_resumes_from_its_own_checkpoint(dev_env, home, re
     spec = with_absolute_command(load_spec(USER_DDP_SPEC))
     status, cluster, run_id = await run_spec(dev_env, home, spec, kill_at=60)
 
-    assert status.state == RunState.COMPLETED and status.step == 150
+    assert status.state == RunState.COMPLETED and status.step == 100
     [incident] = status.incidents
     assert incident.fault.kind == "node_down" and incident.resumed_from_step == 50
     run = cluster.run_dir(run_id)
-    # The script restored its own state.pt of step 50, then trained 51..150 as if nothing happened.
-    assert (run.checkpoint(150) / "state.pt").exists()
+    # The script restored its own state.pt of step 50, then trained 51..100 as if nothing happened.
+    assert (run.checkpoint(100) / "state.pt").exists()
     resumed = losses(run, incarnation=1)
-    assert sorted(resumed) == list(range(51, 151))
+    assert sorted(resumed) == list(range(51, 101))
     expected = reference(USER_DDP_SPEC)
     assert {s: loss for s, loss in resumed.items() if loss != expected[s]} == {}
 
@@ -62,7 +62,7 @@ async def test_user_ddp_script_resumes_from_its_own_checkpoint(dev_env, home, re
     assert shown.returncode == 0, shown.stderr
     rank = incident.old_assignment.nodes.index(killed)
     lines = shown.stdout.splitlines()
-    assert lines[0] == f"{killed} rank {rank} | rank {rank} of 4: training steps 1..150"
+    assert lines[0] == f"{killed} rank {rank} | rank {rank} of 4: training steps 1..100"
     assert all(line.startswith(f"{killed} rank {rank} | ") for line in lines)
 
 
@@ -129,14 +129,14 @@ async def test_a_script_beside_its_own_modules_recovers_from_its_survivors(dev_e
     cluster.kill_node(run_id, "node-2")
     status = await handle.result()
 
-    assert status.state == RunState.COMPLETED and status.step == 150, status.reason
+    assert status.state == RunState.COMPLETED and status.step == 100, status.reason
     [incident] = status.incidents
     assert incident.fault.nodes == ["node-2"] and incident.outcome == "recovered"
     # Restored from the survivors' state of the interrupted step, not the checkpoint of step 50.
     assert incident.restored_from == "survivors" and incident.lost_steps == 0
     assert incident.resumed_from_step >= incident.fault.step > 50
     resumed = losses(run, incarnation=1)
-    assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 151))
+    assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 101))
     expected = reference(USER_DDP_SPEC)
     assert {s: loss for s, loss in resumed.items() if loss != expected[s]} == {}
     logs = [path.read_text() for path in run.root.rglob("*log") if path.is_file()]
