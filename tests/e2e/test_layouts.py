@@ -14,7 +14,7 @@ from lazarus.infra.local import LocalCluster
 from lazarus.schema import STAGES, RunState, load_spec
 from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker
-from tests.support.runs import REPO, SPECS, losses, with_absolute_command
+from tests.support.runs import REPO, SPECS, assert_restored_from_survivors, losses, with_absolute_command
 from tests.support.workers import demo_json, lazarus_env
 
 HSDP_TP_SPEC = SPECS / "hsdp-tp.yaml"
@@ -79,7 +79,7 @@ async def test_the_built_in_trainer_as_hsdp_with_a_pipeline_reshards_to_one_repl
     assert incident.decision.lost_replicas == [1] and incident.decision.released_nodes == ["node-3"]
     # Replica 0 outlived it whole: its ranks saved the interrupted step for both stages.
     assert status.layout == spec.layout.model_copy(update={"dp": 1})
-    assert incident.restored_from == "survivors" and incident.lost_steps == 0
+    assert_restored_from_survivors(run, incident)
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 21))
     expected = reference(HSDP_PP_SPEC)

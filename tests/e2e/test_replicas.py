@@ -14,7 +14,7 @@ from lazarus.schema import RunSpec, RunState, RunStatus, load_spec, parse_spec
 from lazarus.schema.contract import read_metrics
 from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker
-from tests.support.runs import SMALL_PP_SPEC, SMALL_SPEC, losses
+from tests.support.runs import SMALL_PP_SPEC, SMALL_SPEC, assert_restored_from_survivors, losses
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -74,7 +74,7 @@ async def test_dp2_pp2_hot_spare_replaces_the_dead_node_with_identical_losses(de
     assert incident.new_assignment.nodes == ["node-0", "node-1", "node-4", "node-3"]
     assert incident.new_assignment.layout == spec.layout
     # Replica 0 outlived the fault whole: its ranks saved the interrupted step for both stages.
-    assert incident.restored_from == "survivors" and incident.lost_steps == 0
+    assert_restored_from_survivors(run, incident)
     expected = reference(SMALL_PP_SPEC)
     resumed = losses(run, incarnation=1)
     assert sorted(resumed) == list(range(incident.resumed_from_step + 1, spec.trainer.steps + 1))
@@ -106,7 +106,7 @@ async def test_without_a_spare_the_run_reshards_and_keeps_the_math(
     inventory = LocalCluster(home).inventory(status.run_id)
     assert all(inventory.node(n).role == "spare" for n in released)
     assert inventory.node("node-2").role == "quarantined"
-    assert incident.restored_from == "survivors" and incident.lost_steps == 0
+    assert_restored_from_survivors(run, incident)
 
     assert_every_sample_once(run, spec)
     expected = reference(spec_path)

@@ -95,6 +95,7 @@ def drive_every_method(harness: Harness) -> set[str]:
     cluster.quarantine("r1", [lost], "node_down: test")
     assert cluster.stop_incarnation("r1", 0) == [0, 1]
     cluster.remove_partial_checkpoints("r1")
+    cluster.remove_stale_survivors("r1", 0)
     assert cluster.assignment("r1", 0) == old and cluster.run_dir("r1").root.is_dir()
     new = old.model_copy(update={"incarnation": 1, "nodes": [harness.active[0], spare]})
     cluster.commit_assignment("r1", new, claims=[spare])

@@ -69,3 +69,29 @@ def train_without_fault(home: Path, spec_path: Path) -> dict[int, float]:
     result = losses(cluster.run_dir("reference"))
     assert sorted(result) == list(range(1, spec.trainer.steps + 1))
     return result
+
+
+def survivors_straddle(run: RunDir, incarnation: int) -> bool:
+    """Whether the survivors of `incarnation` saved different steps such that no one step has a
+    survivor at every (pp, dp_shard, tp) place. gloo's ring all-reduce ends at different times
+    on different ranks, so a rank can complete the step its replica's other ranks fail in; with
+    one surviving replica that leaves no whole state, and resume rightly takes the checkpoint."""
+    from lazarus.infra.runfiles import place_of
+    from lazarus.schema.contract import read_survivors
+
+    layout = Assignment.model_validate_json(run.assignment_file(incarnation).read_text()).layout
+    saved = read_survivors(run, incarnation, layout.world_size)
+    places = {place_of(layout, rank) for rank in range(layout.world_size)}
+    steps = {m.step for m in saved.values()}
+    whole = [s for s in steps if places <= {m.place() for m in saved.values() if m.step == s}]
+    return len(steps) > 1 and not whole
+
+
+def assert_restored_from_survivors(run: RunDir, incident) -> None:
+    """The incident restored what the survivors saved and lost no step, unless they straddled two
+    steps (survivors_straddle): then it fell back to a checkpoint, as it must."""
+    if incident.restored_from == "checkpoint" and survivors_straddle(run, incident.old_assignment.incarnation):
+        return
+    assert incident.restored_from == "survivors" and incident.lost_steps == 0, (
+        f"restored from {incident.restored_from}, {incident.lost_steps} step(s) lost"
+    )
