@@ -6,7 +6,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test test-fast lint format setup bench clean-state
+.PHONY: demo test test-fast lint format setup tls-proxy bench clean-state
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -16,12 +16,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) tls-proxy
+
+# haproxy terminates TLS in front of the test dev server (tests/e2e/test_tls.py). Checked on each
+# `make setup` and `make test`, not only when .venv is made, so an existing .venv gets it too; it
+# installs only as root with apt-get (apt-get update only when the package lists lack it), and never
+# fails the set-up: without it the TLS tests skip, as this line says.
+tls-proxy:
+	@command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends haproxy >/dev/null 2>&1 \
+	      || { apt-get update -qq >/dev/null 2>&1 \
+	           && apt-get install -y -qq --no-install-recommends haproxy >/dev/null 2>&1; }; \
+	  fi; \
+	  test -x /usr/sbin/haproxy || command -v haproxy >/dev/null 2>&1 \
+	    || echo "haproxy not installed (needs root and apt-get): the TLS tests will skip; install it with: apt-get install haproxy"; \
+	}
 
 demo: $(STAMP)
 	.venv/bin/lazarus demo $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) tls-proxy
 	$(PY) -m pytest -q $(ARGS)
 
 test-fast: $(STAMP)

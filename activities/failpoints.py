@@ -15,6 +15,16 @@ from pathlib import Path
 ENV_FAILPOINTS = "LAZARUS_FAILPOINTS"
 ENV_FAILPOINT_DIR = "LAZARUS_FAILPOINT_DIR"
 
+STAGE_FAILPOINTS = {
+    "detect": "detect.after_fault",
+    "drain": "drain.after_quarantine",
+    "reschedule": "reschedule.after_inventory",
+    "replace_or_reshard": "replace_or_reshard.after_claim",
+    "resume": "resume.after_launch",
+}
+"""One point inside each recovery stage, after the stage has done something a retry must find
+(the fault noted, the nodes quarantined, the spares claimed, the ranks launched)."""
+
 
 class Failpoints:
     """The failpoints armed in this worker (none by default)."""
@@ -26,6 +36,11 @@ class Failpoints:
     @classmethod
     def from_environ(cls, environ=os.environ) -> Failpoints:
         names = {n.strip() for n in environ.get(ENV_FAILPOINTS, "").split(",") if n.strip()}
+        unknown = sorted(names - set(STAGE_FAILPOINTS.values()))
+        if unknown:
+            raise SystemExit(
+                f"{ENV_FAILPOINTS}: no failpoint {', '.join(unknown)} (known: {', '.join(STAGE_FAILPOINTS.values())})"
+            )
         if names and ENV_FAILPOINT_DIR not in environ:
             raise SystemExit(f"{ENV_FAILPOINTS} needs {ENV_FAILPOINT_DIR} to say where to write markers")
         return cls(names, Path(environ[ENV_FAILPOINT_DIR]) if names else None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
 
@@ -33,6 +33,17 @@ PEER_LOST_ERRORS = (
 raised one is a witness of a fault elsewhere, not its cause."""
 
 
+PEER_WAIT_ERRORS = ("wait timeout", "timed out", "timeout")
+"""Parts of the errors of a rank that gave up waiting for its peers (a rendezvous, a store key):
+a witness too, of a peer that never came."""
+
+
+def waited_in_vain(ended: RankExit) -> bool:
+    """Whether a rank's exit record says it gave up waiting for a peer, or lost one."""
+    error = ended.error.lower()
+    return lost_a_peer(ended) or any(part in error for part in PEER_WAIT_ERRORS)
+
+
 def lost_a_peer(ended: RankExit) -> bool:
     """Whether a rank's exit record says it ended because a peer went away."""
     error = ended.error.lower()
@@ -49,6 +60,13 @@ class Verdict:
     stopped: bool = False
     source: StepSource | None = None  # who reports the step
     up: bool = False  # every rank is launched and its process runs
+    warnings: list[str] = field(default_factory=list)  # what the ranks' heartbeats ask the operator to know
+
+
+ALIVE_GRACE_SECONDS = 1.0
+"""A rank whose liveness thread (Heartbeat.alive_at) has not written for this long, or five
+heartbeat intervals if longer, counts as a stopped process (seconds): the thread writes every
+interval, and a loaded node may delay it by some."""
 
 
 def _at(seconds: float) -> datetime:
@@ -137,7 +155,8 @@ class _Look:
     def verdict(self, **outcome) -> Verdict:
         """A verdict of this look: its step and source, whether every rank is up, and `outcome`."""
         up = bool(self.ranks) and all(r.launched and r.alive for r in self.ranks)
-        return Verdict(outcome.pop("step", self.step), source=self.source, up=up, **outcome)
+        warnings = sorted({r.heartbeat.warning for r in self.ranks if r.heartbeat and r.heartbeat.warning})
+        return Verdict(outcome.pop("step", self.step), source=self.source, up=up, warnings=warnings, **outcome)
 
     def fault(self, kind: str, blamed: list[RankObservation], occurred: float, reason: str, nodes=None) -> Verdict:
         """A verdict of fault `kind`, blaming `blamed` (their nodes, unless `nodes` is given)."""
@@ -204,6 +223,12 @@ def _exits(look: _Look) -> Verdict | None:
     if not failed:
         return None
     first = failed[0]
+    never_started = [r for r in look.ranks if not r.launched]
+    if never_started and all(waited_in_vain(r.exit) for r in failed):
+        # Ranks give up on a rendezvous whose peers never came: the node that did not start its
+        # ranks (its standby or launcher hung) is the one at fault, not those that waited for it.
+        reason = f"rank(s) {', '.join(str(r.rank) for r in never_started)} never started; then {_ended(first)}"
+        return look.fault("rank_exit", never_started, first.exit.time, reason)
     if look.fresh_and_untrained:
         # The run's first launch failing before a step: if every rank ends on its own within
         # a moment of the first, it is the program (a bad flag, a missing file), not a node.
@@ -286,12 +311,29 @@ def _hangs(look: _Look) -> Verdict | None:
     if not stale:
         return None
 
-    # Every rank stalls behind a hung one in the next collective; the hung one is the one that
-    # got least far (lowest step, then oldest heartbeat).
+    # Every rank stalls behind a hung one in the next collective. Where the ranks say when their
+    # process last ran (alive_at), the hung one is a rank whose process stopped too, while those
+    # waiting for it still run; else, or of several, the one that got least far (lowest step, then
+    # oldest heartbeat).
+    stopped_after = min(
+        look.policy.hang_after_seconds, max(ALIVE_GRACE_SECONDS, 5 * look.policy.heartbeat_interval_seconds)
+    )
+    # Among every rank, not only the stale: the stalled ranks' heartbeats are milliseconds apart,
+    # and the first to pass the hang time need not be the one that stopped.
+    frozen = [
+        (r, look.now - r.heartbeat.time)
+        for r in look.ranks
+        if r.alive
+        and r.exit is None
+        and r.heartbeat
+        and r.heartbeat.alive_at
+        and look.now - r.heartbeat.alive_at > stopped_after
+    ]
+
     def lag(item):
         rank, age = item
         return (rank.heartbeat.step if rank.heartbeat and rank.heartbeat.step is not None else -1, -age)
 
-    culprit, age = min(stale, key=lag)
+    culprit, age = min(frozen or stale, key=lag)
     reason = f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s"
     return look.fault("hang", [culprit], look.now - age, reason)

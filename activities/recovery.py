@@ -8,8 +8,6 @@ spare twice.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import re
 import time
 from datetime import UTC, datetime
@@ -19,8 +17,9 @@ from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.health import judge
-from lazarus.activities.metrics import Metrics, Span
+from lazarus.activities.metrics import Metrics
 from lazarus.activities.preflight import missing_command
+from lazarus.activities.running import in_thread, timed
 from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.infra.runfiles import survivor_source
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
@@ -30,6 +29,7 @@ from lazarus.schema.stages import (
     DrainResult,
     LaunchInput,
     LaunchResult,
+    ReleaseInput,
     ReplaceInput,
     RescheduleInput,
     ResumeInput,
@@ -40,48 +40,17 @@ from lazarus.schema.stages import (
 )
 
 
-def timed(stage: str):
-    """Record the duration of each successful attempt in the stage histogram, and its span."""
-
-    def wrap(method):
-        @functools.wraps(method)
-        async def run(self, request):
-            started, wall = time.monotonic(), time.time()
-            result = await method(self, request)
-            self.metrics.stage_seconds.labels(stage).observe(time.monotonic() - started)
-            info = activity.info()
-            self.metrics.spans.append(Span(info.workflow_id, stage, info.attempt, wall, time.time()))
-            return result
-
-        return run
-
-    return wrap
-
-
 def natural_order(name: str) -> list:
     """Sort key that puts node-2 before node-10."""
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+    # ASCII digits only: str.isdigit takes "²" too, which int() refuses.
+    return [
+        (0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part)
+        for part in re.split(r"([0-9]+)", name)
+    ]
 
 
 def _permanent(error: Exception, kind: str) -> ApplicationError:
     return ApplicationError(str(error), type=kind, non_retryable=True)
-
-
-async def in_thread(call, *args):
-    """Run a blocking backend call in a thread, heartbeating while it runs, so that a call that
-    outlasts the activity's heartbeat timeout (a drain waiting for pods to go) is not taken for
-    a lost worker."""
-    timeout = activity.info().heartbeat_timeout
-    every = timeout.total_seconds() / 3 if timeout else None
-    task = asyncio.ensure_future(asyncio.to_thread(call, *args))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=every)
-            if done:
-                return task.result()
-            activity.heartbeat()
-    finally:
-        task.cancel()  # on cancellation: the thread runs on, its result is dropped
 
 
 def _touch(path) -> None:
@@ -96,6 +65,15 @@ class RecoveryActivities:
         self.cluster = cluster
         self.failpoints = failpoints or Failpoints()
         self.metrics = metrics or Metrics()
+
+    def every(self) -> list:
+        """Every activity of the class, bound to this object: what a worker registers (a stage
+        added here cannot be left out of a worker)."""
+        return [
+            getattr(self, name)
+            for name, member in vars(type(self)).items()
+            if hasattr(member, "__temporal_activity_definition")
+        ]
 
     @activity.defn(name="launch")
     @timed("launch")
@@ -149,8 +127,9 @@ class RecoveryActivities:
         last_poll = time.time()
         exited = False
         while True:
-            now = time.time()
             observation = await in_thread(self.cluster.observe, run_id, incarnation)
+            # After the look: a node that died while it was taken must not be seen before it died.
+            now = time.time()
             verdict = judge(observation, policy, now, last_poll, total_steps)
             if verdict.fault is not None and verdict.fault.rank is not None:
                 verdict.fault.log_tail = await in_thread(self.cluster.log_tail, run_id, incarnation, verdict.fault.rank)
@@ -175,7 +154,9 @@ class RecoveryActivities:
             request.total_steps,
             until=lambda _, now: now >= report_at,
         )
-        progress = RankProgress(step=verdict.step, at=datetime.fromtimestamp(now, UTC), source=verdict.source)
+        progress = RankProgress(
+            step=verdict.step, at=datetime.fromtimestamp(now, UTC), source=verdict.source, warnings=verdict.warnings
+        )
         fault = verdict.fault
         if verdict.stopped:
             # Nobody asked (the workflow stops detect before it asks): treat it as a failure.
@@ -194,7 +175,12 @@ class RecoveryActivities:
             await self._note(
                 request.run_id, "fault_detected", f"{fault.kind} on {', '.join(fault.nodes)}: {fault.reason}"
             )
-        return DetectResult(fault=fault, completed=verdict.completed, progress=progress)
+            await self.failpoints.reach("detect.after_fault")
+        capacity = False
+        if request.regrow_nodes is not None and fault is None and not verdict.completed:
+            inventory = await in_thread(self.cluster.inventory, request.run_id)
+            capacity = len(inventory.spares_for(None, request.node_limit)[0]) >= request.regrow_nodes
+        return DetectResult(fault=fault, completed=verdict.completed, progress=progress, capacity=capacity)
 
     @activity.defn(name="drain")
     @timed("drain")
@@ -203,6 +189,9 @@ class RecoveryActivities:
         # Drain runs once per incident: the place to count the incident's detection time.
         if activity.info().attempt == 1:
             self.metrics.stage_seconds.labels("detect").observe(request.detect_seconds)
+        if request.want is not None:
+            # First: a run recovering at the same moment must see this need before it claims.
+            await in_thread(self.cluster.want_spares, request.run_id, request.want)
         try:
             await in_thread(self.cluster.quarantine, request.run_id, request.nodes, request.reason)
         except ClusterError as error:
@@ -239,6 +228,7 @@ class RecoveryActivities:
     async def reschedule(self, request: RescheduleInput) -> Inventory:
         """The run's inventory: which spares are free, which nodes are quarantined."""
         inventory = await in_thread(self.cluster.inventory, request.run_id)
+        await self.failpoints.reach("reschedule.after_inventory")
         await self._note(request.run_id, "rescheduled", f"free spares: {', '.join(inventory.free_spares()) or 'none'}")
         return inventory
 
@@ -261,6 +251,7 @@ class RecoveryActivities:
             )
         except ClusterError as error:
             raise _permanent(error, "SpareUnavailable") from None
+        await self.failpoints.reach("replace_or_reshard.after_claim")
         if recorded.nodes == proposed.nodes and recorded.layout == proposed.layout and activity.info().attempt == 1:
             self.metrics.incidents.labels(request.fault_kind, decision.action).inc()
         await self._note(
@@ -309,6 +300,7 @@ class RecoveryActivities:
             run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from} from {restored_from}"
         )
         verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps, until=up)
+        await in_thread(self.cluster.drop_want, run_id)  # the recovery is over, whatever became of it
         if verdict.fault:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
         if activity.info().attempt == 1:
@@ -372,6 +364,16 @@ class RecoveryActivities:
         return StopResult(
             step=verdict.step, checkpoint_step=newest, clean=clean, completed=verdict.completed, reason=reason
         )
+
+    @activity.defn(name="release")
+    @timed("release")
+    async def release(self, request: ReleaseInput) -> list[str]:
+        """The run ended: stop its standbys and give its active nodes back to the pool; returns them."""
+        try:
+            await in_thread(self.cluster.release_standbys, request.run_id)
+            return await in_thread(self.cluster.release_nodes, request.run_id)
+        except ClusterError as error:
+            raise _permanent(error, "UnknownRun") from None
 
     @activity.defn(name="return_node")
     @timed("return_node")

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit, SurvivorSource
 from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import Assignment, Inventory, StepSource
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
@@ -105,8 +106,16 @@ class ClusterBackend(Protocol):
         self, run_id: str, assignment: Assignment, claims: list[str] = (), releases: list[str] = ()
     ) -> Assignment:
         """Claim the spares, record the incarnation's assignment and release leftover nodes, exactly
-        once; returns the assignment recorded first. Claiming a node that is neither a free spare
-        nor already the run's raises ClusterError (a retry of a claim that succeeded succeeds)."""
+        once, and mark the run's want of spares placed; returns the assignment recorded first.
+        Claiming a node that is neither a free spare nor already the run's raises ClusterError (a
+        retry of a claim that succeeded succeeds)."""
+
+    def want_spares(self, run_id: str, want: SpareWant) -> None:
+        """Lodge the run's need of the pool's spares for a recovery (it replaces the run's earlier
+        one), so that every run's reschedule sees it in its inventory's `wants`."""
+
+    def drop_want(self, run_id: str) -> None:
+        """The run's recovery is over (or the run is): its want goes. Idempotent."""
 
     def start_ranks(
         self,
@@ -154,6 +163,10 @@ class ClusterBackend(Protocol):
 
     def release_standbys(self, run_id: str) -> None:
         """Stop what the backend keeps warm for the run (it has ended)."""
+
+    def release_nodes(self, run_id: str) -> list[str]:
+        """The run ended: its active nodes go back to the pool as free spares (what it quarantined
+        stays out until returned); returns them. Idempotent."""
 
     def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
         """The last lines of a rank's log ('' if it has none)."""

@@ -33,9 +33,10 @@ class Informer:
     """Objects of one `list_*` call of the official client (with its selector), kept current by a thread.
 
     `on_event(kind, obj)` runs in the informer's thread for every ADDED, MODIFIED and DELETED
-    event, and for every object of each (re)list as "ADDED"; it must be quick and must not block.
-    What vanished while the stream was down leaves the cache with the next list, without a
-    DELETED call: the callers' next look (every heartbeat interval) finds it gone.
+    event; it must be quick and must not block. A (re)list reports what changed since the cache
+    it replaces, as the stream would have: new objects as ADDED, changed ones (another
+    resourceVersion) as MODIFIED, vanished ones as DELETED. So a change that came while the
+    stream was down, or in the moment between a stream's end and the next list, is not lost.
     """
 
     def __init__(self, list_objects: Callable, name: str, on_event: Callable[[str, object], None], **selector):
@@ -97,11 +98,19 @@ class Informer:
 
     def _relist(self) -> str | None:
         listed = self._list(**self._selector)
+        current = {obj.metadata.name: obj for obj in listed.items}
         with self._lock:
-            self._objects = {obj.metadata.name: obj for obj in listed.items}
+            before, self._objects = self._objects, current
         self._synced.set()
-        for obj in listed.items:
-            self._on_event("ADDED", obj)
+        for name, obj in current.items():
+            known = before.get(name)
+            if known is None:
+                self._on_event("ADDED", obj)
+            elif known.metadata.resource_version != obj.metadata.resource_version:
+                self._on_event("MODIFIED", obj)
+        for name, obj in before.items():
+            if name not in current:
+                self._on_event("DELETED", obj)
         return listed.metadata.resource_version if listed.metadata else None
 
     def _stream(self, version: str | None) -> str | None:
@@ -121,10 +130,18 @@ class Informer:
                 if kind == "BOOKMARK":
                     continue
                 with self._lock:
+                    known = self._objects.get(obj.metadata.name)
                     if kind == "DELETED":
                         self._objects.pop(obj.metadata.name, None)
                     else:
                         self._objects[obj.metadata.name] = obj
+                # A watch that starts by replaying what exists (one without a resourceVersion,
+                # or the test emulator's) says ADDED for objects the list already gave: only a
+                # change against the cache is reported, and as what it is.
+                if kind == "ADDED" and known is not None:
+                    if known.metadata.resource_version == obj.metadata.resource_version:
+                        continue
+                    kind = "MODIFIED"
                 self._on_event(kind, obj)
         finally:
             self._watch = None

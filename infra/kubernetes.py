@@ -42,13 +42,16 @@ from lazarus.infra.kubernetes_objects import (
     other_taints,
     pod_running,
     rank_pod,
+    run_label,
     run_object_name,
     stage_event,
 )
+from lazarus.infra.kubernetes_pool import PoolWants, claim_node, release_node
 from lazarus.infra.kubernetes_watch import RunWatches
 from lazarus.infra.runfiles import RunFiles
 from lazarus.schema.contract import LaunchRecord, SurvivorSource
 from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import Assignment, Inventory, NodeRecord
 from lazarus.schema.run import KubernetesSettings, RunSpec
 from lazarus.schema.rundir import RunDir
@@ -81,6 +84,7 @@ class KubernetesCluster(RunFiles):
             api = k8s.ApiClient()
         self.core = k8s.CoreV1Api(api)
         self.watches = RunWatches(self.core)
+        self.wants = PoolWants(self.core)
 
     def close(self) -> None:
         """Stop the watches (the worker calls this on shutdown)."""
@@ -108,30 +112,17 @@ class KubernetesCluster(RunFiles):
             raise
 
     def _claim(self, node_name: str, run_id: str, spare_only: bool) -> bool:
-        """Label the node as this run's if it is free; True if it is (now or already) this run's.
-
-        The patch carries the resourceVersion the node was read at: if anything changed the node
-        since (another run's claim), the API server refuses it with 409 and this one loses.
-        """
-        node = self.core.read_node(node_name)
-        labels = node.metadata.labels or {}
-        if labels.get(RUN_LABEL) == run_id:
-            return True
-        if not node_free(node) or (spare_only and labels.get(SPARE_LABEL) != "true"):
-            return False
-        claim = {"labels": {RUN_LABEL: run_id, SPARE_LABEL: None}, "resourceVersion": node.metadata.resource_version}
-        try:
-            self.core.patch_node(node_name, {"metadata": claim})
-        except ApiException as error:
-            if error.status != 409:
-                raise
-            return (self.core.read_node(node_name).metadata.labels or {}).get(RUN_LABEL) == run_id
-        return True
+        """Label the node as this run's if it is free (infra/kubernetes_pool.claim_node); True if
+        it is (now or already) this run's. A claim made now leaves an Event on the node."""
+        claimed = claim_node(self.core, node_name, run_label(run_id), spare_only)
+        if claimed == "claimed":
+            self._event(run_id, "Claimed", f"{node_name} joins run {run_id}", kind="Node", name=node_name, namespace="")
+        return claimed != "refused"
 
     def _release(self, node_name: str, run_id: str) -> None:
-        node = self.core.read_node(node_name)
-        if (node.metadata.labels or {}).get(RUN_LABEL) == run_id:
-            self.core.patch_node(node_name, {"metadata": {"labels": {RUN_LABEL: None, SPARE_LABEL: "true"}}})
+        if release_node(self.core, node_name, run_label(run_id)):
+            message = f"{node_name} leaves run {run_id}: a hot spare of the pool again"
+            self._event(run_id, "Released", message, kind="Node", name=node_name, namespace="")
 
     # --- run state -----------------------------------------------------------------------
 
@@ -140,12 +131,14 @@ class KubernetesCluster(RunFiles):
         run = self.write_spec(run_id, spec)
         settings = spec.cluster.kubernetes
         config_map = k8s.V1ConfigMap(
-            metadata=k8s.V1ObjectMeta(name=run_object_name(run_id), labels={RUN_LABEL: run_id}),
+            metadata=k8s.V1ObjectMeta(
+                name=run_object_name(run_id), labels={RUN_LABEL: run_label(run_id), POOL_LABEL: settings.pool}
+            ),
             data={"spec.json": spec.model_dump_json()},
         )
         _ignoring_conflict(lambda: self.core.create_namespaced_config_map(settings.namespace, config_map))
         pool = self._pool(settings)
-        mine = [n for n in pool if (n.metadata.labels or {}).get(RUN_LABEL) == run_id]
+        mine = [n for n in pool if (n.metadata.labels or {}).get(RUN_LABEL) == run_label(run_id)]
         # Spares last: a run takes ordinary free nodes first and leaves the hot spares for recoveries.
         candidates = sorted(
             (n for n in pool if node_free(n)),
@@ -172,25 +165,35 @@ class KubernetesCluster(RunFiles):
         for node in self._pool(self._settings(run_id)):
             labels = node.metadata.labels or {}
             ready, since = node_ready(node)
-            if labels.get(RUN_LABEL) == run_id:
+            if labels.get(RUN_LABEL) == run_label(run_id):
                 role, note = "active", ""
-            elif labels.get(QUARANTINE_LABEL) == run_id:
+            elif labels.get(QUARANTINE_LABEL) == run_label(run_id):
                 role, note = "quarantined", (node.metadata.annotations or {}).get(REASON_ANNOTATION, "")
             elif labels.get(SPARE_LABEL) == "true" and node_free(node):
                 role, note = "spare", "hot spare of the pool"
             else:
                 continue
             records.append(NodeRecord(name=node.metadata.name, role=role, healthy=ready, died_at=since, note=note))
-        return Inventory(nodes=records)
+        settings = self._settings(run_id)
+        return Inventory(nodes=records, wants=self.wants.others(settings.namespace, settings.pool, run_id))
+
+    def want_spares(self, run_id: str, want: SpareWant) -> None:
+        """Lodge the run's need of the pool's spares on its ConfigMap, where the pool's runs read it."""
+        settings = self._settings(run_id)
+        self.wants.lodge(settings.namespace, settings.pool, want)
+
+    def drop_want(self, run_id: str) -> None:
+        """The run's recovery is over: its want comes off its ConfigMap."""
+        self.wants.drop(self._settings(run_id).namespace, run_id)
 
     def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
         """Cordon and taint the nodes, label them with the run and annotate why; an Event on each."""
         for name in nodes:
-            taint = {"key": QUARANTINE_TAINT, "value": run_id, "effect": "NoSchedule"}
+            taint = {"key": QUARANTINE_TAINT, "value": run_label(run_id), "effect": "NoSchedule"}
             patch = {
                 "spec": {"unschedulable": True, "taints": [*other_taints(self._read_node(name)), taint]},
                 "metadata": {
-                    "labels": {QUARANTINE_LABEL: run_id, RUN_LABEL: None},
+                    "labels": {QUARANTINE_LABEL: run_label(run_id), RUN_LABEL: None},
                     "annotations": {REASON_ANNOTATION: reason[:1000]},
                 },
             }
@@ -225,6 +228,7 @@ class KubernetesCluster(RunFiles):
             taken = [node for node in claims if not self._claim(node, run_id, spare_only=True)]
             if taken:
                 raise ClusterError(f"node {', '.join(taken)} is no longer a free spare")
+            self.wants.place(self._settings(run_id).namespace, run_id, got=len(claims))
             address = node_address(self.core.read_node(assignment.nodes[0])) or assignment.nodes[0]
             recorded = self.record_assignment(run_id, assignment.model_copy(update={"master_addr": address}))
         for node in recorded.nodes:  # completes an attempt that crashed between its writes
@@ -259,7 +263,7 @@ class KubernetesCluster(RunFiles):
         """The incarnation's pods by node index: from the watch if `watched` and it is synced, else
         from a list (drain's deletions and its wait for them use a list: the API server's word)."""
         namespace = self._settings(run_id).namespace
-        mine = {RUN_LABEL: run_id, INCARNATION_LABEL: str(incarnation)}
+        mine = {RUN_LABEL: run_label(run_id), INCARNATION_LABEL: str(incarnation)}
         cached = self.watches.cached("pods", namespace) if watched else None
         if cached is not None:
             pods = [p for p in cached.values() if all(p.metadata.labels.get(k) == v for k, v in mine.items())]
@@ -313,7 +317,9 @@ class KubernetesCluster(RunFiles):
         observation = self.observe(run_id, incarnation)
         # A fresh list, not the watch: the quarantine drain wrote a moment ago must be seen.
         quarantined = {
-            n.metadata.name for n in self._pool(settings) if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == run_id
+            n.metadata.name
+            for n in self._pool(settings)
+            if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == run_label(run_id)
         }
         lost = set(observation.dead_nodes) | quarantined
         for index, pod in self._pods(run_id, incarnation).items():
@@ -348,6 +354,19 @@ class KubernetesCluster(RunFiles):
             return any(pod_running(p) for p in self._pods(run_id, incarnation, watched=True).values())
 
         return self.wait_for_survivors(run_id, incarnation, grace, alive)
+
+    def release_nodes(self, run_id: str) -> list[str]:
+        """The run ended: unlabel its nodes, which go back to the pool as hot spares; returns them."""
+        self._existing(run_id)
+        mine = [
+            n.metadata.name
+            for n in self._pool(self._settings(run_id))
+            if (n.metadata.labels or {}).get(RUN_LABEL) == run_label(run_id)
+        ]
+        for name in mine:
+            self._release(name, run_id)
+        self.drop_want(run_id)
+        return mine
 
     def release_standbys(self, run_id: str) -> None:
         """No warm standbys on Kubernetes (yet): each pod starts its interpreter."""

@@ -7,6 +7,7 @@ Pure functions of the official client's models; infra/kubernetes.py makes the AP
 from __future__ import annotations
 
 import hashlib
+import re
 import uuid
 from datetime import UTC, datetime
 
@@ -39,13 +40,37 @@ def utc(value) -> datetime:
     return datetime.now(UTC)
 
 
+NAME_LIMIT = 63
+"""The longest object name and label value Lazarus writes (a DNS-1123 label; characters)."""
+
+_NOT_IN_NAMES = re.compile(r"[^a-z0-9-]+")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?)?")
+
+
+def _shortened(text: str, original: str) -> str:
+    """`text` cut to leave room for a hash of `original`, with that hash: distinct originals stay distinct."""
+    digest = hashlib.sha256(original.encode()).hexdigest()[:8]
+    return f"{text[: NAME_LIMIT - 9].strip('-._')}-{digest}".lstrip("-")
+
+
 def object_name(*parts: str | int) -> str:
-    """A DNS-1123 name from its parts, shortened with a hash past 63 characters."""
-    name = "-".join(str(p) for p in parts).lower()
-    if len(name) <= 63:
+    """A DNS-1123 label from its parts (lowercase letters, digits and '-', at most 63, alnum at both
+    ends). Parts that are one already give the plain join; anything else (a run id with capitals,
+    '_' or '.', or a long one) is mapped and given a hash of the original, so two run ids never
+    share a name."""
+    original = "-".join(str(p) for p in parts)
+    name = _NOT_IN_NAMES.sub("-", original.lower()).strip("-")
+    if name == original and len(name) <= NAME_LIMIT:
         return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[:54].rstrip('-')}-{digest}"
+    return _shortened(name, original)
+
+
+def run_label(run_id: str) -> str:
+    """The value of RUN_LABEL and QUARANTINE_LABEL for a run: its id where that is a valid label
+    value (at most 63 characters, alnum at both ends), else a shortened one with a hash of the id."""
+    if len(run_id) <= NAME_LIMIT and _LABEL_VALUE.fullmatch(run_id):
+        return run_id
+    return _shortened(re.sub(r"[^A-Za-z0-9_.-]+", "-", run_id), run_id)
 
 
 def pod_name(run_id: str, incarnation: int, index: int) -> str:
@@ -134,7 +159,11 @@ def rank_pod(
         resources=k8s.V1ResourceRequirements(requests=resources, limits=resources),
         volume_mounts=[k8s.V1VolumeMount(name="runs", mount_path=settings.mount_path)],
     )
-    labels = {RUN_LABEL: run_id, INCARNATION_LABEL: str(assignment.incarnation), NODE_INDEX_LABEL: str(index)}
+    labels = {
+        RUN_LABEL: run_label(run_id),
+        INCARNATION_LABEL: str(assignment.incarnation),
+        NODE_INDEX_LABEL: str(index),
+    }
     return k8s.V1Pod(
         metadata=k8s.V1ObjectMeta(
             name=pod_name(run_id, assignment.incarnation, index), namespace=settings.namespace, labels=labels

@@ -15,7 +15,7 @@ import threading
 from kubernetes import client as k8s
 
 from lazarus.infra.informer import Informer
-from lazarus.infra.kubernetes_objects import POOL_LABEL, RUN_LABEL, node_ready, pod_running
+from lazarus.infra.kubernetes_objects import POOL_LABEL, RUN_LABEL, node_ready, pod_running, run_label
 
 
 class RunWatches:
@@ -61,13 +61,14 @@ class RunWatches:
         if kind == "DELETED" or not pod_running(pod):
             self._changed((pod.metadata.labels or {}).get(RUN_LABEL))
 
-    def _changed(self, run_id: str | None) -> None:
-        """Count an event that calls for a look at the run, and wake its waiters (from an informer's thread)."""
-        if run_id is None:
+    def _changed(self, label: str | None) -> None:
+        """Count an event that calls for a look at the run whose RUN_LABEL value is `label`, and
+        wake its waiters (from an informer's thread)."""
+        if label is None:
             return
         with self._lock:
-            self._changes[run_id] = self._changes.get(run_id, 0) + 1
-            waiters = list(self._waiters.get(run_id, ()))
+            self._changes[label] = self._changes.get(label, 0) + 1
+            waiters = list(self._waiters.get(label, ()))
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
@@ -82,12 +83,12 @@ class RunWatches:
     async def wait(self, run_id: str, timeout: float) -> bool:
         """Wait up to `timeout` seconds for a change of the run; True if one came (at once if one
         came since the last wait returned)."""
-        loop, woken = asyncio.get_running_loop(), asyncio.Event()
+        loop, woken, key = asyncio.get_running_loop(), asyncio.Event(), run_label(run_id)
         with self._lock:
-            if self._changes.get(run_id, 0) > self._seen.get(run_id, 0):
-                self._seen[run_id] = self._changes[run_id]
+            if self._changes.get(key, 0) > self._seen.get(key, 0):
+                self._seen[key] = self._changes[key]
                 return True
-            self._waiters.setdefault(run_id, []).append((loop, woken))
+            self._waiters.setdefault(key, []).append((loop, woken))
         try:
             await asyncio.wait_for(woken.wait(), timeout)
             return True
@@ -95,10 +96,10 @@ class RunWatches:
             return False
         finally:
             with self._lock:
-                self._waiters[run_id].remove((loop, woken))
-                if not self._waiters[run_id]:
-                    del self._waiters[run_id]
-                self._seen[run_id] = self._changes.get(run_id, 0)
+                self._waiters[key].remove((loop, woken))
+                if not self._waiters[key]:
+                    del self._waiters[key]
+                self._seen[key] = self._changes.get(key, 0)
 
     def close(self) -> None:
         """Stop the watches (the worker calls this on shutdown, through the backend's close)."""

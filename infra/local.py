@@ -1,15 +1,14 @@
 """The local backend: each node is a group of rank processes on this machine.
 
-Everything a restarted worker needs lives in the run directory: the inventory (which node is
-active, a spare or quarantined, and which died), each incarnation's assignment and launch
+The nodes form one pool per home (infra/pool.py), shared by every run of that home: a run holds
+its active nodes, quarantines what failed, and claims free nodes as spares. Everything else a
+restarted worker needs lives in the run directory: each incarnation's assignment and launch
 record, and per process a liveness lock and a pid record (infra/processes.py). Nodes get warm
 standbys (infra/standbys.py) when the spec asks for them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import subprocess
 import sys
@@ -17,9 +16,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, Observation, free_port
+from lazarus.infra.pool import LocalPool, claim_and_release
 from lazarus.infra.processes import any_exit, kill_and_wait, live_pids, node_groups, open_pidfds, start_locked
 from lazarus.infra.runfiles import RunFiles, survivor_holders
-from lazarus.infra.standbys import any_standby_alive, ensure_standby, kill_standbys, order_launchers, order_prefetch
+from lazarus.infra.standbys import any_standby_alive, ensure_standbys, kill_standbys, order_launchers, order_prefetch
 from lazarus.schema.contract import (
     ENV_INCARNATION,
     ENV_NODE,
@@ -29,9 +29,10 @@ from lazarus.schema.contract import (
     LaunchRecord,
     SurvivorSource,
 )
-from lazarus.schema.files import lock_is_held, write_json_atomic
+from lazarus.schema.files import lock_is_held
 from lazarus.schema.policy import RecoveryPolicy
-from lazarus.schema.records import Assignment, Inventory, NodeRecord
+from lazarus.schema.pool import SpareWant
+from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
 
@@ -44,62 +45,42 @@ class LocalCluster(RunFiles):
     def __init__(self, home: str | Path, python: str = sys.executable):
         super().__init__(home)
         self.python = python  # the interpreter that runs the node launchers and standbys
+        self.pool = LocalPool(self.home)
         # Processes this object started, reaped as they end so they do not linger as zombies;
         # after a restart the lock files tell liveness.
         self._children: list[subprocess.Popen] = []
 
-    # --- run state -----------------------------------------------------------------
+    # --- run state: the run's nodes come from the home's pool (infra/pool.py) ------------
 
     def create(self, run_id: str, spec: RunSpec) -> RunDir:
-        """Create the run's directory, spec and inventory; a second call finds them and checks the spec."""
+        """Create the run's directory and spec, and give it its active nodes from the pool (adding
+        nodes where the pool has too few free, and hot spares until `cluster.spare_nodes` are
+        free); a second call finds them and checks the spec."""
         run = self.run_dir(run_id)
+        if run.spec_file.exists():
+            return self.write_spec(run_id, spec)  # checks that it is the same spec
         run.root.mkdir(parents=True, exist_ok=True)
-        with self._inventory_lock(run):
-            if run.spec_file.exists():
-                return self.write_spec(run_id, spec)  # checks that it is the same spec
-            active, spares = spec.cluster.active_nodes, spec.cluster.spare_nodes
-            nodes = [
-                NodeRecord(name=f"node-{i}", role="active" if i < active else "spare") for i in range(active + spares)
-            ]
-            self._write_inventory(run, Inventory(nodes=nodes))
-            # The spec is written last: its presence means the run directory is complete.
-            return self.write_spec(run_id, spec)
-
-    @contextlib.contextmanager
-    def _inventory_lock(self, run: RunDir):
-        with open(run.root / "inventory.lock", "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        self.pool.provision(run_id, spec.cluster.active_nodes, spec.cluster.spare_nodes)
+        pool = self.pool.read()
+        unknown = sorted({f.node for f in spec.faults if pool.node(f.node) is None})
+        if unknown:
+            self.pool.release(run_id)
+            raise ClusterError(
+                f"faults.node: {', '.join(unknown)} is not a node of the pool under {self.home} "
+                f"(it has {pool.nodes[0].name} .. {pool.nodes[-1].name}; `lazarus pool` lists them)"
+            )
+        # The spec is written last: its presence means the run directory is complete.
+        return self.write_spec(run_id, spec)
 
     def inventory(self, run_id: str) -> Inventory:
-        """The run's nodes as last recorded."""
-        return self._read_inventory(self._existing(run_id))
-
-    @staticmethod
-    def _read_inventory(run: RunDir) -> Inventory:
-        return Inventory.model_validate_json(run.inventory_file.read_text())
-
-    @staticmethod
-    def _write_inventory(run: RunDir, inventory: Inventory) -> None:
-        write_json_atomic(run.inventory_file, inventory.model_dump_json())
+        """The run's active nodes, the nodes it quarantined, and the pool's free nodes as its spares."""
+        self._existing(run_id)
+        return self.pool.inventory(run_id)
 
     def update_nodes(self, run_id: str, changes: dict[str, dict]) -> Inventory:
-        """Apply field changes to named nodes under the inventory lock; returns the new inventory."""
-        run = self._existing(run_id)
-        with self._inventory_lock(run):
-            inventory = self._read_inventory(run)
-            known = {n.name for n in inventory.nodes}
-            unknown = sorted(set(changes) - known)
-            if unknown:
-                raise ClusterError(
-                    f"run {run_id!r} has no node {', '.join(unknown)}; nodes: {', '.join(sorted(known))}"
-                )
-            inventory = Inventory(nodes=[n.model_copy(update=changes.get(n.name, {})) for n in inventory.nodes])
-            self._write_inventory(run, inventory)
-        return inventory
+        """Apply health changes (healthy, died_at, note) to named nodes of the pool; returns the run's inventory."""
+        self._existing(run_id)
+        return self.pool.inventory(run_id, self.pool.set_health(changes))
 
     def rendezvous_port(self, run_id: str) -> int:
         """A free port of this machine: every incarnation's ranks run here."""
@@ -108,50 +89,67 @@ class LocalCluster(RunFiles):
     def commit_assignment(
         self, run_id: str, assignment: Assignment, claims: list[str] = (), releases: list[str] = ()
     ) -> Assignment:
-        """Record an incarnation's assignment, claim the spares it uses and release nodes, exactly once.
+        """Record an incarnation's assignment, claim the nodes it uses and release leftover nodes to
+        the pool, exactly once, whatever other runs of the home do at the same time.
 
-        Under the inventory lock: if the incarnation already has an assignment (an earlier
-        attempt wrote it), that one is returned; otherwise every claimed node must be a
-        free healthy spare. Either way the nodes of the returned assignment are marked
-        active and the released ones spare, which also completes an attempt that crashed
-        between the two writes.
+        Under the pool's lock: if the incarnation already has an assignment (an earlier attempt
+        wrote it), that one is returned and its claims completed; otherwise every node must be
+        free and healthy or already the run's. The claim is written before the assignment, so
+        an attempt killed between the two leaves nodes the run's retry finds its own.
         """
         run = self._existing(run_id)
-        with self._inventory_lock(run):
+        with self.pool.changing() as pool:
             recorded = self.assignment(run_id, assignment.incarnation)
-            inventory = self._read_inventory(run)
+            why = f"incarnation {assignment.incarnation}"
             if recorded is None:
-                free = inventory.free_spares()
-                taken = [node for node in claims if node not in free]
-                if taken:
-                    raise ClusterError(
-                        f"node {', '.join(taken)} is no longer a free spare (free: {', '.join(free) or 'none'})"
-                    )
+                claim_and_release(pool, run_id, assignment.nodes, list(releases), why)
+                self.pool.save(pool)
                 recorded = self.record_assignment(run_id, assignment)
-            active, released = set(recorded.nodes), set(releases) - set(recorded.nodes)
-
-            def role(node: NodeRecord) -> NodeRecord:
-                if node.name in active and node.role != "active":
-                    return node.model_copy(update={"role": "active", "note": f"incarnation {recorded.incarnation}"})
-                if node.name in released and node.role == "active":
-                    note = f"released at incarnation {recorded.incarnation}"
-                    return node.model_copy(update={"role": "spare", "note": note})
-                return node
-
-            self._write_inventory(run, Inventory(nodes=[role(n) for n in inventory.nodes]))
+            claim_and_release(pool, run_id, recorded.nodes, list(releases), f"incarnation {recorded.incarnation}")
+        # Standbys this run keeps on nodes another run now holds would only idle.
+        held = {n.name for n in self.pool.inventory(run_id).nodes}
+        kill_standbys(run, [d.name for d in run.standbys() if d.name not in held], wait=False)
         return recorded
 
     def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
-        """Hold the nodes out of the run and its spare pool (drain, after a fault)."""
-        self.update_nodes(run_id, {node: {"role": "quarantined", "note": reason} for node in nodes})
+        """Hold the nodes out of every run of the pool (drain, after a fault), and end their
+        standbys: a quarantined node runs nothing, even if it comes back to life."""
+        self._existing(run_id)
+        self.pool.quarantine(run_id, nodes, reason)
+        self._kill_standbys_on(nodes)
 
     def return_node(self, run_id: str, node: str) -> Inventory:
-        """A repaired node goes back to the pool as a healthy spare."""
-        changes = {"healthy": True, "died_at": None, "role": "spare", "note": "returned"}
-        inventory = self.update_nodes(run_id, {node: changes})
-        if any_standby_alive(self.run_dir(run_id)):
-            self.ensure_standbys(run_id)  # the run is live: warm the returned spare now, not at the next fault
-        return inventory
+        """A repaired node goes back to the pool as a healthy free spare."""
+        self._existing(run_id)
+        self.pool.return_node(node)
+        # Every live run of the pool may take the spare: each warms it now, not when it claims it.
+        for run in self._runs():
+            if run.spec_file.exists() and any_standby_alive(run):
+                self.ensure_standbys(run.root.name)
+        return self.pool.inventory(run_id)
+
+    def want_spares(self, run_id: str, want: SpareWant) -> None:
+        """Lodge the run's need of the pool's spares (every run's inventory shows it)."""
+        self._existing(run_id)
+        self.pool.want(want)
+
+    def drop_want(self, run_id: str) -> None:
+        """The run's recovery is over: its want goes."""
+        self.pool.drop_want(run_id)
+
+    def release_nodes(self, run_id: str) -> list[str]:
+        """The run ended: its active nodes go back to the pool (what it quarantined stays out)."""
+        self._existing(run_id)
+        return self.pool.release(run_id)
+
+    def _kill_standbys_on(self, nodes: list[str], wait: bool = True) -> None:
+        """End every run's standby on these nodes (a spare of the pool may have one per run)."""
+        for run in self._runs():
+            kill_standbys(run, [n for n in nodes if run.standby(n).is_dir()], wait=wait)
+
+    def _runs(self) -> list[RunDir]:
+        runs = self.home / "runs"
+        return [RunDir(path) for path in sorted(runs.iterdir())] if runs.is_dir() else []
 
     # --- rank processes --------------------------------------------------------------
 
@@ -206,11 +204,10 @@ class LocalCluster(RunFiles):
         """Give every healthy node of the run (active or spare) a warm standby, if the spec asks for them."""
         run, spec = self._existing(run_id), self.spec(run_id)
         if spec.cluster.warm_standby:
-            for node in self.inventory(run_id).nodes:
-                if node.healthy and node.role != "quarantined":
-                    child = ensure_standby(run, spec, node.name, self.python)
-                    if child is not None:
-                        self._children.append(child)
+            nodes = [n.name for n in self.inventory(run_id).nodes if n.healthy and n.role != "quarantined"]
+            child = ensure_standbys(run, spec, nodes, self.python)
+            if child is not None:
+                self._children.append(child)
 
     def release_standbys(self, run_id: str) -> None:
         """Stop the run's warm standbys (it has ended: they would only wait for their idle exit)."""
@@ -272,7 +269,7 @@ class LocalCluster(RunFiles):
         # whose survivor resume names otherwise reads its own.
         found = survivor_holders(run, incarnation, assignment.layout, verify=False) if saved else None
         if found is not None and self.spec(run_id).cluster.warm_standby:
-            order_prefetch(run, assignment, self._read_inventory(run), found[1])
+            order_prefetch(run, assignment, self.pool.inventory(run_id), found[1])
         return saved
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
@@ -310,13 +307,27 @@ class LocalCluster(RunFiles):
         self.update_nodes(
             run_id, {node: {"healthy": False, "died_at": datetime.now(UTC), "note": "killed (chaos kill-node)"}}
         )
-        # The standby first, so that it cannot fork another launcher on the dead node; its ranks are
-        # signalled before anyone waits for the standby to be gone, as they would all die at once.
-        kill_standbys(run, [node], wait=False)
+        # The standbys first, so that none can fork another launcher on the dead node; its ranks are
+        # signalled before anyone waits for the standbys to be gone, as they would all die at once.
+        self._kill_standbys_on([node], wait=False)
         killed = kill_and_wait([g for k in run.incarnations() for g in node_groups(run, k, node)])
-        kill_standbys(run, [node])
+        self._kill_standbys_on([node])
         self._reap()
         return [group_id for _, _, group_id in killed if group_id is not None]
+
+    def repair_after(self, run_id: str) -> list[str]:
+        """Chaos clean-up of an ended run: its active nodes go back to the pool, and what it
+        quarantined and every dead free node are returned healthy, so the pool is whole for the
+        next run; returns the nodes repaired."""
+        self.release_nodes(run_id)
+        broken = [
+            n.name
+            for n in self.pool.read().nodes
+            if (n.role == "quarantined" and n.owner == run_id) or (n.role == "free" and not n.healthy)
+        ]
+        for node in broken:
+            self.pool.return_node(node)
+        return broken
 
     def live_pids(self, run_id: str) -> list[int]:
         """Pids of every live process of the run with a pid record (launchers and ranks, any incarnation)."""

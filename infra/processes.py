@@ -2,9 +2,10 @@
 group, watching exits.
 
 A node of an incarnation is one launcher process (trainer/launcher.py) leading a process group
-that holds the node's ranks. Every process holds an exclusive flock for its whole life (the
-starter takes it and hands the locked descriptor down), so "is it alive?" is answered by the
-kernel, immune to pid reuse and zombies, and a retried start cannot run a second copy.
+that holds the node's ranks. Every process holds an exclusive lock (schema/files.take_lock) for
+its whole life (the starter takes it and hands the locked descriptor down), so "is it alive?"
+is answered by the kernel, immune to pid reuse and zombies, and a retried start cannot run a
+second copy.
 """
 
 from __future__ import annotations
@@ -74,19 +75,15 @@ def start_locked(
     pid_file: Path,
     log: Path,
     record: dict | None = None,
-    lock_fd_env: str | None = None,
 ) -> subprocess.Popen | None:
-    """Start `command` in a session of its own holding the flock on `lock`, unless a live process
+    """Start `command` in a session of its own holding the lock on `lock`, unless a live process
     holds it (then None); records its pid, process group and start time (plus `record`).
-    `lock_fd_env` names a variable that tells the child which descriptor holds its lock.
 
     From the moment this returns the lock says the process lives, so no second one can start.
     """
     fd = take_lock(lock)
     if fd is None:
         return None
-    if lock_fd_env:
-        env = {**env, lock_fd_env: str(fd)}
     try:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as output:
@@ -133,6 +130,10 @@ def kill_group(lock: Path, pid_file: Path, deadline: float) -> int | None:
         return None
     with contextlib.suppress(ProcessLookupError):
         os.killpg(record["pgid"], signal.SIGKILL)
+    # The process itself too: a standby forked from a shared interpreter records the group it
+    # is about to lead a moment before it leads it (trainer/standby_fork.serve_nodes).
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(record["pid"], signal.SIGKILL)
     return record["pgid"]
 
 

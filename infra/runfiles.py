@@ -25,6 +25,7 @@ from lazarus.schema.contract import (
 )
 from lazarus.schema.files import file_sha256, write_json_atomic, write_once
 from lazarus.schema.layout import Layout
+from lazarus.schema.names import check_run_id
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir
@@ -43,8 +44,19 @@ class RunFiles:
         self._specs: dict[str, RunSpec] = {}  # a run's spec never changes once written (write_spec)
 
     def run_dir(self, run_id: str) -> RunDir:
-        """The run's directory (it may not exist yet)."""
-        return RunDir(self.home / "runs" / run_id)
+        """The run's directory (it may not exist yet); ClusterError for a run id that is not one,
+        whichever door it came in by: a run's files never land outside home/runs."""
+        try:
+            check_run_id(run_id)
+        except ValueError as error:
+            raise ClusterError(str(error)) from None
+        runs = self.home / "runs"
+        root = runs / run_id
+        # The rule above already refuses separators and `..`; a symlink planted under runs/ is the
+        # one way left out, and following it would write another directory's files.
+        if root.resolve().parent != runs.resolve():
+            raise ClusterError(f"run directory {root} leads outside {runs}")
+        return RunDir(root)
 
     def _existing(self, run_id: str) -> RunDir:
         run = self.run_dir(run_id)

@@ -1,5 +1,6 @@
 """Warm standbys of the local backend (trainer/standby.py): one interpreter per node, torch and the
 trainer imported before any fault, that forks the node's launcher when an incarnation starts.
+The standbys started together are forks of one interpreter that did the imports once.
 
 A standby lives in `standby/<node>/` of the run directory: `lock` (held while it lives), `pid`,
 `orders` (a FIFO of JSON lines: an incarnation to start, or survivors' states to read ahead),
@@ -15,10 +16,10 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from lazarus.infra.processes import KILL_WAIT_SECONDS, kill_group, start_locked, wait_released
+from lazarus.infra.processes import KILL_WAIT_SECONDS, kill_group, wait_released
 from lazarus.infra.runfiles import Place, place_of
-from lazarus.schema.contract import ENV_NODE, ENV_RUN_DIR, ENV_STANDBY_LOCK_FD
-from lazarus.schema.files import lock_is_held
+from lazarus.schema.contract import ENV_RUN_DIR, ENV_STANDBY_LOCK_FDS, ENV_STANDBY_NODES
+from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
@@ -31,22 +32,54 @@ ORDER_POLL_SECONDS = 0.002
 """How often the backend looks whether the ordered launchers have started (seconds)."""
 
 
-def ensure_standby(run: RunDir, spec: RunSpec, node: str, python: str) -> subprocess.Popen | None:
-    """Start the node's standby unless one lives; returns the process if this call started it."""
-    home = run.standby(node)
-    home.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkfifo(home / "orders")
-    env = {**os.environ, **spec.trainer.env, ENV_RUN_DIR: str(run.root), ENV_NODE: node}
+def ensure_standbys(run: RunDir, spec: RunSpec, nodes: list[str], python: str) -> subprocess.Popen | None:
+    """Start the standbys of those of `nodes` that have no live one, all from one interpreter
+    that imports torch once and forks one per node (trainer/standby_fork.py): the local
+    backend's nodes share this machine, so N imports would only cost N times the CPU. Returns
+    that interpreter if one was started.
+
+    Each node's lock is taken here and passed on, and the interpreter is recorded as each node's
+    standby until its fork records itself: from the moment this returns, a node's standby
+    lives as far as every other caller can tell, and a kill reaches it.
+    """
+    taken: list[tuple[str, int]] = []
+    for node in nodes:
+        home = run.standby(node)
+        home.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkfifo(home / "orders")
+        fd = take_lock(home / "lock")
+        if fd is not None:
+            taken.append((node, fd))
+    if not taken:
+        return None
+    env = {
+        **os.environ,
+        **spec.trainer.env,
+        ENV_RUN_DIR: str(run.root),
+        ENV_STANDBY_NODES: ",".join(node for node, _ in taken),
+        ENV_STANDBY_LOCK_FDS: ",".join(str(fd) for _, fd in taken),
+    }
     env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
-    return start_locked(
-        [python, "-m", "lazarus.trainer.standby"],
-        env,
-        home / "lock",
-        home / "pid",
-        home / "log",
-        lock_fd_env=ENV_STANDBY_LOCK_FD,
-    )
+    try:
+        # Until it forks, the interpreter writes to the first node's log (each fork, to its own).
+        with open(run.standby(taken[0][0]) / "log", "ab") as log:
+            child = subprocess.Popen(
+                [python, "-m", "lazarus.trainer.standby"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=tuple(fd for _, fd in taken),
+                start_new_session=True,
+            )
+        record = {"pid": child.pid, "pgid": child.pid, "start_time": process_start_time(child.pid)}
+        for node, _ in taken:
+            write_json_atomic(run.standby(node) / "pid", record)
+    finally:
+        for _, fd in taken:
+            os.close(fd)  # the interpreter holds each lock through its inherited descriptor
+    return child
 
 
 def order_launchers(run: RunDir, assignment: Assignment, resume_step: int, start_cold: Callable[[int], None]) -> None:
@@ -120,10 +153,16 @@ def kill_standbys(run: RunDir, nodes: list[str] | None = None, wait: bool = True
     base = run.root / "standby"
     homes = [base / n for n in nodes] if nodes is not None else (sorted(base.iterdir()) if base.is_dir() else [])
     deadline = time.monotonic() + KILL_WAIT_SECONDS
-    for home in homes:
-        kill_group(home / "lock", home / "pid", deadline)
+    killed = {home: kill_group(home / "lock", home / "pid", deadline) for home in homes}
     if wait:
         for home in homes:
+            # A fork of the shared interpreter may record itself after the kill read the
+            # interpreter's record (and after the interpreter died): kill what it recorded.
+            while lock_is_held(home / "lock") and time.monotonic() < deadline:
+                record = read_json(home / "pid") or {}
+                if record.get("pgid") not in (None, killed[home]):
+                    killed[home] = kill_group(home / "lock", home / "pid", deadline)
+                time.sleep(0.005)
             wait_released(home / "lock", f"the standby of {home.name}", deadline)
 
 

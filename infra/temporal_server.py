@@ -215,6 +215,9 @@ def stop_detached(state_dir: Path) -> int | None:
     if b"start-dev" in cmdline:
         os.kill(pid, signal.SIGTERM)
         for _ in range(200):
+            # Reap it if this process started it (a test, the demo): a zombie's /proc entry stays.
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
             if not Path(f"/proc/{pid}").exists():
                 break
             time.sleep(0.05)

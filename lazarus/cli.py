@@ -1,4 +1,4 @@
-"""The `lazarus` command: server, worker, runs, chaos, the planner and the demo.
+"""The `lazarus` command: server, worker, runs, the pool, chaos, the planner and the demo.
 
 The parser is assembled from the command modules under lazarus/commands/; each subcommand
 names its handler (`handler(args, settings) -> exit code`, a coroutine function or a plain one).
@@ -13,15 +13,15 @@ import logging
 import os
 import sys
 
-from lazarus.commands import chaos, controls, demo, runs, server, simulate, worker
-from lazarus.commands.common import UserError
+from lazarus.commands import chaos, controls, demo, pool, runs, server, simulate, worker
+from lazarus.commands.common import OneLineParser, UserError
 from lazarus.config import HELP as ENV_HELP
 from lazarus.config import Settings
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     """The argument parser of every command, with the environment variables in its epilog."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="lazarus",
         description="Training runs that survive a dead node: each run is a durable Temporal workflow "
         "whose activities detect, drain, reschedule, replace and resume.",
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_commands = run.add_subparsers(dest="run_command", required=True, metavar="ACTION")
     runs.register(run_commands)
     controls.register(run_commands)
+    pool.register(commands)
     chaos.register(commands)
     simulate.register(commands)
     demo.register(commands)
@@ -64,13 +65,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def one_line(message: str) -> str:
+    """`message` as one printable line: a newline or other control character a user typed shows escaped."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `lazarus` console script."""
     argv = sys.argv[1:] if argv is None else argv
+    prog = "lazarus launch" if argv[:1] == ["launch"] else "lazarus"
     try:
         args = _parse(argv)
     except UserError as error:
-        print(f"lazarus launch: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(error))}", file=sys.stderr)
         sys.exit(2)
     # Logs (the Temporal core's included, see lazarus.client.CORE_LOGGER) go to stderr: stdout is for results.
     logging.basicConfig(
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = _run(args, Settings.from_environ())
     except UserError as error:
-        print(f"{'lazarus launch' if argv[:1] == ['launch'] else 'lazarus'}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(error))}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130

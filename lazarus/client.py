@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from pathlib import Path
+import time
 
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-from temporalio.client import Client, TLSConfig, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
@@ -17,6 +18,7 @@ from lazarus.config import Settings
 from lazarus.infra.temporal_server import SEARCH_ATTRIBUTES
 from lazarus.schema.records import RunStart, RunState, RunStatus
 from lazarus.schema.run import RunSpec
+from lazarus.tls import tls_config
 from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 
 CORE_LOGGER = logging.getLogger("lazarus.temporal_core")
@@ -40,26 +42,35 @@ def core_runtime() -> Runtime:
     return Runtime(telemetry=core_telemetry())
 
 
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
+STARTING_SECONDS = 30.0
+"""How long a connect waits for a server that answers but whose frontend is not serving yet (seconds)."""
+
+STARTING_RETRY_SECONDS = 0.2
+"""Pause between connects to such a server (seconds)."""
 
 
 async def connect(settings: Settings) -> Client:
-    """A Temporal client for the configured address and namespace (TLS when certificates are set)."""
-    tls: TLSConfig | bool = False
-    if settings.tls_cert or settings.tls_ca:
-        tls = TLSConfig(
-            client_cert=_read(settings.tls_cert),
-            client_private_key=_read(settings.tls_key),
-            server_root_ca_cert=_read(settings.tls_ca),
-        )
-    return await Client.connect(
-        settings.address,
-        namespace=settings.namespace,
-        tls=tls,
-        data_converter=pydantic_data_converter,
-        runtime=core_runtime(),
-    )
+    """A Temporal client for the configured address and namespace, with TLS when a LAZARUS_TEMPORAL_TLS_*
+    setting is set (lazarus.tls: a bad setting raises TLSSettingsError before any connection).
+
+    A dev server accepts connections a moment before its frontend serves ("Frontend is not
+    healthy yet"): that answer is waited out for up to STARTING_SECONDS, so that a command run
+    right after `lazarus server --detach` (or the demo, which starts one) does not fail.
+    """
+    deadline = time.monotonic() + STARTING_SECONDS
+    while True:
+        try:
+            return await Client.connect(
+                settings.address,
+                namespace=settings.namespace,
+                tls=tls_config(settings),
+                data_converter=pydantic_data_converter,
+                runtime=core_runtime(),
+            )
+        except RuntimeError as error:
+            if "not healthy yet" not in str(error) or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(STARTING_RETRY_SECONDS)
 
 
 async def has_search_attributes(client: Client, namespace: str) -> bool:

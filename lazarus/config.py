@@ -14,6 +14,7 @@ ENV_UI_URL = "LAZARUS_UI_URL"
 ENV_TLS_CERT = "LAZARUS_TEMPORAL_TLS_CERT"
 ENV_TLS_KEY = "LAZARUS_TEMPORAL_TLS_KEY"
 ENV_TLS_CA = "LAZARUS_TEMPORAL_TLS_CA"
+ENV_TLS_SERVER_NAME = "LAZARUS_TEMPORAL_TLS_SERVER_NAME"
 
 HELP = f"""environment:
   {ENV_ADDRESS}   Temporal frontend host:port (default 127.0.0.1:7233)
@@ -21,8 +22,11 @@ HELP = f"""environment:
   {ENV_TASK_QUEUE}         task queue of the Lazarus worker (default: lazarus)
   {ENV_HOME}               state folder: runs, dev server database (default: ./.lazarus)
   {ENV_UI_URL}             web UI base URL for links (default: http://<host>:<port+1000>)
-  {ENV_TLS_CERT}, {ENV_TLS_KEY}, {ENV_TLS_CA}
-                             client certificate, key and server CA (PEM files) for a TLS cluster
+  {ENV_TLS_CA}, {ENV_TLS_CERT}, {ENV_TLS_KEY}
+                             server CA, and for mutual TLS client certificate and key (PEM files):
+                             any of them set connects with TLS
+  {ENV_TLS_SERVER_NAME}
+                             server name for SNI and the certificate check (default: the address's host)
 """
 
 
@@ -38,6 +42,7 @@ class Settings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    tls_server_name: str | None = None
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> Settings:
@@ -47,9 +52,11 @@ class Settings:
             task_queue=environ.get(ENV_TASK_QUEUE, cls.task_queue),
             home=Path(environ.get(ENV_HOME, cls.home)),
             ui_url=environ.get(ENV_UI_URL),
-            tls_cert=environ.get(ENV_TLS_CERT),
-            tls_key=environ.get(ENV_TLS_KEY),
-            tls_ca=environ.get(ENV_TLS_CA),
+            # An empty value means unset: `VAR= lazarus ...` turns TLS off rather than naming file ''.
+            tls_cert=environ.get(ENV_TLS_CERT) or None,
+            tls_key=environ.get(ENV_TLS_KEY) or None,
+            tls_ca=environ.get(ENV_TLS_CA) or None,
+            tls_server_name=environ.get(ENV_TLS_SERVER_NAME) or None,
         )
 
     def workflow_url(self, workflow_id: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 import time
 import uuid
 from datetime import datetime
@@ -12,7 +13,8 @@ from pathlib import Path
 from temporalio.client import WorkflowFailureError
 
 from lazarus import console
-from lazarus.client import connect, run_status, start_run
+from lazarus.client import run_status, start_run
+from lazarus.commands.common import connect_client
 from lazarus.config import Settings
 from lazarus.infra.local import LocalCluster
 from lazarus.infra.temporal_server import port_answers, split_address, start_detached
@@ -65,6 +67,14 @@ async def drive_run(
     run = cluster.run_dir(run_id)
     handle = await start_run(client, settings, spec, run_id)
     result = asyncio.ensure_future(handle.result())
+    try:
+        return await _follow(client, cluster, spec, run, run_id, result, kill_at, say, kill)
+    finally:
+        result.cancel()  # a demo cut short leaves no wait on the run behind
+
+
+async def _follow(client, cluster, spec, run, run_id, result, kill_at, say, kill) -> RunStatus:
+    """Say the run's states and steps until `result` (its workflow's end) is done, killing at `kill_at`."""
     last_state, last_step, killed = None, 0, kill_at is None
     report_every = max(10, spec.trainer.steps // 15 // 10 * 10)
     while not result.done():
@@ -90,6 +100,17 @@ async def drive_run(
         return await run_status(client, run_id)
 
 
+async def abandon(client, cluster: LocalCluster, run_id: str) -> None:
+    """End a demo's run that the demo itself is leaving (Ctrl-C, a closed pipe, an error): the
+    demo's worker goes with it, so the run would otherwise wait for a worker forever and its
+    ranks would train for no one. The workflow is terminated, then every process of the run ends."""
+    try:
+        await client.get_workflow_handle(run_id).terminate(reason="the demo that drove this run was interrupted")
+    except Exception:  # noqa: BLE001 - the run may have ended, or never started
+        pass
+    await asyncio.to_thread(cluster.stop_run, run_id)
+
+
 async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_json: bool = False) -> RunStatus:
     """Run the demo, saying what happens (on stderr with `as_json`, so that stdout stays for the
     result); returns the run's final status."""
@@ -108,7 +129,7 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
         say("note: no hot spare in this spec; after the kill the run waits for capacity, then fails")
 
     await ensure_server(settings, say)
-    client = await connect(settings)
+    client = await connect_client(settings)
     cluster = LocalCluster(settings.home)
     run_id = f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}"
     # A queue of its own: a `lazarus worker` elsewhere may use another LAZARUS_HOME.
@@ -119,8 +140,21 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
         f"dp={spec.layout.dp}, {spec.trainer.steps} steps, checkpoint every {spec.trainer.checkpoint_every}"
     )
     say(f"web UI: {settings.workflow_url(run_id)}")
-    async with build_worker(client, settings.task_queue, cluster):
-        final = await drive_run(client, settings, cluster, spec, run_id, kill_at, say)
+    # SIGTERM ends the demo as Ctrl-C does: the run goes with it (abandon), then the CLI exits 130.
+    loop, demo_task, terminated = asyncio.get_running_loop(), asyncio.current_task(), []
+    loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(True), demo_task.cancel()))
+    try:
+        async with build_worker(client, settings.task_queue, cluster):
+            final = await drive_run(client, settings, cluster, spec, run_id, kill_at, say)
+    except BaseException:
+        # After the worker's shutdown: an activity still at work (a launch) could start processes.
+        say("interrupted: terminating the run and ending its processes")
+        await abandon(client, cluster, run_id)
+        if terminated:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
     if final.state == RunState.FAILED:
         say(f"run FAILED: {final.reason}")
     return final

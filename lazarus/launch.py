@@ -21,7 +21,7 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
-from lazarus.commands.common import UserError
+from lazarus.commands.common import OneLineParser, UserError, connect_client
 
 # The torchrun flags that mean nothing under Lazarus, each with the reason said once for its group.
 IGNORED_FLAGS = {
@@ -52,13 +52,13 @@ IGNORED_FLAGS = {
 SHORT_FLAGS = {"redirects": "-r", "tee": "-t"}
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """A parser whose every complaint is one line naming the argument (UserError), never usage text."""
+class LaunchParser(OneLineParser):
+    """The one-line parser, which says how to give a missing SCRIPT."""
 
     def error(self, message: str):
         if "required: SCRIPT" in message:
             message = "no SCRIPT given: lazarus launch [torchrun's flags] SCRIPT [the script's arguments]"
-        raise UserError(f"{message} (see `lazarus launch --help`)")
+        super().error(message)
 
 
 def _flag(group, name: str, **options) -> None:
@@ -69,9 +69,9 @@ def _flag(group, name: str, **options) -> None:
     group.add_argument(*spellings, dest=name.replace("-", "_"), **options)
 
 
-def build_parser() -> OneLineParser:
+def build_parser() -> LaunchParser:
     """torchrun's flags (dash and underscore spellings), Lazarus's own, the script and its arguments."""
-    parser = OneLineParser(
+    parser = LaunchParser(
         prog="lazarus launch",
         usage="lazarus launch [torchrun's flags] [--spares N ...] SCRIPT [script arguments]",
         allow_abbrev=False,
@@ -144,7 +144,8 @@ def ignored_flags(args: argparse.Namespace) -> str | None:
 
 
 def _count(flag: str, text: str, what: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    # isdigit alone takes '²' and other digits int() refuses.
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise UserError(f"--{flag}: {text!r} is not a number of {what} (a whole number, 1 or more)")
     return int(text)
 
@@ -230,9 +231,12 @@ def run_id_for(args: argparse.Namespace, name: str) -> str:
     """--rdzv-id (torchrun's job id) as the run id, else the name, the time and a few random letters."""
     if args.rdzv_id in (None, "none"):
         return f"{name}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}"
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", args.rdzv_id):
-        raise UserError(f"--rdzv-id: {args.rdzv_id!r} is not a run id (letters, digits, '.', '_', '-')")
-    return args.rdzv_id
+    from lazarus.schema.names import check_run_id
+
+    try:
+        return check_run_id(args.rdzv_id)
+    except ValueError as error:
+        raise UserError(f"--rdzv-id: {error}") from None
 
 
 class Follower:
@@ -316,10 +320,10 @@ async def launch(args: argparse.Namespace, settings) -> int:
     from temporalio.client import WorkflowFailureError
 
     from lazarus import console
-    from lazarus.client import connect, run_status, start_run
+    from lazarus.client import run_status, start_run
     from lazarus.demo import DemoError, ensure_server
     from lazarus.infra.local import LocalCluster
-    from lazarus.schema.records import TERMINAL_STATES
+    from lazarus.schema.states import TERMINAL_STATES
     from lazarus.worker import build_worker
 
     def say(message: str) -> None:
@@ -334,7 +338,7 @@ async def launch(args: argparse.Namespace, settings) -> int:
         await ensure_server(settings, say)
     except DemoError as error:
         raise UserError(str(error)) from None
-    client = await connect(settings)
+    client = await connect_client(settings)
     cluster = LocalCluster(settings.home)
     settings = dataclasses.replace(settings, task_queue=f"{settings.task_queue}-launch-{uuid.uuid4().hex[:8]}")
     say(

@@ -66,11 +66,12 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     wall = _seconds(status.started_at, end)
     recoveries = [_seconds(*downtime(incident, end)) for incident in status.incidents]
     paused = sum(_seconds(a, b) for a, b in paused_intervals(status, end))
+    regrowing = sum(r.seconds or 0.0 for r in status.regrowths)
     # A script that reports no steps leaves lost steps and the step time unknown: they are left
     # out of the bill (None), never guessed.
     lost = [incident.lost_steps for incident in status.incidents]
     lost_steps = sum(lost) if None not in lost else None
-    training = max(wall - sum(recoveries) - paused, 0.0)
+    training = max(wall - sum(recoveries) - paused - regrowing, 0.0)
     steps_trained = None if status.step is None or lost_steps is None else status.step + lost_steps
     step_seconds = training / steps_trained if steps_trained else None
     recomputing = lost_steps * step_seconds if lost_steps and step_seconds else 0.0
@@ -90,7 +91,13 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
         "incidents": len(status.incidents),
         "lost_steps": lost_steps,
         "mean_step_seconds": step_seconds,
-        "lost_seconds": {"recovery": sum(recoveries), "recomputed_steps": recomputing, "operator_holds": paused},
+        "lost_seconds": {
+            "recovery": sum(recoveries),
+            "recomputed_steps": recomputing,
+            "operator_holds": paused,
+            "regrow": regrowing,
+        },
+        "regrowths": len(status.regrowths),
         "stage_seconds": stages,
         "mttr_seconds": [incident.mttr_seconds for incident in status.incidents],
     }

@@ -37,16 +37,7 @@ def build_worker(
         client,
         task_queue=task_queue,
         workflows=[TrainingRun],
-        activities=[
-            stages.launch,
-            stages.detect,
-            stages.drain,
-            stages.reschedule,
-            stages.replace_or_reshard,
-            stages.resume,
-            stages.stop,
-            stages.return_node,
-        ],
+        activities=stages.every(),
         # Shutdown waits this long for running activities; detect is cancelled and retried elsewhere.
         graceful_shutdown_timeout=timedelta(seconds=2),
         max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,

@@ -23,7 +23,8 @@ ENV_NODE = "LAZARUS_NODE"
 ENV_RESUME_STEP = "LAZARUS_RESUME_STEP"
 ENV_FAIL_AT = "LAZARUS_FAIL_AT"
 ENV_NODE_INDEX = "LAZARUS_NODE_INDEX"
-ENV_STANDBY_LOCK_FD = "LAZARUS_STANDBY_LOCK_FD"
+ENV_STANDBY_NODES = "LAZARUS_STANDBY_NODES"
+ENV_STANDBY_LOCK_FDS = "LAZARUS_STANDBY_LOCK_FDS"
 
 Phase = Literal["starting", "joined", "restored", "training", "done", "stopped"]
 
@@ -59,6 +60,21 @@ class Heartbeat(Record):
     by: Literal["rank", "launcher"] = Field(
         "rank",
         description="Who wrote it: the rank (lazarus.session, the built-in trainer) or its launcher, from its output.",
+    )
+    warning: str | None = Field(
+        None,
+        description=(
+            "Something the operator should know though the rank trains on, such as a checkpoint lost to a full "
+            "disk; the newest one the rank had, None when none."
+        ),
+    )
+    alive_at: float | None = Field(
+        None,
+        description=(
+            "When the rank's process last ran (seconds since the epoch), rewritten by a thread of its own every "
+            "heartbeat interval even while a step waits in a collective: of ranks whose steps stall, the one whose "
+            "process stopped (a hung or cut-off host) is the one to blame. None from writers without that thread."
+        ),
     )
 
 

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from lazarus.schema.base import Record
+from lazarus.schema.base import MAX_SECONDS, Record
+from lazarus.schema.names import NodeName
+
+REASON_LIMIT = 1000
+"""Longest reason kept from an operator or a detector (characters): it is recorded on the run's
+status, which every query answers and every continue-as-new carries within Temporal's payload
+limits. A longer one is cut, not refused: a detector's report must not be dropped for its prose,
+and histories recorded before the limit must still replay."""
+
+
+def _cut(reason: str) -> str:
+    if len(reason) <= REASON_LIMIT:
+        return reason
+    return f"{reason[:REASON_LIMIT]}... ({len(reason) - REASON_LIMIT} more characters)"
+
+
+Reason = Annotated[str, AfterValidator(_cut)]
+"""A free-text reason, cut at REASON_LIMIT characters."""
 
 LEGACY_DEFAULTS: dict[str, Any] = {
     "reason": "",
@@ -42,39 +59,39 @@ class ControlRequest(Record):
 class PauseRequest(ControlRequest):
     """`pause`: checkpoint, stop the ranks, hold the nodes."""
 
-    reason: str = Field("", description="Why, in the operator's words (recorded on the intervention).")
+    reason: Reason = Field("", description="Why, in the operator's words (recorded on the intervention).")
 
 
 class ResumeRequest(ControlRequest):
     """`resume`: continue a paused run on the nodes it held."""
 
-    reason: str = Field("", description="Why, in the operator's words.")
+    reason: Reason = Field("", description="Why, in the operator's words.")
 
 
 class AbortRequest(ControlRequest):
     """`abort`: stop the run cleanly; the newest checkpoint is kept."""
 
-    reason: str = Field("", description="Why, in the operator's words (part of the run's final reason).")
+    reason: Reason = Field("", description="Why, in the operator's words (part of the run's final reason).")
 
 
 class DrainNodeRequest(ControlRequest):
     """`drain_node`: treat a node as faulty, with the same recovery as a detected fault."""
 
-    node: str = Field(min_length=1, description="Node of the current assignment to drain.")
-    reason: str = Field("", description="Why, in the operator's words (recorded on the incident).")
+    node: NodeName = Field(description="Node of the current assignment to drain.")
+    reason: Reason = Field("", description="Why, in the operator's words (recorded on the incident).")
 
 
 class ReturnNodeRequest(ControlRequest):
     """`return_node`: a repaired node rejoins the run's spare pool."""
 
-    node: str = Field(min_length=1, description="A node this run quarantined.")
+    node: NodeName = Field(description="A node this run quarantined.")
 
 
 class ReshardRequest(ControlRequest):
     """`reshard`: run at `dp` replicas (checkpoint, stop, re-plan, resume)."""
 
     dp: int = Field(ge=1, description="Data-parallel degree to run at (replicas), at most the spec's layout.dp.")
-    reason: str = Field("", description="Why, in the operator's words.")
+    reason: Reason = Field("", description="Why, in the operator's words.")
 
 
 class ApproveRequest(ControlRequest):
@@ -83,7 +100,13 @@ class ApproveRequest(ControlRequest):
     action: Literal["reshard_below_minimum", "wait_longer"] = Field(
         description="reshard_below_minimum: reshard below recovery.min_dp; wait_longer: keep waiting for capacity."
     )
-    wait_seconds: float = Field(600.0, gt=0, description="With wait_longer: how much longer to wait (seconds).")
+    wait_seconds: float = Field(
+        600.0,
+        gt=0,
+        le=MAX_SECONDS,
+        allow_inf_nan=False,
+        description="With wait_longer: how much longer to wait (seconds).",
+    )
 
 
 class SetPolicyRequest(ControlRequest):
@@ -109,7 +132,14 @@ class FaultSignal(Record):
     nodes: list[str] = Field(
         min_length=1, description="Nodes to treat as faulty; names not in the current assignment are ignored."
     )
-    reason: str = Field("reported by signal", description="Why, in the reporter's words.")
+    reason: Reason = Field("reported by signal", description="Why, in the reporter's words.")
     occurred_at: datetime | None = Field(
         None, description="When the fault happened, if the reporter knows (UTC); else when the signal arrived."
     )
+
+    @field_validator("occurred_at")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        # A time without a zone is taken as UTC, as documented: the workflow subtracts it from
+        # its own (aware) clock, which a naive time cannot be subtracted from.
+        return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -46,35 +47,41 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+_WHOLE_FILE = "hhqqi4x"  # struct flock on Linux x86-64 and arm64: type, whence, start, len, pid
+_EXCLUSIVE = struct.pack(_WHOLE_FILE, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+
+
 def take_lock(path: Path) -> int | None:
-    """An open descriptor holding the exclusive flock on `path`, or None if a live process holds it.
+    """An open descriptor holding the exclusive lock on `path`, or None if a live process holds it.
 
     Liveness locks: the launcher takes a rank's (or the backend a launcher's) lock and hands
     the descriptor to the child it starts, so the lock lives exactly as long as that process.
+    They are open file description locks (F_OFD_SETLK): like flock, one belongs to the open
+    file and passes with the descriptor through fork and exec; unlike flock, it can be tested
+    without being taken (lock_is_held). A test by taking a shared flock made a take that
+    came at the same instant fail, and a launcher then took its node for one already running.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _EXCLUSIVE)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another open file holds it
         os.close(fd)
         return None
     return fd
 
 
 def lock_is_held(path: Path) -> bool:
-    """True while a process holds the flock on `path`."""
+    """True while a process holds the lock on `path` (tested, never taken: F_OFD_GETLK)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _EXCLUSIVE)
     finally:
         os.close(fd)
-    return False
+    return struct.unpack(_WHOLE_FILE, answer)[0] != fcntl.F_UNLCK
 
 
 def process_start_time(pid: int) -> int | None:

@@ -7,20 +7,24 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from lazarus.schema.base import Strict
+from lazarus.schema.base import MAX_ATTEMPTS, MAX_SECONDS, Strict
 
 
 class StagePolicy(Strict):
     """Timeout and retry policy of one activity (one recovery stage)."""
 
-    timeout_seconds: float = Field(gt=0, description="Start-to-close timeout of one attempt (seconds).")
+    timeout_seconds: float = Field(gt=0, le=MAX_SECONDS, description="Start-to-close timeout of one attempt (seconds).")
     heartbeat_timeout_seconds: float = Field(
-        gt=0, description="An attempt that does not heartbeat for this long is presumed lost (seconds)."
+        gt=0, le=MAX_SECONDS, description="An attempt that does not heartbeat for this long is presumed lost (seconds)."
     )
-    max_attempts: int = Field(5, ge=0, description="Attempts before the stage counts as failed; 0 means unlimited.")
-    initial_retry_seconds: float = Field(0.5, gt=0, description="Wait before the first retry (seconds).")
+    max_attempts: int = Field(
+        5, ge=0, le=MAX_ATTEMPTS, description="Attempts before the stage counts as failed; 0 means unlimited."
+    )
+    initial_retry_seconds: float = Field(
+        0.5, gt=0, le=MAX_SECONDS, description="Wait before the first retry (seconds)."
+    )
     retry_backoff: float = Field(2.0, ge=1, description="Factor by which each retry's wait grows (dimensionless).")
-    max_retry_seconds: float = Field(10.0, gt=0, description="Longest wait between retries (seconds).")
+    max_retry_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS, description="Longest wait between retries (seconds).")
 
 
 def _stage(timeout: float, heartbeat: float, attempts: int = 5) -> StagePolicy:
@@ -60,6 +64,10 @@ class StagePolicies(Strict):
     return_node: StagePolicy = Field(
         default_factory=lambda: _stage(30, 5), description="Return a repaired node to the spare pool."
     )
+    release: StagePolicy = Field(
+        default_factory=lambda: _stage(60, 5),
+        description="When the run ends: stop its standbys and give its active nodes back to the pool.",
+    )
 
 
 class RecoveryPolicy(Strict):
@@ -72,28 +80,46 @@ class RecoveryPolicy(Strict):
         description="How often detect reads rank heartbeats and node health, and heartbeats to Temporal (seconds).",
     )
     hang_after_seconds: float = Field(
-        30.0, gt=0, description="A rank whose last heartbeat is older than this counts as hung (seconds)."
+        30.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="A rank whose last heartbeat is older than this counts as hung (seconds).",
     )
     startup_grace_seconds: float = Field(
         120.0,
         gt=0,
+        le=MAX_SECONDS,
         description="Time a new incarnation may take to its first heartbeat before it counts as hung (seconds).",
     )
     progress_every_seconds: float = Field(
         5.0,
         gt=0,
+        le=MAX_SECONDS,
         description="Detect returns a progress snapshot (step) to the workflow at least this often (seconds).",
     )
     min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
     capacity_wait_seconds: float = Field(
-        300.0, ge=0, description="How long to wait for a free spare before the run fails (seconds)."
+        300.0, ge=0, le=MAX_SECONDS, description="How long to wait for a free spare before the run fails (seconds)."
     )
     capacity_poll_seconds: float = Field(
-        5.0, gt=0, description="How often the inventory is read again while waiting for capacity (seconds)."
+        5.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="How often the inventory is read again while waiting for capacity (seconds).",
+    )
+    regrow: bool = Field(
+        True,
+        description=(
+            "A run below its spec's layout.dp (or the dp of an operator's reshard) grows back once the pool has the "
+            "nodes (a node returned, a spare freed, a run ended): at a step boundary it checkpoints, stops, claims "
+            "them and resumes at the larger dp, the global batch and sample order kept. Set false to hold it small "
+            "(`lazarus run set-policy RUN regrow=false`)."
+        ),
     )
     approval_wait_seconds: float = Field(
         3600.0,
         ge=0,
+        le=MAX_SECONDS,
         description=(
             "After the capacity wait, how long to wait for an operator's approve or abort before the run stops "
             "(seconds); the only time a human is asked."
@@ -102,6 +128,7 @@ class RecoveryPolicy(Strict):
     stop_grace_seconds: float = Field(
         120.0,
         gt=0,
+        le=MAX_SECONDS,
         description=(
             "How long ranks get to checkpoint and exit on a pause, abort or operator's reshard before they are killed "
             "(seconds)."
@@ -126,6 +153,7 @@ class RecoveryPolicy(Strict):
     save_grace_seconds: float = Field(
         1.0,
         ge=0,
+        le=MAX_SECONDS,
         description=(
             "Drain waits this long for a checkpoint being written at the fault to commit before discarding it "
             "(seconds)."
@@ -134,6 +162,7 @@ class RecoveryPolicy(Strict):
     survivor_grace_seconds: float = Field(
         2.0,
         ge=0,
+        le=MAX_SECONDS,
         description=(
             "Drain waits at most this long for the ranks that survived the fault to save the state of their last "
             "completed step and end (the built-in trainer does when its collectives break), so that the next "
@@ -143,6 +172,7 @@ class RecoveryPolicy(Strict):
     not_ready_toleration_seconds: int = Field(
         10,
         ge=0,
+        le=MAX_SECONDS,
         description=(
             "Kubernetes backend: how long a rank pod stays bound to a node that is not ready or unreachable "
             "before Kubernetes evicts it, its pods' tolerations (seconds; Kubernetes' default is 300)."

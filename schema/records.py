@@ -3,76 +3,20 @@
 from __future__ import annotations
 
 from datetime import datetime
-from enum import Enum
 from typing import Literal
 
 from pydantic import Field
 
 from lazarus.schema.base import Record
 from lazarus.schema.layout import Layout
+from lazarus.schema.names import RunId
 from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.pool import SpareWant
 from lazarus.schema.run import RunSpec
+from lazarus.schema.states import RunState
 
 STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
 """The recovery stages, in order; also the Temporal activity type names."""
-
-
-class RunState(str, Enum):
-    """The run's place in the recovery state machine; TRANSITIONS says where each state may go."""
-
-    PENDING = "PENDING"
-    LAUNCHING = "LAUNCHING"
-    TRAINING = "TRAINING"
-    DRAINING = "DRAINING"
-    RESCHEDULING = "RESCHEDULING"
-    WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
-    WAITING_FOR_APPROVAL = "WAITING_FOR_APPROVAL"
-    STOPPING = "STOPPING"
-    PAUSED = "PAUSED"
-    REPLACING = "REPLACING"
-    RESHARDING = "RESHARDING"
-    RESUMING = "RESUMING"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    ABORTED = "ABORTED"
-
-
-TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.ABORTED})
-"""States a run never leaves."""
-
-_MOVES: dict[RunState, set[RunState]] = {
-    RunState.PENDING: {RunState.LAUNCHING},
-    RunState.LAUNCHING: {RunState.TRAINING},
-    # A fault (detected, signalled or an operator's drain_node) drains at once: the fault
-    # report is the detect stage's result, so there is no state between.
-    RunState.TRAINING: {RunState.DRAINING, RunState.STOPPING, RunState.COMPLETED},
-    RunState.DRAINING: {RunState.RESCHEDULING},
-    RunState.RESCHEDULING: {RunState.WAITING_FOR_CAPACITY, RunState.REPLACING, RunState.RESHARDING},
-    # While waiting, each new read of the inventory stays in WAITING_FOR_CAPACITY.
-    RunState.WAITING_FOR_CAPACITY: {RunState.WAITING_FOR_APPROVAL, RunState.REPLACING, RunState.RESHARDING},
-    RunState.WAITING_FOR_APPROVAL: {RunState.RESCHEDULING},
-    # Back to RESCHEDULING when the spare decided on was lost before its claim.
-    RunState.REPLACING: {RunState.RESUMING, RunState.RESCHEDULING},
-    RunState.RESHARDING: {RunState.RESUMING, RunState.RESCHEDULING},
-    # DRAINING: a fault hit the new incarnation before its first step (the next incident).
-    RunState.RESUMING: {RunState.TRAINING, RunState.DRAINING},
-    # pause, abort and an operator's reshard checkpoint and stop the ranks first.
-    RunState.STOPPING: {RunState.PAUSED, RunState.RESHARDING},
-    # resume starts the next incarnation on the held nodes.
-    RunState.PAUSED: {RunState.REPLACING},
-}
-
-TRANSITIONS: dict[RunState, frozenset[RunState]] = {
-    state: frozenset() if state in TERMINAL_STATES else frozenset(_MOVES[state] | {RunState.FAILED, RunState.ABORTED})
-    for state in RunState
-}
-"""For each state, the states the run may go to next. A run fails or is aborted from any state
-that is not terminal; a terminal state has no way out. Staying in a state is not a transition."""
-
-
-def may_move(current: RunState, new: RunState) -> bool:
-    """Whether the state machine lets a run in `current` enter `new` (staying put always may)."""
-    return new == current or new in TRANSITIONS[current]
 
 
 class Assignment(Record):
@@ -103,10 +47,30 @@ class Inventory(Record):
     """The run's nodes as the backend sees them."""
 
     nodes: list[NodeRecord] = Field(description="Every node of the run, active, spare or quarantined.")
+    wants: list[SpareWant] = Field(
+        default_factory=list,
+        description="Other runs' needs of the pool's spares, from recoveries under way (placed ones included).",
+    )
 
     def free_spares(self) -> list[str]:
         """Healthy spare nodes, in name order."""
         return sorted(n.name for n in self.nodes if n.role == "spare" and n.healthy)
+
+    def held(self) -> int:
+        """Nodes the run holds: its active ones and those it quarantined."""
+        return sum(n.role in ("active", "quarantined") for n in self.nodes)
+
+    def spares_for(self, want: SpareWant | None, node_limit: int | None) -> tuple[list[str], list[SpareWant]]:
+        """The free spares the run may claim now, and the other runs' needs that come before it.
+
+        Each need that outranks `want` (for a regrow, None: every recovery's) and is not placed
+        yet takes its spares first; the run then takes no more than keeps it within `node_limit`
+        nodes held, when one is given."""
+        ahead = [w for w in self.wants if want is None or w.outranks(want)]
+        spares = self.free_spares()[sum(w.needed for w in ahead if not w.placed) :]
+        if node_limit is not None:
+            spares = spares[: max(0, node_limit - self.held())]
+        return spares, ahead
 
     def node(self, name: str) -> NodeRecord:
         """The record of one node; KeyError names it when unknown."""
@@ -168,6 +132,9 @@ class RankProgress(Record):
     step: int | None = Field(ge=0, description="Last step every rank had completed; None when no rank reports steps.")
     at: datetime = Field(description="When the snapshot was taken (UTC).")
     source: StepSource | None = Field("trainer", description="Who reported the step; None when nobody does.")
+    warnings: list[str] = Field(
+        default_factory=list, description="What the ranks' heartbeats ask the operator to know (a lost checkpoint)."
+    )
 
 
 class DetectResult(Record):
@@ -176,6 +143,7 @@ class DetectResult(Record):
     fault: FaultReport | None = Field(None, description="Set when a fault was found.")
     completed: bool = Field(False, description="True when every rank finished the last step and exited cleanly.")
     progress: RankProgress = Field(description="Progress at the time of return.")
+    capacity: bool = Field(False, description="The pool has the spares the watch was asked about (regrow_nodes).")
 
 
 class Decision(Record):
@@ -202,6 +170,9 @@ class Decision(Record):
     )
     below_target_dp: bool = Field(
         False, description="The next incarnation runs with fewer replicas than the spec's layout.dp."
+    )
+    rivals: list[str] = Field(
+        default_factory=list, description="Other runs whose recoveries needed the pool's spares at the time."
     )
     reason: str = Field(description="Why, in words an operator reads in the UI.")
 
@@ -281,6 +252,36 @@ class Incident(Record):
         return data
 
 
+class Regrowth(Record):
+    """One regrow: the pool had the nodes again, and the run grew back to more replicas."""
+
+    number: int = Field(ge=1, description="1 for the run's first regrow, and so on.")
+    started_at: datetime = Field(description="When the run saw the capacity and set out to grow (UTC).")
+    from_dp: int = Field(ge=1, description="Replicas before.")
+    to_dp: int = Field(ge=1, description="Replicas after (from_dp while it is being decided).")
+    nodes: list[str] = Field(default_factory=list, description="Nodes it claimed from the pool.")
+    reason: str = Field("", description="The decision, in words.")
+    stages: dict[str, StageRecord] = Field(
+        default_factory=dict, description="reschedule, stop, replace_or_reshard, resume: when each ran."
+    )
+    stopped_at_step: int | None = Field(None, description="Step the ranks checkpointed and stopped at.")
+    resumed_from_step: int | None = Field(None, description="Step the larger incarnation restored.")
+    first_step_at: datetime | None = Field(None, description="When the larger incarnation finished its first step.")
+    outcome: Literal["regrowing", "regrown", "capacity gone"] = Field("regrowing", description="How it ended.")
+
+    @property
+    def lost_steps(self) -> int | None:
+        """Completed steps trained again (0 when the stop's checkpoint was restored)."""
+        if self.stopped_at_step is None or self.resumed_from_step is None:
+            return None
+        return max(0, self.stopped_at_step - self.resumed_from_step)
+
+    @property
+    def seconds(self) -> float | None:
+        """What it cost: from the decision to the first step at the larger dp (seconds)."""
+        return None if self.first_step_at is None else (self.first_step_at - self.started_at).total_seconds()
+
+
 class Intervention(Record):
     """An operator's request and what came of it (the history has the request too)."""
 
@@ -318,6 +319,11 @@ class RunStatus(Record):
     started_at: datetime | None = Field(None, description="When the run was launched (UTC).")
     ended_at: datetime | None = Field(None, description="When the run reached COMPLETED, FAILED or ABORTED (UTC).")
     interventions: list[Intervention] = Field(default_factory=list, description="Operators' requests, oldest first.")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What the ranks asked the operator to know though training went on (a checkpoint lost to a "
+        "full disk), oldest first; the newest 20.",
+    )
     quarantined_nodes: list[str] = Field(
         default_factory=list, description="Nodes this run quarantined and has not had returned."
     )
@@ -328,6 +334,10 @@ class RunStatus(Record):
         None, description="The recovery policy in force (the spec's, as changed by set_policy)."
     )
     segments: int = Field(1, ge=1, description="Workflow runs so far: 1 + continue-as-new count.")
+    wanted_dp: int | None = Field(
+        None, ge=1, description="Replicas a regrow grows back to: the spec's layout.dp, or an operator's reshard's."
+    )
+    regrowths: list[Regrowth] = Field(default_factory=list, description="Every regrow, oldest first.")
 
     @property
     def progress(self) -> str:
@@ -346,7 +356,9 @@ class RunStatus(Record):
 class RunStart(Record):
     """Workflow input: the spec and the run's id, and the state carried over a continue-as-new."""
 
-    run_id: str = Field(description="Run id; also the Temporal workflow id.")
+    run_id: RunId = Field(
+        description="Run id; also the Temporal workflow id, and the name of the run's directory (schema/names.py)."
+    )
     spec: RunSpec = Field(description="The validated run spec.")
     carried: RunStatus | None = Field(
         None, description="Status of the previous workflow run when continued as new; None at launch."

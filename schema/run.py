@@ -7,9 +7,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from lazarus.schema.base import Strict
+from lazarus.schema.base import MAX_SECONDS, Strict
 from lazarus.schema.layout import Layout
+from lazarus.schema.names import shown
 from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.pool import NODE_NAME
 
 CONTRACT_ENV = {
     "RANK",
@@ -129,28 +131,41 @@ class TrainerSettings(Strict):
         if found is None:
             return None
         text = found.group("step") if "step" in found.re.groupindex else found.group(1)
-        return int(text) if text is not None and text.isdigit() else None
+        # isdigit alone takes '²' and other digits int() refuses, from any line a rank prints.
+        return int(text) if text is not None and text.isascii() and text.isdigit() else None
+
+    @model_validator(mode="after")
+    def _can_be_executed(self) -> TrainerSettings:
+        # What the operating system refuses to exec would fail every launch attempt instead.
+        texts = {"command": self.command, "env": [*self.env, *self.env.values()], "workdir": [self.workdir or ""]}
+        for field, values in texts.items():
+            if any("\x00" in value for value in values):
+                raise ValueError(f"trainer.{field}: holds a NUL character, which no program can be given")
+        bad_names = [name for name in self.env if not name or "=" in name]
+        if bad_names:
+            raise ValueError(f"trainer.env: {shown(bad_names[0])} is not a variable name (empty, or with '=')")
+        return self
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TrainerSettings:
         if len(self.command) == 1 and " " in self.command[0].strip():
             raise ValueError(
-                f"trainer.command: {self.command[0]!r} is one string; give an argv list, "
-                f"e.g. [{', '.join(self.command[0].split())}]"
+                f"trainer.command: {shown(self.command[0])} is one string; give an argv list, "
+                f"e.g. {shown(self.command[0].split())}"
             )
         reserved = sorted(name for name in self.env if name in CONTRACT_ENV or name.startswith("LAZARUS_"))
         if reserved:
-            raise ValueError(f"trainer.env: {', '.join(reserved)} set by the launcher for every rank; remove it")
+            raise ValueError(f"trainer.env: {shown(reserved)} set by the launcher for every rank; remove it")
         if self.progress_pattern is not None:
             try:
                 groups = re.compile(self.progress_pattern).groups
             except re.error as error:
                 raise ValueError(
-                    f"trainer.progress_pattern: {self.progress_pattern!r} is not a regular expression: {error}"
+                    f"trainer.progress_pattern: {shown(self.progress_pattern)} is not a regular expression: {error}"
                 ) from None
             if not groups:
                 raise ValueError(
-                    f"trainer.progress_pattern: {self.progress_pattern!r} has no group for the step; "
+                    f"trainer.progress_pattern: {shown(self.progress_pattern)} has no group for the step; "
                     f"write it as e.g. 'step (?P<step>\\d+)'"
                 )
         if self.d_model % self.n_heads:
@@ -186,7 +201,7 @@ class KubernetesSettings(Strict):
         "/lazarus", description="Where the pods and the worker mount volume_claim; LAZARUS_HOME there."
     )
     delete_grace_seconds: int = Field(
-        5, ge=0, description="Grace period when drain deletes an incarnation's pods (seconds)."
+        5, ge=0, le=MAX_SECONDS, description="Grace period when drain deletes an incarnation's pods (seconds)."
     )
     master_port: int = Field(
         29500,
@@ -210,7 +225,25 @@ class ClusterSpec(Strict):
         default_factory=KubernetesSettings, description="Settings of the kubernetes backend (ignored by `local`)."
     )
     active_nodes: int = Field(4, ge=1, description="Nodes that train at launch (nodes).")
-    spare_nodes: int = Field(1, ge=0, description="Hot spares kept idle to replace a lost node (nodes).")
+    spare_nodes: int = Field(
+        1,
+        ge=0,
+        description=(
+            "Hot spares the pool keeps free for this run (nodes). They are the pool's, shared by every run that "
+            "uses it: the local backend adds nodes at launch until this many are free; on Kubernetes, label them "
+            "`lazarus.dev/spare=true`."
+        ),
+    )
+    priority: int = Field(
+        0,
+        ge=-1000,
+        le=1000,
+        description=(
+            "When runs need the pool's last spares at once, the higher priority gets them first; on a tie, the run "
+            "whose fault broke more ranks, then the one that failed first. The other reshards or waits, per its "
+            "recovery policy."
+        ),
+    )
     warm_standby: bool = Field(
         True,
         description=(
@@ -230,11 +263,12 @@ class FaultInjection(Strict):
     `after_seconds` after the ranks started.
     """
 
-    node: str = Field(description="Node whose ranks die, e.g. node-1.")
+    node: str = Field(description="Node whose ranks die, e.g. node-1 (a node of the pool: `lazarus pool` lists them).")
     step: int | None = Field(None, ge=1, description="Step at which they die (give this or after_seconds).")
     after_seconds: float | None = Field(
         None,
         gt=0,
+        le=MAX_SECONDS,
         description="Or: seconds after the incarnation's ranks started, for a script that reports no steps (seconds).",
     )
     point: Literal["step", "checkpoint", "survivor_save"] = Field(
@@ -246,19 +280,35 @@ class FaultInjection(Strict):
         ),
     )
     incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
+    effect: Literal["kill", "raise", "disk_full"] = Field(
+        "kill",
+        description=(
+            "kill: every rank of the node dies by SIGKILL, as on a dead node; raise: each rank of the node raises "
+            "a Python exception at that point (a bug in a rank whose peers and node are fine; the built-in "
+            "trainer and lazarus.session scripts); disk_full: the node's ranks' writes of the checkpoint of `step` "
+            "fail with ENOSPC, as on a full volume (point: checkpoint; the built-in trainer)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _step_or_time(self) -> FaultInjection:
         if (self.step is None) == (self.after_seconds is None):
-            raise ValueError(f"faults: give {self.node} either step or after_seconds, not both nor neither")
+            raise ValueError(f"faults: give {shown(self.node)} either step or after_seconds, not both nor neither")
         if self.after_seconds is not None and self.point != "step":
             raise ValueError(f"faults.point: {self.point} needs a step, not after_seconds")
+        if self.after_seconds is not None and self.effect != "kill":
+            raise ValueError(f"faults.effect: {self.effect} needs a step, not after_seconds (the ranks raise it)")
+        if self.effect == "disk_full" and self.point != "checkpoint":
+            raise ValueError("faults.effect: disk_full fails a checkpoint's write; set point: checkpoint")
         return self
 
     @property
     def planned(self) -> str:
-        """The fault as LAZARUS_FAIL_AT says it: `step:N`, `checkpoint:N` or `after:S`."""
-        return f"after:{self.after_seconds:g}" if self.after_seconds is not None else f"{self.point}:{self.step}"
+        """The fault as LAZARUS_FAIL_AT says it: `step:N`, `checkpoint:N` or `after:S`, then `:raise`
+        or `:disk_full` for those effects."""
+        if self.after_seconds is not None:
+            return f"after:{self.after_seconds:g}"
+        return f"{self.point}:{self.step}" + ("" if self.effect == "kill" else f":{self.effect}")
 
 
 class RunSpec(Strict):
@@ -308,15 +358,25 @@ class RunSpec(Strict):
             )
         nodes = self.cluster.active_nodes + self.cluster.spare_nodes
         for fault in self.faults:
-            if not fault.node.startswith("node-") or not fault.node[5:].isdigit() or int(fault.node[5:]) >= nodes:
+            # Spelled exactly as the pool names nodes: `node-01` or `node-١` would never fire. Which
+            # nodes the pool has is known at launch, where the local backend checks it.
+            if NODE_NAME.fullmatch(fault.node) is None:
                 raise ValueError(
-                    f"faults.node: {fault.node!r} is not a node of this run; use node-0 .. node-{nodes - 1}"
+                    f"faults.node: {shown(fault.node)} is not a node name; the pool names its nodes "
+                    f"node-0, node-1, ... (a run alone in its home gets node-0 .. node-{nodes - 1})"
                 )
             if fault.point == "survivor_save" and not self.trainer.saves_survivors:
                 raise ValueError(
                     "faults.point: survivor_save needs a trainer that saves survivors' state "
                     "(the built-in trainer, or trainer.survivor_state: true)"
                 )
+            if fault.effect == "raise" and self.trainer.progress_pattern is not None:
+                raise ValueError(
+                    "faults.effect: raise needs ranks that carry out planned faults themselves (the built-in "
+                    "trainer or a lazarus.session script); with trainer.progress_pattern the launcher kills them"
+                )
+            if fault.effect == "disk_full" and not self.trainer.built_in:
+                raise ValueError("faults.effect: disk_full needs the built-in trainer, which writes the checkpoints")
             if fault.step is not None and fault.step > self.trainer.steps and self.trainer.progress_pattern is None:
                 raise ValueError(f"faults.step: {fault.step} is past trainer.steps {self.trainer.steps}")
         data_ranks = self.layout.dp * self.layout.dp_shard

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 from lazarus.schema.files import file_sha256, read_json, write_json_atomic
+from lazarus.schema.names import check_node_name
+from lazarus.schema.pool import pool_file
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -27,8 +29,9 @@ class RunDir:
         return self.root / "spec.json"
 
     @property
-    def inventory_file(self) -> Path:
-        return self.root / "inventory.json"
+    def pool_file(self) -> Path:
+        """The record of the local pool this run's nodes come from (its home's)."""
+        return pool_file(self.root.parent.parent)
 
     @property
     def metrics_file(self) -> Path:
@@ -80,7 +83,7 @@ class RunDir:
         return self.incarnation(k) / "errors" / f"{rank}.json"
 
     def node_lock_file(self, k: int, node_index: int) -> Path:
-        """Held (flock) by the launcher of node `node_index` while it lives."""
+        """Held (a liveness lock, schema/files.take_lock) by the launcher of node `node_index` while it lives."""
         return self.incarnation(k) / "nodes" / f"{node_index}.lock"
 
     def node_pid_file(self, k: int, node_index: int) -> Path:
@@ -104,8 +107,14 @@ class RunDir:
         return self.incarnation(k) / "ended"
 
     def standby(self, node: str) -> Path:
-        """The warm standby of a node: `orders` (a FIFO), `lock` (held while it lives), `pid`, `ready`, `log`."""
-        return self.root / "standby" / node
+        """The warm standby of a node: `orders` (a FIFO), `lock` (held while it lives), `pid`, `ready`, `log`.
+        ValueError for a name that is no node's: it would lead out of standby/."""
+        return self.root / "standby" / check_node_name(node)
+
+    def standbys(self) -> list[Path]:
+        """The standby folders of every node the run has kept one on."""
+        base = self.root / "standby"
+        return sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
 
     def incarnations(self) -> list[int]:
         """Incarnations that have an assignment, in order."""

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from lazarus.schema.base import Record
 from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import Assignment, Decision, FaultReport, RestoreSource, StepSource
 from lazarus.schema.run import RunSpec
 
@@ -33,6 +34,15 @@ class DetectInput(Record):
     incarnation: int = Field(ge=0, description="Incarnation to watch.")
     total_steps: int = Field(ge=1, description="Steps the run trains for; reaching them is completion.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval, hang threshold, progress interval.")
+    regrow_nodes: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "With each progress report, say whether the pool has this many spares the run may take for a regrow "
+            "(none that another run's recovery needs, within node_limit); None: do not look."
+        ),
+    )
+    node_limit: int | None = Field(None, ge=1, description="Nodes the run may hold, active and quarantined (nodes).")
 
 
 class DrainInput(Record):
@@ -54,6 +64,9 @@ class DrainInput(Record):
             "How long to let the surviving ranks save their state and end before they are stopped (seconds; 0: "
             "stop them at once, the trainer saves none)."
         ),
+    )
+    want: SpareWant | None = Field(
+        None, description="The run's need of the pool's spares, lodged before anything else (None: lodge nothing)."
     )
     detect_seconds: float = Field(
         0.0, ge=0, description="The incident's fault-to-report time, for the detect metric (seconds)."
@@ -164,6 +177,12 @@ class StopResult(Record):
     clean: bool = Field(description="Every rank checkpointed and exited on its own (else they were killed).")
     completed: bool = Field(False, description="The ranks had reached the last step anyway.")
     reason: str = Field("", description="Why the stop was not clean.")
+
+
+class ReleaseInput(Record):
+    """Give an ended run's nodes back to the pool."""
+
+    run_id: str = Field(description="Run id.")
 
 
 class ReturnNodeInput(Record):

@@ -6,17 +6,29 @@ group it aborts the process), so training goes on while the files are written. R
 commits a checkpoint once its save has completed, which for the coordinator means every
 rank's files and the metadata are on disk: it writes the manifest (size and SHA-256 of every
 file) as the `COMMITTED` marker, atomically, last. A folder without it is never loaded.
+
+A save that fails on the disk (a full volume: any rank's write raised OSError, and dcp hands
+every rank the failure) costs that checkpoint, not the run: the folder is removed, the ranks
+say so (their log and their heartbeat, which the controller shows as the run's warning), and
+training goes on with the newest complete checkpoint where it was; the next one is tried as due.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
+import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -24,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.session import commit_or_say_why
+from lazarus.trainer.session import commit_or_say_why, planned_disk_full
 
 # Optimizer state keyed by parameter name (`state.blocks.3.q.weight.exp_avg`, and the same
 # for param_groups): each pipeline stage then has keys of its own. Unflattened, every stage
@@ -42,27 +54,60 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, 
     }
 
 
-class Checkpointer:
-    """Saves `step-N` checkpoints (at most one in flight), commits them, keeps the newest k."""
+class DiskFull(FileSystemWriter):
+    """A writer that fails as a full volume does, for a planned `disk_full` fault: part of a file
+    written, then ENOSPC."""
 
-    def __init__(self, run: RunDir, incarnation: int, keep: int, asynchronous: bool):
+    def write_data(self, plan, planner):
+        with open(Path(self.path) / f"__{dist.get_rank()}_partial.distcp", "wb") as partial:
+            partial.write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+
+def disk_error(error: BaseException) -> OSError | None:
+    """The OSError behind a failed save when the disk is what failed (on any rank), else None: a
+    broken collective (a peer died) is the recovery's business, not this checkpoint's."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, CheckpointException):
+        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()]
+        if causes and all(isinstance(cause, OSError) for cause in causes):
+            return causes[0]
+    return None
+
+
+class Checkpointer:
+    """Saves `step-N` checkpoints (at most one in flight), commits them, keeps the newest k.
+
+    `warn(message)` tells the controller about a checkpoint lost to the disk (see the module)."""
+
+    def __init__(
+        self, run: RunDir, incarnation: int, keep: int, asynchronous: bool, warn: Callable[[str], None] | None = None
+    ):
         self.run = run
         self.incarnation = incarnation
         self.keep = keep
+        self.warn = warn or (lambda message: None)
         self.rank = dist.get_rank()
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self._in_flight: tuple[int, Future, threading.Thread | None] | None = None
+        self._commit_error: BaseException | None = None
 
     def save(self, model, optimizer, step: int, samples: int) -> None:
         """Checkpoint the state after `step` steps; returns once the state is staged (async) or written."""
         self.wait()
         path = self.run.checkpoint(step)
         state = _state(model, optimizer, step, samples)
+        writer = DiskFull(path) if planned_disk_full(step) else None
         if self.group is None:
-            dcp.save(state, checkpoint_id=path)
+            try:
+                dcp.save(state, checkpoint_id=path, storage_writer=writer)
+            except (OSError, CheckpointException) as error:
+                self._failed(step, error)
+                return
             self._commit(step)
             return
-        future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+        future = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=self.group)
         committer = None
         if self.rank == 0:
             # Hashing the files and writing the marker happen off the training thread too.
@@ -70,19 +115,52 @@ class Checkpointer:
             committer.start()
         self._in_flight = (step, future, committer)
 
+    def poll(self) -> None:
+        """Finish the in-flight save if it is written, so that a failed one is told at once."""
+        if self._in_flight is not None and self._in_flight[1].done():
+            self.wait()
+
     def wait(self) -> None:
-        """Block until the in-flight save (if any) is written and committed."""
+        """Block until the in-flight save (if any) is written and committed (or lost to the disk)."""
         if self._in_flight is None:
             return
-        _, future, committer = self._in_flight
+        step, future, committer = self._in_flight
         self._in_flight = None
-        future.result()
         if committer is not None:
             committer.join()
+        try:
+            future.result()
+        except (OSError, CheckpointException) as error:
+            self._failed(step, error)
+            return
+        if self._commit_error is not None:
+            error, self._commit_error = self._commit_error, None
+            self._failed(step, error)
 
     def _commit_when_written(self, step: int, future: Future) -> None:
-        future.result()
-        self._commit(step)
+        try:
+            future.result()
+        except BaseException:  # noqa: BLE001 - wait() reads the same failure from the future
+            return
+        try:
+            self._commit(step)
+        except OSError as error:  # hashing or the marker's write hit the full disk
+            self._commit_error = error
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        """A save of `step` failed: on the disk, warn and go on without it; else raise it again."""
+        cause = disk_error(error)
+        if cause is None:
+            raise error
+        if self.rank == 0:
+            shutil.rmtree(self.run.checkpoint(step), ignore_errors=True)
+        newest = (self.run.checkpoint_steps() or [0])[-1]
+        message = (
+            f"checkpoint of step {step} not written ({cause.strerror or cause}); training goes on, the newest "
+            f"complete checkpoint is step {newest}"
+        )
+        print(f"lazarus trainer: {message}", file=sys.stderr, flush=True)
+        self.warn(message)
 
     def _commit(self, step: int) -> None:
         # A refused commit purges nothing either: the checkpoints belong to the next incarnation.

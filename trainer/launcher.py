@@ -149,6 +149,11 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     node = assignment.nodes[node_index]
     me = {"pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid()), "node": node}
     write_json_atomic(run.node_pid_file(incarnation, node_index), me)
+    # The backend marks an incarnation ended before it kills it; a launcher it started a moment
+    # too late (a launch cut short by a stop) holds its lock already, so it is either killed or sees this.
+    if run.ended_file(incarnation).exists():
+        print(f"lazarus launcher: incarnation {incarnation} has ended; starting no rank", flush=True)
+        return 0
     spec = RunSpec.model_validate_json(run.spec_file.read_text())
     cwd = working_directory(spec, run)
     output = OutputWatch(run, incarnation, spec.trainer, planned_fault(spec, assignment, incarnation, node_index))

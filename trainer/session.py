@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,12 +55,24 @@ from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir, commit_checkpoint
 
 
+class PlannedFault(RuntimeError):
+    """The exception a planned fault with `effect: raise` raises in a rank."""
+
+
 def maybe_fail(point: str, step: int, environ=os.environ) -> None:
-    """A planned fault (LAZARUS_FAIL_AT=point:step, `faults` in the spec) at this point: die as a
-    dead node's process does, by SIGKILL."""
-    if environ.get(ENV_FAIL_AT, "") == f"{point}:{step}":
+    """A planned fault (LAZARUS_FAIL_AT=point:step[:raise], `faults` in the spec) at this point: die
+    as a dead node's process does, by SIGKILL, or raise PlannedFault as a buggy rank would."""
+    planned = environ.get(ENV_FAIL_AT, "")
+    if planned == f"{point}:{step}:raise":
+        raise PlannedFault(f"planned fault: this rank raises at {point} {step}")
+    if planned == f"{point}:{step}":
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def planned_disk_full(step: int, environ=os.environ) -> bool:
+    """Whether a planned fault fills the disk while the checkpoint of `step` is written."""
+    return environ.get(ENV_FAIL_AT, "") == f"checkpoint:{step}:disk_full"
 
 
 def commit_or_say_why(run: RunDir, step: int, incarnation: int) -> bool:
@@ -100,6 +113,11 @@ class TrainingSession:
         self._first_step: int | None = None
         self._phases: dict[str, float] = {}  # phase -> when this rank first reported it
         self._step = resume_step  # newest step reported, for the exit record
+        self.warning: str | None = None  # see warn()
+        self._alive: threading.Thread | None = None
+        self._beat: Heartbeat | None = None  # the newest heartbeat, which the liveness thread rewrites
+        self._beat_lock = threading.Lock()  # one heartbeat file, two writers: the steps and the thread
+        self._alive_every = spec.recovery.heartbeat_interval_seconds
         self._metrics = MetricsLog(run) if rank == 0 else None
         self.heartbeat(resume_step, "starting")
 
@@ -214,19 +232,39 @@ class TrainingSession:
             self.first_step_at, self._first_step = now, step
         self._phases.setdefault(phase, now)
         self._step = step
-        write_heartbeat(
-            self.run,
-            self.incarnation,
-            Heartbeat(
-                rank=self.rank,
-                step=step,
-                phase=phase,
-                time=now,
-                phases=self._phases,
-                first_step_at=self.first_step_at,
-                first_step=self._first_step,
-            ),
+        beat = Heartbeat(
+            rank=self.rank,
+            step=step,
+            phase=phase,
+            time=now,
+            phases=dict(self._phases),
+            first_step_at=self.first_step_at,
+            first_step=self._first_step,
+            warning=self.warning,
+            alive_at=now,
         )
+        with self._beat_lock:
+            self._beat = beat
+            write_heartbeat(self.run, self.incarnation, beat)
+        if self._alive is None and phase not in ("done", "stopped"):
+            self._alive = threading.Thread(target=self._keep_alive, name="lazarus-alive", daemon=True)
+            self._alive.start()
+
+    def _keep_alive(self) -> None:
+        """Rewrite the newest heartbeat with a fresh alive_at every heartbeat interval, until the
+        rank ends: a step blocked in a collective leaves its time (the progress) as it was."""
+        while True:
+            time.sleep(self._alive_every)
+            with self._beat_lock:
+                if self._beat is None or self._beat.phase in ("done", "stopped"):
+                    return
+                self._beat = self._beat.model_copy(update={"alive_at": time.time()})
+                write_heartbeat(self.run, self.incarnation, self._beat)
+
+    def warn(self, message: str) -> None:
+        """Tell the controller something it should show though this rank trains on (a checkpoint
+        lost to a full disk); it rides on this rank's heartbeats from the next one on."""
+        self.warning = message
 
     def log_metrics(self, step: int, loss: float, **extra) -> None:
         """Rank 0: one line of metrics.jsonl for `step` (other ranks: nothing)."""

@@ -1,8 +1,11 @@
 """A node's warm standby: an interpreter with torch and the trainer already imported, waiting
 for orders to start the node's ranks of an incarnation.
 
-Run by the local backend as `python -m lazarus.trainer.standby` with LAZARUS_RUN_DIR and LAZARUS_NODE
-set, one per node of a run (active nodes and hot spares alike), in its own session. A cold
+One per node of a run (active nodes and hot spares alike), each in its own session. The local
+backend starts the standbys it needs at once as `python -m lazarus.trainer.standby` with
+LAZARUS_RUN_DIR, LAZARUS_STANDBY_NODES and their locks' descriptors set: one interpreter
+imports and builds the model, then forks one standby per node (trainer/standby_fork.py), since its nodes
+share one machine; with LAZARUS_NODE instead, the process is that node's standby itself. A cold
 start pays a new interpreter and `import torch` (two to three seconds on a loaded 2-core
 node) on every recovery; here that is paid once, before any fault. An order is one JSON line
 written to the node's FIFO ({"incarnation", "node_index", "resume_step"}); the standby forks
@@ -39,7 +42,8 @@ from lazarus.schema.contract import (
     ENV_NODE_INDEX,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
-    ENV_STANDBY_LOCK_FD,
+    ENV_STANDBY_LOCK_FDS,
+    ENV_STANDBY_NODES,
 )
 from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
@@ -222,9 +226,9 @@ def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -
         # The backend marks an incarnation ended, or the node dead, before it kills their
         # processes; this launcher took its lock first, so either it sees the mark here or the
         # backend sees the lock and kills it.
-        inventory = read_json(run.inventory_file) or {}
-        healthy = {n["name"]: n.get("healthy", True) for n in inventory.get("nodes", [])}
-        if run.ended_file(incarnation).exists() or not healthy.get(node, False):
+        pool = read_json(run.pool_file) or {}
+        usable = {n["name"]: n.get("healthy", True) and n.get("role") != "quarantined" for n in pool.get("nodes", [])}
+        if run.ended_file(incarnation).exists() or not usable.get(node, False):
             print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
             code = 0
             return
@@ -274,46 +278,66 @@ def _launcher_alive(run: RunDir) -> bool:
     return any(lock_is_held(lock) for lock in newest.glob("*.lock")) if newest.is_dir() else False
 
 
-def serve(run: RunDir, node: str) -> int:
-    """Warm up, then start a launcher for each order until the run goes idle; returns the exit code."""
-    home = run.standby(node)
-    if ENV_STANDBY_LOCK_FD in os.environ:
-        lock = int(os.environ.pop(ENV_STANDBY_LOCK_FD))  # taken for us by the backend that started us
-    else:
-        lock = take_lock(home / "lock")
-        if lock is None:
-            return 0  # this node has a live standby
+class Warmth:
+    """What warming up gave: the imports that failed, whether the built-in trainer's model is
+    prepared, the threads left running, and how long it took (seconds)."""
+
+    def __init__(self, run: RunDir):
+        spec = RunSpec.model_validate_json(run.spec_file.read_text())
+        began = time.time()
+        self.failed = warm_up(spec.trainer.command)
+        self.built_in = spec.trainer.command == BUILT_IN_TRAINER and not self.failed
+        if self.built_in and len(os.listdir("/proc/self/task")) == 1:
+            from lazarus.trainer import prepared
+
+            prepared.prepare_model(spec.trainer, spec.layout.dp * spec.layout.dp_shard)
+        global _fork_safe
+        self.threads = len(os.listdir("/proc/self/task"))
+        _fork_safe = self.threads == 1
+        self.seconds = time.time() - began
+
+
+def _record(home) -> None:
     write_json_atomic(
         home / "pid", {"pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid())}
     )
+
+
+def serve(run: RunDir, node: str, lock: int | None = None, orders: int | None = None, warmth=None) -> int:
+    """Warm up (unless `warmth` says it was, before a fork), then start a launcher for each order
+    until the run goes idle; returns the exit code. `lock` and `orders`: the node's standby lock
+    and FIFO, when already open."""
+    home = run.standby(node)
+    if lock is None:
+        lock = take_lock(home / "lock")
+        if lock is None:
+            return 0  # this node has a live standby
+    _record(home)
     # O_RDWR: the open neither blocks for a writer nor sees end-of-file when one leaves, and an
     # order written while the imports below run waits in the pipe.
-    orders = os.open(home / "orders", os.O_RDWR)
-    spec = RunSpec.model_validate_json(run.spec_file.read_text())
-    started = time.time()
-    failed = warm_up(spec.trainer.command)
-    built_in = spec.trainer.command == BUILT_IN_TRAINER and not failed
-    if built_in and len(os.listdir("/proc/self/task")) == 1:
-        from lazarus.trainer import prepared
-
-        prepared.prepare_model(spec.trainer, spec.layout.dp * spec.layout.dp_shard)
-    global _fork_safe
-    threads = len(os.listdir("/proc/self/task"))
-    _fork_safe = threads == 1
+    if orders is None:
+        orders = os.open(home / "orders", os.O_RDWR)
+    warmth = warmth or Warmth(run)
     write_json_atomic(
         home / "ready",
-        {"import_seconds": time.time() - started, "failed_imports": failed, "threads": threads, "warm": _fork_safe},
+        {
+            "import_seconds": warmth.seconds,
+            "failed_imports": warmth.failed,
+            "threads": warmth.threads,
+            "warm": _fork_safe,
+        },
     )
     print(
         f"lazarus standby {node}: "
         + (
-            f"warm after {time.time() - started:.2f} s"
+            f"warm after {warmth.seconds:.2f} s"
             if _fork_safe
-            else f"{threads} threads after the imports (OMP_NUM_THREADS > 1?): ranks will be exec'd, cold"
+            else f"{warmth.threads} threads after the imports (OMP_NUM_THREADS > 1?): ranks will be exec'd, cold"
         )
-        + (f" (could not import {', '.join(failed)})" if failed else ""),
+        + (f" (could not import {', '.join(warmth.failed)})" if warmth.failed else ""),
         flush=True,
     )
+    built_in = warmth.built_in
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers are reaped by the kernel
     pending = b""
     idle_since = time.monotonic()
@@ -336,6 +360,12 @@ def serve(run: RunDir, node: str) -> int:
 
 def main() -> None:
     """Entry point: `python -m lazarus.trainer.standby`."""
+    if ENV_STANDBY_NODES in os.environ and ENV_RUN_DIR in os.environ:
+        from lazarus.trainer.standby_fork import serve_nodes
+
+        nodes = os.environ.pop(ENV_STANDBY_NODES).split(",")
+        locks = [int(fd) for fd in os.environ.pop(ENV_STANDBY_LOCK_FDS).split(",")]
+        sys.exit(serve_nodes(RunDir(os.environ[ENV_RUN_DIR]), nodes, locks))
     missing = [name for name in (ENV_RUN_DIR, ENV_NODE) if name not in os.environ]
     if missing:
         raise SystemExit(f"lazarus standby: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")

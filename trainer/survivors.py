@@ -11,6 +11,7 @@ loads it and goes on from that step instead of the newest periodic checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import time
@@ -78,6 +79,17 @@ def read_state(run: RunDir, incarnation: int, rank: int) -> tuple[str, dict]:
     if record is None or record.size != len(data) or record.sha256 != sha256:
         raise RuntimeError(f"survivor state {path} is incomplete or does not match its manifest")
     return sha256, torch.load(io.BytesIO(data), weights_only=True)
+
+
+@contextlib.contextmanager
+def saved_on_failure(run: RunDir, session, trainer, step: int, samples: int):
+    """Save the trainer's state after `step` steps as a survivor's if the block raises (a broken
+    collective outside the step: a checkpoint's), then let the error go on."""
+    try:
+        yield
+    except Exception:
+        save(run, session.incarnation, session.rank, trainer, step, samples)
+        raise
 
 
 def save(run: RunDir, incarnation: int, rank: int, trainer, step: int, samples: int) -> bool:

@@ -289,7 +289,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     join(session, spec)
     trainer = Trainer(settings, layout, session.rank)
     checkpointer = checkpoint.Checkpointer(
-        run, session.incarnation, settings.keep_checkpoints, asynchronous=settings.async_checkpoint
+        run, session.incarnation, settings.keep_checkpoints, settings.async_checkpoint, warn=session.warn
     )
 
     step, samples = restore(session, trainer)  # samples: the data position, index of the next sample
@@ -316,18 +316,19 @@ def train(session: TrainingSession) -> tuple[int, bool]:
         samples += settings.global_batch
 
         session.step_done(step, loss)
-        if session.checkpoint_due(step) or stopped:
-            try:
+        # A save's collectives break when a peer dies, an async one's found here a step or more
+        # later: either way the state is still that after `step` steps, so it is a survivor's.
+        with survivors.saved_on_failure(run, session, trainer, step, samples):
+            checkpointer.poll()
+            if session.checkpoint_due(step) or stopped:
                 checkpointer.save(trainer.model, trainer.optimizer, step, samples)
-            except Exception:
-                # A synchronous save's collectives broke: the state is still that after `step`.
-                survivors.save(run, session.incarnation, session.rank, trainer, step, samples)
-                raise
+        if session.checkpoint_due(step) or stopped:
             maybe_fail("checkpoint", step)
         if stopped:
             break
 
-    checkpointer.wait()
+    with survivors.saved_on_failure(run, session, trainer, step, samples):
+        checkpointer.wait()
     dist.barrier()
     return step, stopped
 

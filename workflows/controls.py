@@ -36,7 +36,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from lazarus.schema.policy import RecoveryPolicy, changed_policy, describe_changes
     from lazarus.schema.records import (
-        TERMINAL_STATES,
         Decision,
         FaultReport,
         Intervention,
@@ -45,8 +44,11 @@ with workflow.unsafe.imports_passed_through():
         RunStatus,
     )
     from lazarus.schema.stages import RescheduleInput, ReturnNodeInput, StopInput, StopResult
+    from lazarus.schema.states import TERMINAL_STATES
     from lazarus.workflows.policy import nodes_for, plan_operator_reshard
 
+from lazarus.workflows import inputs
+from lazarus.workflows.inputs import expect
 from lazarus.workflows.stage_calls import RunAborted, RunFailed, call_stage
 
 
@@ -98,6 +100,9 @@ class OperatorControls:
         """Recover from `fault` as from a detected one; True when training is done."""
         raise NotImplementedError
 
+    async def _stage(self, name: str, method, request, incident=None):
+        """Run a stage's activity, timed on `incident` when given (TrainingRun)."""
+
     # --- query and signal ---------------------------------------------------------------
 
     @workflow.query
@@ -106,19 +111,24 @@ class OperatorControls:
         return self._status
 
     @workflow.signal
-    def report_fault(self, report: FaultSignal) -> None:
+    def report_fault(self, report: inputs.FaultSignalPayload) -> None:
         """An external detector blames nodes; the watch stops and recovery starts."""
+        if not isinstance(report, FaultSignal):
+            # A signal has no one to answer: a payload that is no FaultSignal at all is logged and dropped.
+            workflow.logger.warning("report_fault dropped: it takes a FaultSignal, not %s", type(report).__name__)
+            return
         self._reported.append(report)
 
     # --- updates carried out by the run loop --------------------------------------------
 
     @workflow.update
-    async def pause(self, request: PauseRequest) -> OperatorAnswer:
+    async def pause(self, request: inputs.PausePayload) -> OperatorAnswer:
         """Checkpoint, stop the ranks, hold the nodes; `resume` continues on the same nodes."""
         return await self._queue_and_wait("pause", request, request.reason, self._pause_now)
 
     @pause.validator
-    def _validate_pause(self, request: PauseRequest) -> None:
+    def _validate_pause(self, request: inputs.PausePayload) -> None:
+        expect(request, PauseRequest, "pause")
         self._refuse_if_ended()
         if self._status.state == RunState.PAUSED or self._requested("pause"):
             raise ValueError("the run is already paused (or pausing)")
@@ -126,35 +136,38 @@ class OperatorControls:
             raise ValueError(f"the run is {self._status.state.value}; pause once it trains again")
 
     @workflow.update
-    async def resume(self, request: ResumeRequest) -> OperatorAnswer:
+    async def resume(self, request: inputs.ResumePayload) -> OperatorAnswer:
         """Continue a paused run from its checkpoint, on the nodes it held."""
         return await self._queue_and_wait("resume", request, request.reason, self._resume_now)
 
     @resume.validator
-    def _validate_resume(self, request: ResumeRequest) -> None:
+    def _validate_resume(self, request: inputs.ResumePayload) -> None:
+        expect(request, ResumeRequest, "resume")
         self._refuse_if_ended()
         if self._status.state != RunState.PAUSED or self._requested("resume"):
             raise ValueError(f"only a paused run can be resumed; the run is {self._status.state.value}")
 
     @workflow.update
-    async def abort(self, request: AbortRequest) -> OperatorAnswer:
+    async def abort(self, request: inputs.AbortPayload) -> OperatorAnswer:
         """Stop the run cleanly (checkpoint first when it trains); the newest checkpoint is kept."""
         return await self._queue_and_wait("abort", request, request.reason, self._abort_now)
 
     @abort.validator
-    def _validate_abort(self, request: AbortRequest) -> None:
+    def _validate_abort(self, request: inputs.AbortPayload) -> None:
+        expect(request, AbortRequest, "abort")
         self._refuse_if_ended()
         if self._requested("abort"):
             raise ValueError("an abort is already under way")
 
     @workflow.update
-    async def drain_node(self, request: DrainNodeRequest) -> OperatorAnswer:
+    async def drain_node(self, request: inputs.DrainNodePayload) -> OperatorAnswer:
         """Treat a node as faulty: the same recovery as a detected fault (after any recovery under way)."""
         detail = f"{request.node}: {request.reason}"
         return await self._queue_and_wait("drain_node", request, detail, self._drain_node_now)
 
     @drain_node.validator
-    def _validate_drain_node(self, request: DrainNodeRequest) -> None:
+    def _validate_drain_node(self, request: inputs.DrainNodePayload) -> None:
+        expect(request, DrainNodeRequest, "drain_node")
         self._refuse_if_ended()
         nodes = self._status.assignment.nodes if self._status.assignment else []
         if request.node not in nodes:
@@ -163,12 +176,13 @@ class OperatorControls:
             raise ValueError("the run is paused; resume it first, or return the node later")
 
     @workflow.update
-    async def reshard(self, request: ReshardRequest) -> OperatorAnswer:
+    async def reshard(self, request: inputs.ReshardPayload) -> OperatorAnswer:
         """Run at `dp` replicas: checkpoint, stop, re-plan on the current nodes and free spares, resume."""
         return await self._queue_and_wait("reshard", request, f"dp={request.dp}", self._reshard_now)
 
     @reshard.validator
-    def _validate_reshard(self, request: ReshardRequest) -> None:
+    def _validate_reshard(self, request: inputs.ReshardPayload) -> None:
+        expect(request, ReshardRequest, "reshard")
         self._refuse_if_ended()
         target, layout = self._start.spec.layout.dp, self._status.layout
         if not 1 <= request.dp <= target:
@@ -185,7 +199,7 @@ class OperatorControls:
     # --- updates that act from their handler --------------------------------------------
 
     @workflow.update
-    async def return_node(self, request: ReturnNodeRequest) -> OperatorAnswer:
+    async def return_node(self, request: inputs.ReturnNodePayload) -> OperatorAnswer:
         """A repaired node rejoins the spare pool (a run waiting for capacity sees it at once)."""
         intervention = self._intervene("return_node", request.node)
         self._returning.add(request.node)
@@ -204,7 +218,8 @@ class OperatorControls:
         return self._answered(intervention, f"{request.node} is a spare again")
 
     @return_node.validator
-    def _validate_return_node(self, request: ReturnNodeRequest) -> None:
+    def _validate_return_node(self, request: inputs.ReturnNodePayload) -> None:
+        expect(request, ReturnNodeRequest, "return_node")
         self._refuse_if_ended()
         if request.node in self._returning:
             raise ValueError(f"{request.node} is already being returned")
@@ -213,7 +228,7 @@ class OperatorControls:
             raise ValueError(f"{request.node} is not quarantined by this run (quarantined: {quarantined})")
 
     @workflow.update
-    async def approve(self, request: ApproveRequest) -> OperatorAnswer:
+    async def approve(self, request: inputs.ApprovePayload) -> OperatorAnswer:
         """Answer an escalation: reshard below recovery.min_dp, or wait longer for capacity."""
         self._approval = request
         intervention = self._intervene("approve", request.action)
@@ -221,20 +236,22 @@ class OperatorControls:
         return self._answered(intervention, f"{request.action}: {self._status.state.value}")
 
     @approve.validator
-    def _validate_approve(self, request: ApproveRequest) -> None:
+    def _validate_approve(self, request: inputs.ApprovePayload) -> None:
+        expect(request, ApproveRequest, "approve")
         self._refuse_if_ended()
         if self._status.state != RunState.WAITING_FOR_APPROVAL or self._approval is not None:
             raise ValueError(f"nothing is waiting for approval; the run is {self._status.state.value}")
 
     @workflow.update
-    def set_policy(self, request: SetPolicyRequest) -> OperatorAnswer:
+    def set_policy(self, request: inputs.SetPolicyPayload) -> OperatorAnswer:
         """Change recovery policy fields; they apply from the next activity on."""
         self._status.policy = changed_policy(self._policy, request.changes, self._start.spec.layout.dp)
         intervention = self._intervene("set_policy", describe_changes(request.changes))
         return self._answered(intervention, "applied", message="policy updated")
 
     @set_policy.validator
-    def _validate_set_policy(self, request: SetPolicyRequest) -> None:
+    def _validate_set_policy(self, request: inputs.SetPolicyPayload) -> None:
+        expect(request, SetPolicyRequest, "set_policy")
         self._refuse_if_ended()
         if not request.changes:
             raise ValueError("set_policy needs changes, e.g. {hang_after_seconds: 60}")
@@ -355,12 +372,14 @@ class OperatorControls:
         if decision.action == "wait":
             return self._refuse(pending, decision.reason)
         await self._stop_ranks(f"reshard to dp={request.dp}")
+        status.wanted_dp = request.dp  # a regrow grows back to the operator's dp, not past it
         done = await self._restart(decision)
         self._finish(pending, decision.reason)
         return done
 
-    async def _stop_ranks(self, why: str) -> StopResult | None:
-        """Checkpoint and stop the current incarnation; None when the run is paused (nothing runs)."""
+    async def _stop_ranks(self, why: str, timing=None) -> StopResult | None:
+        """Checkpoint and stop the current incarnation (the stage timed on `timing`, a Regrowth);
+        None when the run is paused (nothing runs)."""
         status = self._status
         if status.state == RunState.PAUSED:
             return None
@@ -373,7 +392,7 @@ class OperatorControls:
             # A script without lazarus.session cannot be asked to checkpoint: end its ranks at once.
             timeout_seconds=self._policy.stop_grace_seconds if status.steps_from == "trainer" else 1.0,
         )
-        stopped = await call_stage(self._policy, "stop", RecoveryActivities.stop, request)
+        stopped = await self._stage("stop", RecoveryActivities.stop, request, timing)
         if stopped.step is not None:
             status.step = stopped.step
         if not stopped.clean:

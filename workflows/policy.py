@@ -7,7 +7,8 @@ Capacity is counted in model replicas, not nodes: a lost node takes down every r
 from __future__ import annotations
 
 from lazarus.schema.layout import Layout
-from lazarus.schema.records import Assignment, Decision, Inventory
+from lazarus.schema.pool import SpareWant
+from lazarus.schema.records import Assignment, Decision, FaultReport, Inventory
 
 
 def nodes_for(layout: Layout, dp: int) -> int | None:
@@ -35,6 +36,45 @@ def _fits(layout: Layout, dp: int, nodes: int) -> bool:
     return needed is not None and needed <= nodes
 
 
+def spare_want(run_id: str, assignment: Assignment, fault: FaultReport, priority: int) -> SpareWant:
+    """What a fault makes the run need of the pool's spares: one per lost node, ranked by the run's
+    priority and then by the ranks of the replicas the fault broke."""
+    lost = set(fault.nodes) & set(assignment.nodes)
+    return SpareWant(
+        run_id=run_id,
+        incarnation=fault.incarnation,
+        needed=len(lost),
+        priority=priority,
+        lost_ranks=len(broken_replicas(assignment, lost)) * assignment.layout.replica_ranks,
+        fault_at=fault.occurred_at,
+    )
+
+
+def shared_spares(
+    inventory: Inventory, want: SpareWant | None, node_limit: int | None, needed: int
+) -> tuple[list[str], str]:
+    """The pool's free spares this run may take now (Inventory.spares_for), and what the other
+    runs and the run's own allowance had to do with it, as a clause of the decision's reason."""
+    spares, ahead = inventory.spares_for(want, node_limit)
+    notes = []
+    if len(spares) < needed:
+        for rival in ahead:
+            if rival.placed and rival.got == 0:
+                continue  # it went without spares itself
+            said = f"took {rival.got}" if rival.placed else f"needs {rival.needed}"
+            why = rival.why_before(want) if want is not None else "a recovery comes before a regrow"
+            notes.append(f"run {rival.run_id} {said} of the pool's spares first ({why})")
+        if len(inventory.spares_for(want, None)[0]) > len(spares):
+            notes.append(
+                f"this run holds {inventory.held()} node(s), active and quarantined, of the {node_limit} its spec "
+                "allows (cluster.active_nodes + cluster.spare_nodes)"
+            )
+    elif want is not None:
+        behind = [w for w in inventory.wants if not w.placed and w.needed and want.outranks(w)]
+        notes += [f"ahead of run {w.run_id} for the pool's spares ({want.why_before(w)})" for w in behind]
+    return spares, "; ".join(notes)
+
+
 def plan_recovery(
     inventory: Inventory,
     assignment: Assignment,
@@ -42,21 +82,32 @@ def plan_recovery(
     target_dp: int,
     min_dp: int,
     allow_reshard: bool = True,
+    want: SpareWant | None = None,
+    node_limit: int | None = None,
 ) -> Decision:
     """Decide how the next incarnation gets its nodes after `lost` nodes failed.
 
     Prefer hot spares: each lost node gets a free healthy spare at the same place in rank
-    order, so the world size and the math stay the same. Without enough spares, reshard to
-    the largest dp >= min_dp that the intact replicas, the healthy nodes of broken replicas
-    and the free spares can fill; healthy nodes left over go back to the spare pool. If
-    not even min_dp fits (or resharding is not allowed), wait for capacity.
+    order, so the world size and the math stay the same. The spares are the pool's: other
+    runs' needs that outrank `want` come first, and the run holds at most `node_limit` nodes
+    (shared_spares). Without enough spares, reshard to the largest dp >= min_dp that the intact
+    replicas, the healthy nodes of broken replicas and the spares it may take can fill; healthy
+    nodes left over go back to the pool. If not even min_dp fits (or resharding is not
+    allowed), wait for capacity.
     """
-    layout = assignment.layout
     lost_set = set(lost) & set(assignment.nodes)
     lost_here = [node for node in assignment.nodes if node in lost_set]
     broken = broken_replicas(assignment, lost_set)
-    spares = inventory.free_spares()
+    spares, contest = shared_spares(inventory, want, node_limit, len(lost_here))
+    decision = _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp, allow_reshard)
+    rivals = sorted({w.run_id for w in inventory.wants})
+    reason = f"{decision.reason}; {contest}" if contest else decision.reason
+    return decision.model_copy(update={"reason": reason, "rivals": rivals})
 
+
+def _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp, allow_reshard) -> Decision:
+    """plan_recovery's rule, on the spares the run may take."""
+    layout = assignment.layout
     if len(spares) >= len(lost_here):
         return _replace_in_place(assignment, lost_here, spares, broken, target_dp)
 
@@ -152,4 +203,38 @@ def plan_operator_reshard(inventory: Inventory, assignment: Assignment, dp: int,
         below_target_dp=dp < target_dp,
         reason=f"operator: reshard dp {layout.dp} -> {dp}"
         + (f"; {', '.join(released)} back to the spare pool" if released else ""),
+    )
+
+
+def regrow_nodes(assignment: Assignment, wanted_dp: int) -> int | None:
+    """The fewest more nodes that take the run to a larger dp, at most `wanted_dp`, on whole nodes;
+    None when it runs at `wanted_dp` already (or no larger dp fills whole nodes)."""
+    layout = assignment.layout
+    more = [nodes_for(layout, dp) for dp in range(layout.dp + 1, wanted_dp + 1)]
+    counts = [n - len(assignment.nodes) for n in more if n is not None]
+    return min(counts) if counts else None
+
+
+def plan_regrow(inventory: Inventory, assignment: Assignment, wanted_dp: int, node_limit: int | None) -> Decision:
+    """Grow to the largest dp <= `wanted_dp` that the run's nodes and the spares it may take fill:
+    spares no other run's recovery needs (a recovery comes before a regrow), within `node_limit`.
+    The run's nodes keep their places; the new ones come after. Action "wait" when none fits."""
+    layout = assignment.layout
+    spares, contest = shared_spares(inventory, None, node_limit, needed=1)
+    pool = list(assignment.nodes) + spares
+    fitting = [dp for dp in range(wanted_dp, layout.dp, -1) if _fits(layout, dp, len(pool))]
+    if not fitting:
+        why = f"no larger dp than {layout.dp} fits the run's {len(assignment.nodes)} node(s) and {len(spares)} spare(s)"
+        return Decision(action="wait", layout=layout, reason=f"{why}; {contest}" if contest else why)
+    dp = fitting[0]
+    nodes = pool[: nodes_for(layout, dp)]
+    added = [n for n in nodes if n not in assignment.nodes]
+    return Decision(
+        action="reshard",
+        layout=layout.model_copy(update={"dp": dp}),
+        nodes=nodes,
+        below_target_dp=dp < wanted_dp,
+        rivals=sorted({w.run_id for w in inventory.wants}),
+        reason=f"regrow: the pool has the nodes again; dp {layout.dp} -> {dp} with {', '.join(added)} "
+        "(global batch kept)",
     )

@@ -18,8 +18,16 @@ def expected_source(trainer: TrainerSettings) -> StepSource | None:
     return "trainer" if trainer.built_in else "output" if trainer.progress_pattern else None
 
 
-def take_progress(status: RunStatus, step: int | None, source: StepSource | None) -> None:
-    """A progress report: the step never goes back, and an unknown step leaves it as it was."""
+MAX_WARNINGS = 20
+"""Warnings a run's status keeps, the newest (its history holds every one)."""
+
+
+def take_progress(status: RunStatus, step: int | None, source: StepSource | None, warnings=()) -> None:
+    """A progress report: the step never goes back, and an unknown step leaves it as it was; a
+    warning not seen before is kept."""
+    for warning in warnings:
+        if warning not in status.warnings:
+            status.warnings = [*status.warnings, warning][-MAX_WARNINGS:]
     if source is not None:
         status.steps_from = source
     if step is not None:

@@ -5,7 +5,7 @@ five stages of DESIGN.md (detect, drain, reschedule, replace-or-reshard, resume)
 carries out operators' requests (workflows/controls.py); it continues as new when the history
 grows long. A recovery and an operator's restart reach the next incarnation by the same path
 (_replace_and_resume). Every change of state goes through _enter, which the transitions table
-beside RunState (schema/records.py, TRANSITIONS) allows or refuses.
+beside RunState (schema/states.py, TRANSITIONS) allows or refuses.
 """
 
 from __future__ import annotations
@@ -16,42 +16,42 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
-    from lazarus.schema.controls import ApproveRequest
     from lazarus.schema.records import (
         Decision,
         FaultReport,
         Incident,
-        Inventory,
+        Regrowth,
         RunStart,
         RunState,
         RunStatus,
         StageRecord,
-        may_move,
     )
     from lazarus.schema.stages import (
         DrainInput,
         DrainResult,
         LaunchInput,
+        ReleaseInput,
         ReplaceInput,
-        RescheduleInput,
         ResumeInput,
         ResumeResult,
     )
-    from lazarus.workflows.policy import plan_recovery
+    from lazarus.schema.states import may_move
 
 from lazarus.workflows.controls import OperatorControls
+from lazarus.workflows.inputs import INVALID_INPUT, RunStartPayload
 from lazarus.workflows.progress import expected_source, take_completion, take_progress, take_recovery, take_resume
+from lazarus.workflows.regrow import Regrowing
+from lazarus.workflows.rescheduling import Rescheduling
 from lazarus.workflows.stage_calls import RunAborted, RunFailed, StageRefused, call_stage
 from lazarus.workflows.watch import watch
 
-RESHARD_PATCH = "reshard-without-spare"
-"""workflow.patched id: recovery reshards when there are too few spares (before: it waited)."""
-ESCALATE_PATCH = "escalate-to-operator"
-"""workflow.patched id: after the capacity wait, wait for an operator's approval (before: fail)."""
 RESTART_PATCH = "restart-as-recovery"
 """workflow.patched id: an operator's restart ends as a recovery does: a fault before the first step
 is the next incident at once, and a restart that finds training done completes the run (before:
 back to TRAINING first, and a finished run went on being watched)."""
+
+RELEASE_PATCH = "release-at-end"
+"""workflow.patched id: an ended run gives its nodes back to the pool (before: it kept them)."""
 
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("LazarusState")
 """The run's RunState, for the web UI's list and `temporal workflow list --query`."""
@@ -60,11 +60,15 @@ INCIDENTS_ATTRIBUTE = SearchAttributeKey.for_int("LazarusIncidents")
 
 
 @workflow.defn(name="TrainingRun")
-class TrainingRun(OperatorControls):
+class TrainingRun(OperatorControls, Rescheduling, Regrowing):
     """Launch the run, watch it, and on every fault run drain, reschedule, replace-or-reshard, resume."""
 
     @workflow.init
-    def __init__(self, start: RunStart) -> None:
+    def __init__(self, start: RunStartPayload) -> None:
+        if not isinstance(start, RunStart):  # a null or raw-bytes payload never reaches pydantic
+            raise ApplicationError(
+                f"TrainingRun takes a RunStart, not {type(start).__name__}", type=INVALID_INPUT, non_retryable=True
+            )
         super().__init__()
         self._start = start
         self._status = start.carried or RunStatus(
@@ -81,20 +85,34 @@ class TrainingRun(OperatorControls):
         self._next_fault: FaultReport | None = None  # hit an operator's restart before its first step
 
     @workflow.run
-    async def run(self, start: RunStart) -> RunStatus:
+    async def run(self, start: RunStartPayload) -> RunStatus:
         """Train to the last step through every fault; the status is the result, or the failure's reason."""
         try:
             await self._train()
         except RunAborted as aborted:
             self._end(RunState.ABORTED, str(aborted))
             await self._close_requests(aborted=str(aborted))
+            await self._release()
             return self._status
         except RunFailed as failure:
             self._end(RunState.FAILED, str(failure))
             await self._close_requests()
+            await self._release()
             raise ApplicationError(str(failure), type="RunFailed", non_retryable=True) from None
         await self._close_requests()
+        await self._release()
         return self._status
+
+    async def _release(self) -> None:
+        """The run ended: its nodes go back to the pool for other runs (what it quarantined stays
+        out). A release that fails is logged; the run's outcome stands."""
+        if not workflow.patched(RELEASE_PATCH):
+            return  # runs started before the shared pool kept their nodes
+        try:
+            releasing = ReleaseInput(run_id=self._status.run_id)
+            await call_stage(self._policy, "release", RecoveryActivities.release, releasing)
+        except RunFailed as failure:
+            workflow.logger.warning("the run's nodes were not released: %s", failure)
 
     def _enter(self, state: RunState) -> None:
         """Move the run to `state`: the one place its state changes. Entering the current state does
@@ -121,8 +139,8 @@ class TrainingRun(OperatorControls):
                 incident.outcome = "failed"
         self._enter(state)
 
-    async def _stage(self, name: str, method, request, incident: Incident | None = None):
-        """Run a stage's activity; on an incident, record when the stage started and ended."""
+    async def _stage(self, name: str, method, request, incident: Incident | Regrowth | None = None):
+        """Run a stage's activity; on an incident (or a regrow), record when the stage started and ended."""
         if incident is not None and name not in incident.stages:
             incident.stages[name] = StageRecord(started_at=workflow.now())
         result = await call_stage(self._policy, name, method, request)
@@ -190,12 +208,18 @@ class TrainingRun(OperatorControls):
 
     async def _watch_and_recover(self) -> bool:
         """Watch the incarnation until it reports; recover from a fault. True when training is done."""
-        watched = await watch(self._status, self._policy, self._reported, interrupted=lambda: bool(self._queue))
+        grow = self._regrow_watch()
+        limit = self._node_limit() if grow is not None else None
+        watched = await watch(
+            self._status, self._policy, self._reported, lambda: bool(self._queue), regrow_nodes=grow, node_limit=limit
+        )
         if watched is None:
             return False  # an operator's request interrupted the watch
-        take_progress(self._status, watched.progress.step, watched.progress.source)
+        take_progress(self._status, watched.progress.step, watched.progress.source, watched.progress.warnings)
         if watched.fault is not None and await self._recover_all(watched.fault):
             return True
+        if watched.capacity and watched.fault is None and not watched.completed:
+            return await self._regrow()
         return watched.completed
 
     # --- recovery: detect, drain, reschedule, replace-or-reshard, resume -------------------
@@ -267,6 +291,7 @@ class TrainingRun(OperatorControls):
                 self._policy.survivor_grace_seconds if self._start.spec.trainer.saves_survivors else 0.0
             ),
             detect_seconds=max(0.0, (fault.detected_at - fault.occurred_at).total_seconds()),
+            want=self._want(fault),
         )
         drained = await self._stage("drain", RecoveryActivities.drain, draining, incident)
         status.quarantined_nodes = sorted(set(status.quarantined_nodes) | set(drained.quarantined))
@@ -274,86 +299,13 @@ class TrainingRun(OperatorControls):
         incident.discarded_checkpoints = drained.removed_partial_checkpoints
         return drained
 
-    async def _reschedule(self, incident: Incident, fault: FaultReport) -> Decision:
-        """Read the inventory until the policy can place the next incarnation: without capacity,
-        wait for it (recovery.capacity_wait_seconds), then ask an operator."""
-        self._enter(RunState.RESCHEDULING)
-        waited_since = workflow.now()
-        capacity_until, min_dp = self._policy.capacity_wait_seconds, self._policy.min_dp
-        while True:
-            self._check_abort()
-            reading = RescheduleInput(run_id=self._status.run_id)
-            inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, incident)
-            incident.decision = decision = self._plan(inventory, fault, min_dp)
-            if decision.action != "wait":
-                self._status.awaiting_approval = None
-                return decision
-            self._enter(RunState.WAITING_FOR_CAPACITY)
-            waited = (workflow.now() - waited_since).total_seconds()
-            if waited < capacity_until:
-                await self._wait_for_capacity(min(self._policy.capacity_poll_seconds, capacity_until - waited))
-                continue
-            approval = await self._escalate(incident, decision, waited)
-            if approval.action == "reshard_below_minimum":
-                min_dp = 1
-            else:
-                capacity_until = waited + approval.wait_seconds
-
-    def _plan(self, inventory: Inventory, fault: FaultReport, min_dp: int) -> Decision:
-        assignment, target = self._status.assignment, self._start.spec.layout.dp
-        decision = plan_recovery(inventory, assignment, fault.nodes, target_dp=target, min_dp=min_dp)
-        if decision.action == "reshard" and not workflow.patched(RESHARD_PATCH):
-            # Runs started before resharding existed keep waiting for a spare.
-            decision = plan_recovery(
-                inventory, assignment, fault.nodes, target_dp=target, min_dp=min_dp, allow_reshard=False
-            )
-        return decision
-
-    async def _wait_for_capacity(self, seconds: float) -> None:
-        """Until the next read of the inventory: a returned node or an abort ends the wait early."""
-        self._inventory_changed = False
-        try:
-            await workflow.wait_condition(lambda: self._inventory_changed or self._requested("abort"), timeout=seconds)
-        except TimeoutError:
-            pass
-
-    async def _escalate(self, incident: Incident, decision: Decision, waited: float) -> ApproveRequest:
-        """The capacity wait ran out: wait for an operator's approve (or abort), up to
-        recovery.approval_wait_seconds; RunFailed when the policy asks no one or no one answers."""
-        reason = (
-            f"no capacity to recover from incident {incident.number}: {decision.reason}; "
-            f"waited {waited:.0f} s (recovery.capacity_wait_seconds: {self._policy.capacity_wait_seconds:g})"
-        )
-        if not workflow.patched(ESCALATE_PATCH) or self._policy.approval_wait_seconds == 0:
-            raise RunFailed(
-                reason + "; return a repaired node with `lazarus chaos return-node` and start the run again"
-            )
-        self._status.awaiting_approval = decision
-        self._enter(RunState.WAITING_FOR_APPROVAL)
-        try:
-            await workflow.wait_condition(
-                lambda: self._approval is not None or self._requested("abort"),
-                timeout=self._policy.approval_wait_seconds,
-            )
-        except TimeoutError:
-            raise RunFailed(
-                reason + f"; no operator approved within {self._policy.approval_wait_seconds:g} s "
-                "(recovery.approval_wait_seconds); the newest checkpoint is kept"
-            ) from None
-        finally:
-            self._status.awaiting_approval = None
-        self._check_abort()
-        approval, self._approval = self._approval, None
-        self._enter(RunState.RESCHEDULING)
-        return approval
-
-    def _check_abort(self) -> None:
-        """Between two stages of a recovery, an accepted abort ends the run (drain stopped the ranks)."""
-        if self._requested("abort"):
-            raise RunAborted("aborted by an operator during recovery; the newest checkpoint is kept")
-
     async def _replace_and_resume(
-        self, decision: Decision, incident: Incident | None, fault_kind: str, survivors_of: int | None = None
+        self,
+        decision: Decision,
+        incident: Incident | None,
+        fault_kind: str,
+        survivors_of: int | None = None,
+        timing: Regrowth | None = None,
     ) -> ResumeResult:
         """Replace-or-reshard and resume, for a fault's recovery (its incident records the stages) and
         an operator's restart (no incident): claim the decision's nodes and write the next assignment,
@@ -363,7 +315,8 @@ class TrainingRun(OperatorControls):
         placing = ReplaceInput(
             run_id=status.run_id, decision=decision, old_assignment=status.assignment, fault_kind=fault_kind
         )
-        assignment = await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard, placing, incident)
+        record = incident if incident is not None else timing
+        assignment = await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard, placing, record)
         status.assignment, status.layout = assignment, assignment.layout
         if incident is not None:
             incident.new_assignment = assignment
@@ -377,7 +330,7 @@ class TrainingRun(OperatorControls):
             fault_step=incident.fault.step if incident is not None else None,
             survivors_of=survivors_of,
         )
-        resumed = await self._stage("resume", RecoveryActivities.resume, starting, incident)
+        resumed = await self._stage("resume", RecoveryActivities.resume, starting, record)
         if resumed.fault is None:
             take_resume(status, resumed)
             self._enter(RunState.TRAINING)

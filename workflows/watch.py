@@ -21,16 +21,24 @@ from lazarus.workflows.stage_calls import RunFailed, root_cause, stage_options
 
 
 async def watch(
-    status: RunStatus, policy: RecoveryPolicy, reported: list[FaultSignal], interrupted: Callable[[], bool]
+    status: RunStatus,
+    policy: RecoveryPolicy,
+    reported: list[FaultSignal],
+    interrupted: Callable[[], bool],
+    regrow_nodes: int | None = None,
+    node_limit: int | None = None,
 ) -> DetectResult | None:
     """Run detect on the current incarnation until it reports; cancel it when a signal in `reported`
     blames one of its nodes (that report is used up and returned as an external fault) or when
-    `interrupted()` (None: the caller has something to do first)."""
+    `interrupted()` (None: the caller has something to do first). With `regrow_nodes`, its report
+    says whether the pool has that many spares for the run (DetectInput)."""
     request = DetectInput(
         run_id=status.run_id,
         incarnation=status.assignment.incarnation,
         total_steps=status.total_steps,
         policy=policy,
+        regrow_nodes=regrow_nodes,
+        node_limit=node_limit,
     )
     detect = workflow.start_activity_method(RecoveryActivities.detect, request, **stage_options(policy.stages.detect))
     await workflow.wait_condition(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lazarus.commands.common import UserError
+from lazarus.commands.common import UserError, node_name, run_id
 from lazarus.config import Settings
 
 
@@ -13,12 +13,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos = commands.add_parser("chaos", help="break things on purpose (local backend)")
     chaos_commands = chaos.add_subparsers(dest="chaos_command", required=True, metavar="ACTION")
     kill = chaos_commands.add_parser("kill-node", help="SIGKILL every process of a node and mark it dead")
-    kill.add_argument("run_id", metavar="RUN")
-    kill.add_argument("node", metavar="NODE", help="node name, e.g. node-2")
+    kill.add_argument("run_id", metavar="RUN", type=run_id)
+    kill.add_argument("node", metavar="NODE", type=node_name, help="node name, e.g. node-2")
     kill.set_defaults(handler=kill_node)
     back = chaos_commands.add_parser("return-node", help="return a repaired node to the pool as a healthy spare")
-    back.add_argument("run_id", metavar="RUN")
-    back.add_argument("node", metavar="NODE")
+    back.add_argument("run_id", metavar="RUN", type=run_id)
+    back.add_argument("node", metavar="NODE", type=node_name)
     back.set_defaults(handler=return_node)
 
 

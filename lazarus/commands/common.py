@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from lazarus.config import Settings
@@ -9,6 +10,46 @@ from lazarus.config import Settings
 
 class UserError(Exception):
     """A mistake of the user's: printed as one line, exit code 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose every complaint is one line naming the argument (UserError), never usage text;
+    its subcommands' parsers are of the same class (argparse makes them with the parent's)."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def _checked(check, value: str) -> str:
+    try:
+        return check(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def run_id(value: str) -> str:
+    """argparse type of RUN and --run-id: a run id as lazarus.schema.names allows it, else one line saying why."""
+    from lazarus.schema.names import check_run_id
+
+    return _checked(check_run_id, value)
+
+
+def node_name(value: str) -> str:
+    """argparse type of NODE: a node name as lazarus.schema.names allows it, else one line saying why."""
+    from lazarus.schema.names import check_node_name
+
+    return _checked(check_node_name, value)
+
+
+def positive_int(value: str) -> int:
+    """argparse type of a count: a whole number, 1 or more."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of 1 or more")
+    return number
 
 
 def load_run_spec(path: str):
@@ -24,12 +65,19 @@ def load_run_spec(path: str):
 
 
 async def connect_client(settings: Settings):
-    """A Temporal client; an unreachable server is said in one line, with how to start one."""
+    """A Temporal client; an unreachable server, a bad TLS setting or a failed TLS handshake is said
+    in one line, with what to do about it."""
     from lazarus.client import connect
+    from lazarus.tls import TLSSettingsError, describe_failure
 
     try:
         return await connect(settings)
+    except TLSSettingsError as error:
+        raise UserError(str(error)) from None
     except RuntimeError as error:
+        tls_problem = describe_failure(str(error), settings)
+        if tls_problem:
+            raise UserError(tls_problem) from None
         cause = "connection refused" if "Connection refused" in str(error) else str(error).splitlines()[0][:160]
         raise UserError(
             f"cannot reach Temporal at {settings.address} ({cause}); "

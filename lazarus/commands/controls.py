@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from lazarus.commands.common import UserError, connect_client
+from lazarus.commands.common import UserError, connect_client, node_name, run_id
 from lazarus.config import Settings
 
 
@@ -47,7 +47,7 @@ def _set_policy(args, controls):
 def _control(run_commands: argparse._SubParsersAction, name: str, update: str, request, helptext: str):
     """A subcommand that sends the update named `update` (a TrainingRun method) with `request(args, controls)`."""
     command = run_commands.add_parser(name, help=helptext)
-    command.add_argument("run_id", metavar="RUN")
+    command.add_argument("run_id", metavar="RUN", type=run_id)
     command.set_defaults(handler=send_update, update=update, request=request)
     return command
 
@@ -68,12 +68,12 @@ def register(run_commands: argparse._SubParsersAction) -> None:
         _drain_node,
         "treat a node as faulty: the same recovery as a detected fault",
     )
-    drain.add_argument("node", metavar="NODE")
+    drain.add_argument("node", metavar="NODE", type=node_name)
     drain.add_argument("--reason", default="", help="why (recorded on the incident)")
     back_node = _control(
         run_commands, "return-node", "return_node", _return_node, "a repaired node rejoins the run's spare pool"
     )
-    back_node.add_argument("node", metavar="NODE")
+    back_node.add_argument("node", metavar="NODE", type=node_name)
     reshard = _control(
         run_commands, "reshard", "reshard", _reshard, "run at DP replicas: checkpoint, stop, re-plan, resume"
     )
@@ -96,31 +96,51 @@ def register(run_commands: argparse._SubParsersAction) -> None:
 
 
 def policy_changes(pairs: list[str]) -> dict:
-    """FIELD=VALUE pairs (dotted fields nest, values are YAML scalars) as a nested dict."""
+    """FIELD=VALUE pairs (dotted fields nest, values are YAML scalars) as a nested dict; a pair that
+    is not one, or names a field twice, is the user's mistake, said in one line."""
+    import json
+
     import yaml
+
+    from lazarus.schema.names import shown
 
     changes: dict = {}
     for pair in pairs:
-        field, sep, value = pair.partition("=")
-        if not sep or not field:
-            raise UserError(f"set-policy: {pair!r} is not FIELD=VALUE (e.g. hang_after_seconds=60)")
+        field, sep, text = pair.partition("=")
         *path, last = field.split(".")
+        if not sep or not all(path) or not last:
+            raise UserError(f"set-policy: {shown(pair)} is not FIELD=VALUE (e.g. hang_after_seconds=60)")
+        try:
+            value = yaml.safe_load(text)
+            # What JSON cannot carry (a date, binary, .inf) would fail to encode, or arrive changed.
+            json.dumps(value, allow_nan=False)
+        except (yaml.YAMLError, TypeError, ValueError):
+            raise UserError(f"set-policy: {field}: {shown(text)} is not a value (e.g. 60, 2.5, true)") from None
         target = changes
         for part in path:
             target = target.setdefault(part, {})
-        target[last] = yaml.safe_load(value)
+            if not isinstance(target, dict):
+                break
+        if not isinstance(target, dict) or last in target:
+            raise UserError(f"set-policy: {field} is given twice, or inside a field given a value")
+        target[last] = value
     return changes
 
 
 async def send_update(args: argparse.Namespace, settings: Settings) -> int:
     """Send the command's update to the run and print its answer; a refusal is said in one line."""
+    from pydantic import ValidationError
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError
 
     from lazarus.schema import controls
+    from lazarus.schema.load import validation_message
     from lazarus.workflows.training_run import TrainingRun
 
-    request = args.request(args, controls)
+    try:
+        request = args.request(args, controls)
+    except ValidationError as error:
+        raise UserError(f"{args.run_command}: {validation_message(error)}") from None
     client = await connect_client(settings)
     try:
         answer = await client.get_workflow_handle(args.run_id).execute_update(

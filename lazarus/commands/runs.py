@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from datetime import datetime
 
-from lazarus.commands.common import UserError, connect_client, load_run_spec
+from lazarus.commands.common import UserError, connect_client, load_run_spec, node_name, positive_int, run_id
 from lazarus.config import Settings
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "ABORTED")
@@ -16,34 +16,49 @@ def register(run_commands: argparse._SubParsersAction) -> None:
     """Add start, status, list, watch, logs and report to `lazarus run`."""
     start = run_commands.add_parser("start", help="start a run from a YAML spec")
     start.add_argument("spec", help="path of the run spec (YAML), e.g. examples/demo.yaml")
-    start.add_argument("--run-id", help="run id, also the workflow id (default: <name>-<date>-<time>)")
+    start.add_argument("--run-id", type=run_id, help="run id, also the workflow id (default: <name>-<date>-<time>)")
     start.set_defaults(handler=start_run)
     status = run_commands.add_parser("status", help="state, step, assignment and incidents of a run")
-    status.add_argument("run_id", metavar="RUN")
+    status.add_argument("run_id", metavar="RUN", type=run_id)
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
     status.set_defaults(handler=show_status)
     listing = run_commands.add_parser("list", help="runs known to Temporal, newest first, with state and incidents")
-    listing.add_argument("--state", help="only runs in this state, e.g. TRAINING (needs the search attributes)")
-    listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    listing.add_argument(
+        "--state", type=run_state, help="only runs in this state, e.g. TRAINING (needs the search attributes)"
+    )
+    listing.add_argument("--limit", type=positive_int, default=50, help="at most this many (default 50)")
     listing.set_defaults(handler=list_runs)
     watch = run_commands.add_parser(
         "watch", help="follow a run live: progress bar, state, incidents (Ctrl-C stops watching)"
     )
-    watch.add_argument("run_id", metavar="RUN")
+    watch.add_argument("run_id", metavar="RUN", type=run_id)
     watch.set_defaults(handler=watch_run)
     logs = run_commands.add_parser("logs", help="the ranks' stdout and stderr (local backend: read from LAZARUS_HOME)")
-    logs.add_argument("run_id", metavar="RUN")
-    logs.add_argument("--node", help="only this node's ranks (default incarnation: the newest it ran in)")
+    logs.add_argument("run_id", metavar="RUN", type=run_id)
+    logs.add_argument(
+        "--node", type=node_name, help="only this node's ranks (default incarnation: the newest it ran in)"
+    )
     logs.add_argument("--incarnation", type=int, help="this incarnation (default: the newest)")
     logs.add_argument("--follow", action="store_true", help="keep printing until those ranks end (Ctrl-C stops)")
     logs.set_defaults(handler=show_logs)
     report = run_commands.add_parser(
         "report", help="what elasticity cost this run: stage table, ETTR, lost steps, timeline"
     )
-    report.add_argument("run_id", metavar="RUN")
+    report.add_argument("run_id", metavar="RUN", type=run_id)
     report.add_argument("--plot", metavar="FILE", help="write the timeline as a PNG")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
     report.set_defaults(handler=show_report)
+
+
+def run_state(value: str) -> str:
+    """argparse type of --state: a RunState's name (any case); it goes into a visibility query, so
+    nothing else may."""
+    from lazarus.schema.names import shown
+    from lazarus.schema.records import RunState
+
+    if value.upper() not in RunState.__members__:
+        raise argparse.ArgumentTypeError(f"{shown(value)} is not a run state: {', '.join(RunState.__members__)}")
+    return value.upper()
 
 
 async def start_run(args: argparse.Namespace, settings: Settings) -> int:
@@ -103,6 +118,8 @@ def status_view(status):
         facts.add_row("incarnation", f"{assignment.incarnation} on {', '.join(assignment.nodes)}")
     if status.reason:
         facts.add_row("reason", status.reason)
+    for warning in status.warnings:
+        facts.add_row("warning", Text(warning, style="yellow"))
     return Group(facts, Text(""), stage_tables(status))
 
 
@@ -151,7 +168,7 @@ async def list_runs(args: argparse.Namespace, settings: Settings) -> int:
     from lazarus.console import stdout, table
 
     client = await connect_client(settings)
-    query = "WorkflowType='TrainingRun'" + (f" AND LazarusState='{args.state.upper()}'" if args.state else "")
+    query = "WorkflowType='TrainingRun'" + (f" AND LazarusState='{args.state}'" if args.state else "")
     runs = table("run", "workflow", "state", "incidents", "started", right=("incidents",))
     try:
         async for execution in client.list_workflows(query, limit=args.limit):
@@ -218,13 +235,14 @@ async def follow(current, console, poll_seconds: float = 0.5) -> int:
 
 async def show_logs(args: argparse.Namespace, settings: Settings) -> int:
     """Print the ranks' logs from the run directory, each line prefixed with its node and rank."""
+    from lazarus.infra.backend import ClusterError
     from lazarus.infra.local import LocalCluster
     from lazarus.logs import LogsError, select, show
 
-    run = LocalCluster(settings.home).run_dir(args.run_id)
     try:
+        run = LocalCluster(settings.home).run_dir(args.run_id)
         selected = select(run, args.node, args.incarnation)
-    except LogsError as error:
+    except (ClusterError, LogsError) as error:
         raise UserError(f"logs of {args.run_id}: {error}") from None
     await asyncio.to_thread(show, run, selected, args.follow)
     return 0

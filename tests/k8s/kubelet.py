@@ -143,6 +143,13 @@ class FakeKubelet:
             for pod in pods:
                 self._kill(pod.metadata.name)
 
+    def repair(self, node: str) -> None:
+        """The node is repaired: its kubelet runs pods again and posts Ready."""
+        with self._lock:
+            self.dead.discard(node)
+            condition = {"type": "Ready", "status": "True", "reason": "KubeletReady"}
+            self.admin.patch_node(node, {"status": {"conditions": [condition]}})
+
     def stop(self) -> None:
         """Stop syncing and kill every process it started."""
         self._stop.set()

@@ -15,6 +15,7 @@ from lazarus.infra.kubernetes_objects import (
     SPARE_LABEL,
     pod_name,
     rank_pod,
+    run_label,
     run_object_name,
 )
 from lazarus.schema import Assignment, parse_spec
@@ -84,6 +85,8 @@ def test_not_enough_free_nodes_is_a_clear_error_and_claims_nothing(pool, backend
 
 def test_two_runs_racing_for_one_spare_exactly_one_wins(pool, backend_api, tmp_path):
     cluster = KubernetesCluster(tmp_path, backend_api)
+    for run_id in ("a", "b"):
+        cluster.write_spec(run_id, k8s_spec(tmp_path))  # a claim's Event names its run's namespace
     results = {}
     start = threading.Barrier(2)
 
@@ -129,6 +132,8 @@ def test_quarantine_cordons_taints_labels_and_writes_events(pool, backend_api, e
     cluster.record_stage("r1", "drained", "stopped incarnation 0")
     events = pool.list_namespaced_event("lz").items
     assert {(e.involved_object.kind, e.involved_object.name, e.reason) for e in events} == {
+        ("Node", "worker-0", "Claimed"),  # at launch
+        ("Node", "worker-1", "Claimed"),
         ("Node", "worker-1", "Quarantined"),
         ("ConfigMap", run_object_name("r1"), "Drained"),
     }
@@ -207,3 +212,25 @@ def test_replacing_claims_the_spare_exactly_once_and_releases_leftovers(pool, ba
     )
     assert pool.read_node("worker-0").metadata.labels[SPARE_LABEL] == "true"
     assert {n.name: n.role for n in cluster.inventory("r1").nodes}["worker-0"] == "spare"
+
+
+def test_a_run_id_that_is_no_kubernetes_name_still_claims_runs_and_quarantines(
+    pool, backend_api, confirming_kubelet, tmp_path
+):
+    """Run ids allow capitals, '_', '.' and 100 characters; names and label values do not: the
+    backend writes the mapped forms (run_label, object_name) and finds its objects by them."""
+    run_id = "Nightly_Run." + "x" * 60 + "_"
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    launched(cluster, run_id, k8s_spec(tmp_path))
+    label = run_label(run_id)
+    assert label != run_id and len(label) <= 63
+    claimed = pool.list_node(label_selector=f"{RUN_LABEL}={label}").items
+    assert sorted(n.metadata.name for n in claimed) == ["worker-0", "worker-1"]
+    pods = pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}={label}").items
+    assert sorted(p.metadata.name for p in pods) == sorted(pod_name(run_id, 0, i) for i in (0, 1))
+    assert all(len(p.metadata.name) <= 63 and p.metadata.name.islower() for p in pods)
+    cluster.quarantine(run_id, ["worker-1"], "node_down")
+    assert {n.name: n.role for n in cluster.inventory(run_id).nodes}["worker-1"] == "quarantined"
+    assert [t.value for t in pool.read_node("worker-1").spec.taints] == [label]
+    cluster.stop_incarnation(run_id, 0)
+    assert pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}={label}").items == []

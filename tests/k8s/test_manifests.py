@@ -4,6 +4,7 @@ rules grant exactly what the backend uses (no more, no less)."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from kubernetes import client as k8s
 
 from lazarus.infra.backend import ClusterBackend
 from lazarus.schema import load_spec
+from lazarus.schema.records import FaultReport
+from lazarus.workflows.policy import spare_want
 from tests.support.backends import Harness, every_rank_training
 from tests.support.waiting import wait_until
 
@@ -92,6 +95,15 @@ def drive_every_method(harness: Harness) -> set[str]:
     cluster.await_survivors("r1", 0, 0.0)
     cluster.await_checkpoint_in_flight("r1", 0, 0.0)
     lost, spare = harness.active[1], harness.spares[0]
+    fault = FaultReport(
+        kind="node_down",
+        nodes=[lost],
+        incarnation=0,
+        occurred_at=datetime.now(UTC),
+        detected_at=datetime.now(UTC),
+        step=3,
+    )
+    cluster.want_spares("r1", spare_want("r1", old, fault, priority=0))
     cluster.quarantine("r1", [lost], "node_down: test")
     assert cluster.stop_incarnation("r1", 0) == [0, 1]
     cluster.remove_partial_checkpoints("r1")
@@ -100,9 +112,11 @@ def drive_every_method(harness: Harness) -> set[str]:
     new = old.model_copy(update={"incarnation": 1, "nodes": [harness.active[0], spare]})
     cluster.commit_assignment("r1", new, claims=[spare])
     cluster.log_tail("r1", 0, 0)
+    cluster.drop_want("r1")
     cluster.return_node("r1", lost)
     cluster.record_stage("r1", "replaced", "incarnation 1")
     cluster.release_standbys("r1")
+    assert sorted(cluster.release_nodes("r1")) == sorted(new.nodes)
     cluster.close()
     return recorder.called
 

@@ -15,13 +15,13 @@ from lazarus.infra.kubernetes import KubernetesCluster
 from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL, run_object_name
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.worker import build_worker
-from tests.support.runs import SMALL_SPEC, losses, trained_step
+from tests.support.runs import SMALL_SPEC, assert_restored_from_survivors, losses, trained_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def kubernetes_spec(home):
-    """The small end-to-end spec (dp4, 60 steps) on the kubernetes backend, run directories under `home`."""
+    """The small end-to-end spec (dp4, 40 steps) on the kubernetes backend, run directories under `home`."""
     data = load_spec(SMALL_SPEC).model_dump(mode="json")
     data["cluster"] = {
         "backend": "kubernetes",
@@ -82,10 +82,14 @@ async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(
         "worker-3",
     ]
 
-    # The lost node is cordoned, tainted and labelled with the run; the spare now belongs to it.
+    # The lost node is cordoned, tainted and labelled with the run; the spare joined it, and is back
+    # in the pool with the other nodes now that the run is over.
     lost = admin.read_node("worker-2")
     assert lost.spec.unschedulable and [t.key for t in lost.spec.taints] == [QUARANTINE_TAINT]
-    assert admin.read_node("spare-0").metadata.labels[RUN_LABEL] == run_id
+    assert claims_of(admin, run_id) == ["spare-0", "worker-0", "worker-1", "worker-2", "worker-3"]
+    for name in ("spare-0", "worker-0", "worker-1", "worker-3"):
+        labels = admin.read_node(name).metadata.labels
+        assert RUN_LABEL not in labels and labels["lazarus.dev/spare"] == "true", (name, labels)
     # The next incarnation's pods landed on the spare and the survivors, one per node.
     pods = admin.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}={run_id},lazarus.dev/incarnation=1").items
     assert sorted(p.spec.node_name for p in pods) == ["spare-0", "worker-0", "worker-1", "worker-3"]
@@ -96,7 +100,7 @@ async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(
     assert any(e.reason == "Quarantined" and e.involved_object.name == "worker-2" for e in events)
 
     # The survivors' pods saved the interrupted step: no completed step is trained twice.
-    assert incident.restored_from == "survivors" and incident.lost_steps == 0
+    assert_restored_from_survivors(cluster.run_dir(run_id), incident)
     # What the trainer computed: every step, and the resumed steps bit for bit as without a fault.
     trained = losses(cluster.run_dir(run_id))
     assert sorted(trained) == list(range(1, spec.trainer.steps + 1))
@@ -158,9 +162,10 @@ async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and
     status = await asyncio.wait_for(handle.result(), 240)
     incident = completed_incident(kubelet, status)
     assert incident.new_assignment.incarnation == 1 and run.incarnations() == [0, 1]
-    # One claim: of the two spares exactly one joined the run, the other is still free.
-    claimed = sorted(n.metadata.name for n in admin.list_node(label_selector=f"{RUN_LABEL}={run_id}").items)
-    assert claimed == sorted(incident.new_assignment.nodes) and len({"spare-0", "spare-1"} & set(claimed)) == 1
+    # One claim: of the two spares exactly one joined the run (each node claimed once, as its Events say).
+    claimed = claims_of(admin, run_id)
+    assert set(claimed) == set(incident.old_assignment.nodes) | set(incident.new_assignment.nodes)
+    assert len({"spare-0", "spare-1"} & set(claimed)) == 1
     # No duplicate pods: each node of incarnation 1 ran its pod once, and each rank started once.
     second_round = [name for name in kubelet.started if f"-{run_id}-1-" in name]
     assert sorted(second_round) == sorted(set(second_round)) and len(second_round) == 4
@@ -170,3 +175,9 @@ async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and
         ]
         assert len(starts) == 1, f"rank {rank} of incarnation 1 was started {len(starts)} times"
     assert losses(run) == reference_losses
+
+
+def claims_of(admin, run_id: str) -> list[str]:
+    """Every node claim of the run, as its `Claimed` Events record them (one per claim), sorted."""
+    events = admin.list_namespaced_event("lz").items
+    return sorted(e.involved_object.name for e in events if e.reason == "Claimed" and e.message.endswith(f" {run_id}"))

@@ -28,11 +28,15 @@ def pool(admin):
 
 
 def test_the_informer_follows_the_pools_nodes_and_distrusts_its_cache_when_the_stream_breaks(pool, emulator):
-    events, lists, broken = [], [], threading.Event()
+    events, lists, broken, changed = [], [], threading.Event(), threading.Event()
 
     @functools.wraps(pool.list_node)  # the client's watch reads the return type from the docstring
     def list_node(**arguments):
-        if not arguments.get("watch"):
+        if arguments.get("watch"):
+            # The first watch starts only once worker-1 changed after the list: a watch that
+            # replays what exists (the emulator's does) must report that change as MODIFIED.
+            changed.wait(20)
+        else:
             lists.append(time.monotonic())
             if broken.is_set():
                 raise ApiException(status=503, reason="the API server is restarting")
@@ -48,11 +52,13 @@ def test_the_informer_follows_the_pools_nodes_and_distrusts_its_cache_when_the_s
         assert informer.wait_synced(20)
         assert sorted(informer.objects()) == ["worker-0", "worker-1", "worker-2"]  # not the other pool's node
         set_ready(pool, "worker-1", "Unknown")
+        changed.set()
         wait_until(
             lambda: informer.objects()["worker-1"].status.conditions[0].status == "Unknown",
             "the watch to bring worker-1's Ready=Unknown",
         )
         assert ("MODIFIED", "worker-1") in events
+        assert events.count(("ADDED", "worker-0")) == 1  # the replay of what did not change is no event
         pool.delete_node("worker-2")
         wait_until(lambda: "worker-2" not in informer.objects(), "the watch to bring worker-2's deletion")
         assert ("DELETED", "worker-2") in events
@@ -64,9 +70,12 @@ def test_the_informer_follows_the_pools_nodes_and_distrusts_its_cache_when_the_s
         wait_until(lambda: len(lists) >= 2, "the informer to list again")
         assert not informer.synced and informer.objects() is None
         add_node(pool, "worker-3")  # while it was blind
+        pool.delete_node("worker-1")
         broken.clear()
         wait_until(lambda: informer.synced, "a list to succeed again")
-        assert sorted(informer.objects()) == ["worker-0", "worker-1", "worker-3"]
+        assert sorted(informer.objects()) == ["worker-0", "worker-3"]
+        # The list reports what it missed, as the stream would have: a run on worker-1 is woken.
+        assert ("ADDED", "worker-3") in events and ("DELETED", "worker-1") in events
     finally:
         informer.stop()
     assert not informer._thread.is_alive()

@@ -1,13 +1,17 @@
-"""`lazarus worker` as a child process, so a test can SIGKILL it like a crashed controller."""
+"""The environment of a `lazarus` child process, the demo's --json, and `lazarus worker` as a child
+process (lazarus.chaos.bed's), so a test can SIGKILL it like a crashed controller."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from lazarus.chaos.bed import WorkerProcess
+
+__all__ = ["WorkerProcess", "demo_json", "lazarus_env"]
 
 
 def lazarus_env(env, home: Path, queue: str) -> dict:
@@ -32,25 +36,3 @@ def demo_json(env: dict, *args: str, cwd: Path | None = None) -> dict:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
-
-
-class WorkerProcess:
-    """One `lazarus worker` process with its output in `log` (and its working directory `cwd`)."""
-
-    def __init__(self, env: dict, log: Path, cwd: Path | None = None):
-        self.log = open(log, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "lazarus.cli", "worker"],
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def kill(self) -> None:
-        """SIGKILL it (unless it ended) and reap it."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-        self.log.close()

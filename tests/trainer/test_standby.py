@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lazarus.infra.local import LocalCluster
+from lazarus.infra.standbys import kill_standbys
 from lazarus.schema import Assignment, parse_spec
 from lazarus.schema.contract import read_exit
 from lazarus.schema.files import lock_is_held, read_json
@@ -124,7 +125,7 @@ def test_kill_node_kills_its_standby_and_a_late_order_starts_nothing(cluster, tm
     run = cluster.run_dir("r1")
     wait_until(lambda: all(run.exit_file(0, r).exists() for r in (0, 1)), "both ranks to exit")
     spare = wait_until(
-        lambda: lock_is_held(run.standby("node-2") / "lock") and read_json(run.standby("node-2") / "pid"),
+        lambda: (run.standby("node-2") / "ready").exists() and read_json(run.standby("node-2") / "pid"),
         "the spare's standby",
     )
     cluster.kill_node("r1", "node-0")
@@ -139,3 +140,46 @@ def test_kill_node_kills_its_standby_and_a_late_order_starts_nothing(cluster, tm
     wait_until(lambda: log.exists() and "not starting it" in log.read_text(), "the launcher to refuse the order")
     wait_until(lambda: not lock_is_held(run.node_lock_file(0, 1)), "the refusing launcher to exit")
     assert cluster.live_pids("r1") == [] and not any(r.alive for r in cluster.observe("r1", 0).ranks)
+
+
+def session_of(pid: int) -> int:
+    """The session id of a live process (field 6 of /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[3])
+
+
+def test_standbys_started_together_share_one_import_and_die_alone(cluster, tmp_path):
+    """The nodes' standbys are forks of one interpreter that imported torch once; each is the
+    leader of its own session, so killing one node's leaves the others warm."""
+    start(cluster, tmp_path)
+    run = cluster.run_dir("r1")
+    nodes = ["node-0", "node-1", "node-2"]
+    wait_until(lambda: all((run.standby(n) / "ready").exists() for n in nodes), "every standby to be warm")
+    records = {n: read_json(run.standby(n) / "pid") for n in nodes}
+    pids = {record["pid"] for record in records.values()}
+    assert len(pids) == 3 and all(
+        record["pgid"] == record["pid"] == session_of(record["pid"]) for record in records.values()
+    )
+    imports = {json.loads((run.standby(n) / "ready").read_text())["import_seconds"] for n in nodes}
+    assert len(imports) == 1  # one warm-up, shared
+    cluster.kill_node("r1", "node-1")
+    assert not lock_is_held(run.standby("node-1") / "lock")  # released only when its holder is gone
+    assert all(lock_is_held(run.standby(n) / "lock") for n in ("node-0", "node-2"))
+    assert {n: read_json(run.standby(n) / "pid") for n in ("node-0", "node-2")} == {
+        n: records[n] for n in ("node-0", "node-2")
+    }
+
+
+def test_a_standby_killed_while_its_interpreter_imports_is_gone(cluster, tmp_path):
+    """Killed while its interpreter imports (the interpreter is the node's recorded standby):
+    nothing is left holding the node, and it never gets warm."""
+    start(cluster, tmp_path)
+    run = cluster.run_dir("r1")
+    home = run.standby("node-2")
+    wait_until(lambda: (home / "ready").exists(), "the spare's standby to be warm")
+    kill_standbys(run, ["node-2"])
+    (home / "ready").unlink()
+    cluster.ensure_standbys("r1")  # a new interpreter for node-2 alone
+    assert lock_is_held(home / "lock") and not (home / "ready").exists()
+    cluster.kill_node("r1", "node-2")
+    assert not lock_is_held(home / "lock") and not (home / "ready").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,3 +62,24 @@ def test_help_explains_the_commands():
     assert done.returncode == 0
     for word in ("server", "worker", "run", "chaos", "demo", "LAZARUS_TEMPORAL_ADDRESS", "LAZARUS_HOME"):
         assert word in done.stdout
+
+
+def test_the_pool_lists_adds_and_returns_nodes_and_refuses_unknown_ones(tmp_path):
+    from lazarus.infra.pool import LocalPool
+
+    env = {"LAZARUS_HOME": str(tmp_path), "LAZARUS_TEMPORAL_ADDRESS": "127.0.0.1:1"}
+    assert "has no node yet" in lazarus("pool", env=env).stdout
+    added = lazarus("pool", "add", "2", env=env)
+    assert added.returncode == 0 and added.stdout.startswith("added node-0, node-1")
+    LocalPool(tmp_path).quarantine("gone-run", ["node-1"], "incident 1: node_down")
+    listed = json.loads(lazarus("pool", "--json", env=env).stdout)
+    assert [(n["name"], n["role"], n["owner"]) for n in listed["nodes"]] == [
+        ("node-0", "free", None),
+        ("node-1", "quarantined", "gone-run"),
+    ]
+    # The run that quarantined node-1 cannot be told (no server answers): the pool is changed directly.
+    back = lazarus("pool", "return", "node-1", env=env)
+    assert back.returncode == 0 and back.stdout == "node-1 is a free spare again\n", back.stderr
+    assert LocalPool(tmp_path).read().node("node-1").role == "free"
+    assert_one_line_error(lazarus("pool", "return", "node-7", env=env), f"the pool under {tmp_path} has no node node-7")
+    assert_one_line_error(lazarus("pool", "add", "0", env=env), "argument COUNT: '0' is not a whole number")

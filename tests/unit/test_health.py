@@ -13,9 +13,11 @@ POLICY = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=60)
 NOW = 1_000_000.0
 
 
-def rank(r, step=7, alive=True, exit=None, beat_age=0.5, phase="training"):
-    """Rank r of an observation; `exit` holds the exit record's fields but the rank."""
-    heartbeat = Heartbeat(rank=r, step=step, phase=phase, time=NOW - beat_age)
+def rank(r, step=7, alive=True, exit=None, beat_age=0.5, phase="training", alive_age=None):
+    """Rank r of an observation; `exit` holds the exit record's fields but the rank; `alive_age`:
+    how long ago its liveness thread last wrote (None: a writer without one)."""
+    alive_at = None if alive_age is None else NOW - alive_age
+    heartbeat = Heartbeat(rank=r, step=step, phase=phase, time=NOW - beat_age, alive_at=alive_at)
     ended = RankExit(rank=r, **exit) if exit is not None else None
     return RankObservation(rank=r, node=f"node-{r}", launched=True, alive=alive, heartbeat=heartbeat, exit=ended)
 
@@ -106,6 +108,38 @@ def test_stale_heartbeat_is_a_hang_blaming_the_rank_that_got_least_far():
     )
     assert verdict.fault.kind == "hang" and verdict.fault.nodes == ["node-1"]
     assert "no heartbeat for 12.0 s" in verdict.fault.reason
+
+
+def test_of_ranks_stalled_at_one_step_the_hang_blames_the_one_whose_process_stopped():
+    # Rank 2 was stopped (SIGSTOP, a cut-off host) just after its last step's heartbeat, so its
+    # heartbeat is the newest; its peers wait in the next collective, their processes running.
+    waiting = [rank(r, step=12, beat_age=11.5, alive_age=0.05) for r in (0, 1, 3)]
+    stopped = rank(2, step=12, beat_age=11, alive_age=11)
+    verdict = judge(observe(*waiting[:2], stopped, waiting[2]), POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.fault.kind == "hang" and verdict.fault.nodes == ["node-2"]
+    # The first look past the hang time: the waiting ranks' heartbeats, a few ms older than the
+    # stopped one's, pass it first; the stopped one is blamed all the same.
+    first_look = [rank(r, step=12, beat_age=10.01, alive_age=0.05) for r in (0, 1, 3)]
+    stopped = rank(2, step=12, beat_age=9.99, alive_age=9.99)
+    verdict = judge(observe(*first_look[:2], stopped, first_look[2]), POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.fault.kind == "hang" and verdict.fault.nodes == ["node-2"]
+    # Every process running, every step stalled (a deadlock): the rank that got least far, as before.
+    deadlocked = [rank(0, step=12, beat_age=11, alive_age=0.05), rank(1, step=11, beat_age=12, alive_age=0.05)]
+    assert judge(observe(*deadlocked), POLICY, NOW, NOW - 0.1, 40).fault.nodes == ["node-1"]
+
+
+def test_ranks_that_gave_up_on_a_peer_that_never_started_blame_its_node():
+    timeout = "DistStoreError: wait timeout after 35000ms, keys: /default_pg/0//cpu//0/0"
+    waited = [
+        rank(r, step=35, alive=False, exit={"code": 1, "time": NOW - 1, "step": 35, "error": timeout}) for r in (0, 1)
+    ]
+    missing = RankObservation(rank=2, node="node-2", launched=False, alive=False)
+    verdict = judge(observe(*waited, missing, incarnation=3), POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-2"]
+    assert "rank(s) 2 never started" in verdict.fault.reason
+    # A rank that failed on its own is blamed, whoever has not started yet.
+    own = [rank(0, step=35, alive=False, exit={"code": 1, "time": NOW - 1, "step": 35, "error": "ValueError: bad"})]
+    assert judge(observe(*own, missing, incarnation=3), POLICY, NOW, NOW - 0.1, 40).fault.nodes == ["node-0"]
 
 
 def test_starting_ranks_get_the_startup_grace():

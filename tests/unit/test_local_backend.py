@@ -72,7 +72,7 @@ def test_kill_node_kills_its_ranks_and_marks_it_dead(cluster):
 
 def test_kill_unknown_node_is_a_clear_error(cluster):
     launch(cluster)
-    with pytest.raises(ClusterError, match="has no node node-9; nodes: node-0, node-1"):
+    with pytest.raises(ClusterError, match="the pool has no node node-9; nodes: node-0, node-1"):
         cluster.kill_node("r1", "node-9")
 
 
@@ -87,16 +87,27 @@ def test_a_new_controller_sees_and_stops_ranks_it_did_not_start(cluster, tmp_pat
 
 def test_spares_are_claimed_exactly_once(cluster):
     old = launch(cluster)
-    cluster.update_nodes("r1", {"node-1": {"role": "quarantined"}})
+    cluster.quarantine("r1", ["node-1"], "test")
     proposal = old.model_copy(update={"incarnation": 1, "nodes": ["node-0", "node-4", "node-2", "node-3"]})
     claimed = cluster.commit_assignment("r1", proposal, claims=["node-4"])
     # A retry (say, after a worker crash) gets the recorded assignment back, even with another port.
     retry = cluster.commit_assignment("r1", proposal.model_copy(update={"master_port": 1234}), claims=["node-4"])
     assert retry == claimed
     assert cluster.inventory("r1").node("node-4").role == "active"
-    # Another incarnation cannot claim a spare that is no longer free.
-    with pytest.raises(ClusterError, match="node-4 is no longer a free spare"):
-        cluster.commit_assignment("r1", proposal.model_copy(update={"incarnation": 2}), claims=["node-4"])
+    # Another run of the home cannot claim a node this one holds, and is told who holds it.
+    spec = parse_spec(
+        {
+            "name": "r",
+            "layout": {"dp": 1},
+            "cluster": {"active_nodes": 1, "spare_nodes": 0},
+            "trainer": {"command": SLEEPER},
+        }
+    )
+    cluster.create("r2", spec)
+    taken = Assignment(incarnation=1, nodes=["node-4"], layout=spec.layout, master_port=29999)
+    with pytest.raises(ClusterError, match="node-4 is no longer a free spare .node-4 is active in run r1"):
+        cluster.commit_assignment("r2", taken, claims=["node-4"])
+    assert cluster.assignment("r2", 1) is None and "node-4" not in cluster.inventory("r2").free_spares()
 
 
 def test_stop_right_after_start_leaves_no_process(cluster):
@@ -105,10 +116,8 @@ def test_stop_right_after_start_leaves_no_process(cluster):
         run_id = f"early-{attempt}"
         spec = parse_spec({"name": "r", "trainer": {"command": SLEEPER}})
         cluster.create(run_id, spec)
-        cluster.commit_assignment(
-            run_id,
-            Assignment(incarnation=0, nodes=[f"node-{i}" for i in range(4)], layout=spec.layout, master_port=29999),
-        )
+        nodes = [n.name for n in cluster.inventory(run_id).nodes if n.role == "active"]
+        cluster.commit_assignment(run_id, Assignment(incarnation=0, nodes=nodes, layout=spec.layout, master_port=29999))
         cluster.start_ranks(run_id, 0, resume_step=0)
         cluster.stop_incarnation(run_id, 0)
         assert cluster.live_pids(run_id) == [] and not any(r.alive for r in cluster.observe(run_id, 0).ranks)

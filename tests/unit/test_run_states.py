@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lazarus.schema.records import TERMINAL_STATES, TRANSITIONS, RunState, may_move
+from lazarus.schema.states import TERMINAL_STATES, TRANSITIONS, RunState, may_move
 
 
 def reachable_from(start: RunState) -> set[RunState]:

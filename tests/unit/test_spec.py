@@ -138,6 +138,18 @@ def test_a_planned_fault_names_a_step_or_a_time():
     assert fault.planned == "after:2.5"
 
 
+def test_a_planned_fault_s_effect_fits_its_point_and_trainer():
+    raising = {"node": "node-1", "step": 3, "effect": "raise"}
+    assert parse_spec({"name": "ok", "faults": [raising]}).faults[0].planned == "step:3:raise"
+    full = {"node": "node-1", "step": 10, "point": "checkpoint", "effect": "disk_full"}
+    assert parse_spec({"name": "ok", "faults": [full]}).faults[0].planned == "checkpoint:10:disk_full"
+    assert "set point: checkpoint" in refuse({"faults": [{**full, "point": "step"}]})
+    assert "needs a step" in refuse({"faults": [{"node": "node-1", "after_seconds": 2, "effect": "raise"}]})
+    script = {"command": ["python", "train.py"], "progress_pattern": r"step (?P<step>\d+)"}
+    assert "carry out planned faults themselves" in refuse({"trainer": script, "faults": [raising]})
+    assert "needs the built-in trainer" in refuse({"trainer": {"command": ["python", "train.py"]}, "faults": [full]})
+
+
 def test_relative_paths_are_taken_from_the_folder_the_run_starts_in(tmp_path):
     from lazarus.local_paths import anchor_paths
 

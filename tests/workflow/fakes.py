@@ -27,6 +27,7 @@ from lazarus.schema.stages import (
     DrainResult,
     LaunchInput,
     LaunchResult,
+    ReleaseInput,
     ReplaceInput,
     RescheduleInput,
     ResumeInput,
@@ -44,11 +45,12 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def make_spec(stages: dict | None = None, **recovery):
+def make_spec(stages: dict | None = None, cluster: dict | None = None, **recovery):
     return parse_spec(
         {
             "name": "wf",
             "trainer": {"steps": 40},
+            "cluster": cluster or {},
             "recovery": {"progress_every_seconds": 1, "capacity_poll_seconds": 5, **recovery, "stages": stages or {}},
         }
     )
@@ -101,6 +103,8 @@ class FakeStages:
         self.watch_over.set()
         self.nodes = {name: "active" for name in ACTIVE}
         self.nodes.update({name: "spare" for name in spares})
+        self.dead: set[str] = set()
+        self.regrow_asks: list[int | None] = []  # regrow_nodes of each "capacity" watch
 
     async def _after_the_watch(self) -> None:
         # What the workflow runs after cancelling a watch starts once that watch has ended. The
@@ -143,6 +147,12 @@ class FakeStages:
                 self.watch_over.set()
         if step == "done":
             return DetectResult(completed=True, progress=RankProgress(step=request.total_steps, at=_now()))
+        if step == "capacity":
+            # A repaired node joins the pool; the report says so only to a watch that asked.
+            self.nodes["node-9"] = "spare"
+            self.regrow_asks.append(request.regrow_nodes)
+            capacity = request.regrow_nodes is not None
+            return DetectResult(progress=RankProgress(step=20, at=_now()), capacity=capacity)
         if isinstance(step, FaultReport):
             return DetectResult(
                 fault=step.model_copy(update={"incarnation": request.incarnation}),
@@ -174,15 +184,17 @@ class FakeStages:
         self._called("reschedule")
         if self.names().count("reschedule") == self.spare_returns_at_read:
             self.nodes["node-9"] = "spare"  # a repaired node comes back while the run waits
-        return Inventory(nodes=[NodeRecord(name=n, role=role) for n, role in sorted(self.nodes.items())])
+        return Inventory(
+            nodes=[NodeRecord(name=n, role=role, healthy=n not in self.dead) for n, role in sorted(self.nodes.items())]
+        )
 
     @activity.defn(name="replace_or_reshard")
     async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
         self._called("replace_or_reshard")
         if self.spare_dies_before_claim:
             self.spare_dies_before_claim = False
-            for spare in request.decision.replacements.values():
-                self.nodes[spare] = "quarantined"
+            # A spare that dies while free is dead, not this run's quarantine.
+            self.dead.update(request.decision.replacements.values())
             raise ApplicationError("node-4 is no longer a free spare", type="SpareUnavailable", non_retryable=True)
         decision, old = request.decision, request.old_assignment
         for node in decision.nodes:
@@ -219,7 +231,17 @@ class FakeStages:
             gate, self.return_gate = self.return_gate, None
             await gate.wait()  # the test holds this return open
         self.nodes[request.node] = "spare"
-        return Inventory(nodes=[NodeRecord(name=n, role=role) for n, role in sorted(self.nodes.items())])
+        return Inventory(
+            nodes=[NodeRecord(name=n, role=role, healthy=n not in self.dead) for n, role in sorted(self.nodes.items())]
+        )
+
+    @activity.defn(name="release")
+    async def release(self, request: ReleaseInput) -> list[str]:
+        self._called("release")
+        held = sorted(n for n, role in self.nodes.items() if role == "active")
+        for node in held:
+            self.nodes[node] = "spare"
+        return held
 
     def all(self) -> list:
         return [
@@ -231,6 +253,7 @@ class FakeStages:
             self.resume,
             self.stop,
             self.return_node,
+            self.release,
         ]
 
 

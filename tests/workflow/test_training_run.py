@@ -34,6 +34,7 @@ async def test_stages_run_in_order_and_the_incident_is_recorded(time_skipping_en
         "resume",
         "detect",
         "detect",
+        "release",  # the ended run gives its nodes back to the pool
     ]
     assert status.state == RunState.COMPLETED and status.step == 40
     [incident] = status.incidents
@@ -341,7 +342,7 @@ async def test_a_restart_that_finds_training_done_completes_the_run(time_skippin
         final = await handle.result()
         assert await replays_with_patch(handle, RESTART_PATCH)
     assert final.state == RunState.COMPLETED and final.step == 40 and final.incidents == []
-    assert stages.names() == ["launch", "detect", "stop", "replace_or_reshard", "resume"]
+    assert stages.names() == ["launch", "detect", "stop", "replace_or_reshard", "resume", "release"]
 
 
 async def test_a_fault_before_a_restarts_first_step_is_the_next_incident(time_skipping_env):
@@ -364,4 +365,27 @@ async def test_a_fault_before_a_restarts_first_step_is_the_next_incident(time_sk
         "replace_or_reshard",
         "resume",
         "detect",
+        "release",
     ]
+
+
+@pytest.mark.parametrize("regrow", [True, False], ids=["regrows", "held-by-policy"])
+async def test_a_resharded_run_grows_back_when_the_pool_has_the_nodes_unless_the_policy_holds_it(
+    time_skipping_env, regrow
+):
+    stages = FakeStages(watch=[fault(), "capacity", "done"], spares=())
+    status = await run_workflow(time_skipping_env, stages, make_spec(min_dp=1, regrow=regrow))
+
+    [incident] = status.incidents
+    assert incident.decision.action == "reshard" and incident.new_assignment.layout.dp == 3
+    if not regrow:
+        # The watch never asked about capacity: the run stays small.
+        assert stages.regrow_asks == [None] and status.regrowths == [] and status.layout.dp == 3
+        return
+    assert stages.regrow_asks == [1]  # dp 3 -> 4 needs one more node
+    [regrowth] = status.regrowths
+    assert (regrowth.from_dp, regrowth.to_dp, regrowth.nodes, regrowth.outcome) == (3, 4, ["node-9"], "regrown")
+    assert list(regrowth.stages) == ["reschedule", "stop", "replace_or_reshard", "resume"]
+    assert status.layout.dp == 4 and status.assignment.nodes == ["node-0", "node-1", "node-3", "node-9"]
+    after_fault = stages.names()[stages.names().index("resume") + 1 :]
+    assert after_fault[:6] == ["detect", "reschedule", "stop", "replace_or_reshard", "resume", "detect"]

@@ -1,0 +1,98 @@
+"""What the runs of a Kubernetes pool share: its nodes, claimed by a label patch guarded by the
+node's resourceVersion, and the runs' needs of its spares (schema/pool.py SpareWant), each on its
+own run's ConfigMap as an annotation, the ConfigMap labelled with the pool so that every run of
+the pool finds the others' with one list.
+
+Each run writes only its own ConfigMap, so no want races another run's; what keeps a spare from
+being claimed twice is the claim's guarded patch.
+"""
+
+from __future__ import annotations
+
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+from lazarus.infra.kubernetes_objects import POOL_LABEL, RUN_LABEL, SPARE_LABEL, node_free, run_object_name
+from lazarus.schema.pool import SpareWant
+
+WANT_ANNOTATION = "lazarus.dev/spare-want"
+"""The run's SpareWant as JSON, on its ConfigMap, from its drain to the end of its resume."""
+
+
+def claim_node(core: k8s.CoreV1Api, node_name: str, label: str, spare_only: bool) -> str:
+    """Label the node with the run's `label` if it is free (a hot spare, if `spare_only`): "claimed"
+    now, "held" already, or "refused".
+
+    The patch carries the resourceVersion the node was read at: if anything changed the node
+    since (another run's claim), the API server refuses it with 409 and this one loses.
+    """
+    node = core.read_node(node_name)
+    labels = node.metadata.labels or {}
+    if labels.get(RUN_LABEL) == label:
+        return "held"
+    if not node_free(node) or (spare_only and labels.get(SPARE_LABEL) != "true"):
+        return "refused"
+    claim = {"labels": {RUN_LABEL: label, SPARE_LABEL: None}, "resourceVersion": node.metadata.resource_version}
+    try:
+        core.patch_node(node_name, {"metadata": claim})
+    except ApiException as error:
+        if error.status != 409:
+            raise
+        return "held" if (core.read_node(node_name).metadata.labels or {}).get(RUN_LABEL) == label else "refused"
+    return "claimed"
+
+
+def release_node(core: k8s.CoreV1Api, node_name: str, label: str) -> bool:
+    """Give a node the run labelled `label` holds back to the pool as a hot spare; False if it held none."""
+    node = core.read_node(node_name)
+    if (node.metadata.labels or {}).get(RUN_LABEL) != label:
+        return False
+    core.patch_node(node_name, {"metadata": {"labels": {RUN_LABEL: None, SPARE_LABEL: "true"}}})
+    return True
+
+
+class PoolWants:
+    """The spare wants of the runs of one namespace."""
+
+    def __init__(self, core: k8s.CoreV1Api):
+        self.core = core
+
+    def lodge(self, namespace: str, pool: str, want: SpareWant) -> None:
+        """Put the run's want on its ConfigMap (in place of an earlier one)."""
+        patch = {"metadata": {"labels": {POOL_LABEL: pool}, "annotations": {WANT_ANNOTATION: want.model_dump_json()}}}
+        self.core.patch_namespaced_config_map(run_object_name(want.run_id), namespace, patch)
+
+    def drop(self, namespace: str, run_id: str) -> None:
+        """Take the run's want off its ConfigMap (gone already is fine)."""
+        try:
+            patch = {"metadata": {"annotations": {WANT_ANNOTATION: None}}}
+            self.core.patch_namespaced_config_map(run_object_name(run_id), namespace, patch)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def place(self, namespace: str, run_id: str, got: int) -> None:
+        """Mark the run's want placed with the spares it claimed: it no longer competes."""
+        config_map = self.core.read_namespaced_config_map(run_object_name(run_id), namespace)
+        text = (config_map.metadata.annotations or {}).get(WANT_ANNOTATION)
+        if text is None:
+            return
+        want = SpareWant.model_validate_json(text)
+        if not want.placed:
+            self.lodge(
+                namespace,
+                config_map.metadata.labels.get(POOL_LABEL, ""),
+                want.model_copy(update={"placed": True, "got": got}),
+            )
+
+    def others(self, namespace: str, pool: str, run_id: str) -> list[SpareWant]:
+        """The wants of the pool's other runs."""
+        listed = self.core.list_namespaced_config_map(namespace, label_selector=f"{POOL_LABEL}={pool}").items
+        wants = []
+        for config_map in listed:
+            text = (config_map.metadata.annotations or {}).get(WANT_ANNOTATION)
+            if text is not None:
+                want = SpareWant.model_validate_json(text)
+                if want.run_id != run_id:
+                    wants.append(want)
+        return sorted(wants, key=lambda w: w.run_id)

@@ -1,0 +1,142 @@
+"""Running a scenario of the matrix (lazarus.chaos.scenarios) on a bed and judging what it left:
+the common row (lazarus.chaos.judge) and what the scenario must show beyond it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+from lazarus.chaos.bed import ChaosBed, ChaosError
+from lazarus.chaos.judge import Row, judge
+from lazarus.chaos.scenarios import HANG_FOUND_MARGIN_SECONDS, Scenario
+from lazarus.chaos.trial import Trial
+from lazarus.schema.run import RunSpec
+
+
+@contextlib.contextmanager
+def shared_bed(folder: Path):
+    """A bed with its server and one plain worker up, for the scenarios that kill neither."""
+    bed = ChaosBed(folder)
+    try:
+        bed.server.start()
+        bed.start_worker()
+        yield bed
+    finally:
+        bed.close()
+
+
+def scenario_checks(trial: Trial, status) -> list[str]:
+    """What a scenario must show beyond the common row: a hang found in time and blamed right, no
+    resume from a checkpoint the scenario corrupted."""
+    notes = []
+    if trial.hang is not None and status.incidents:
+        node, stopped_at = trial.hang
+        fault = status.incidents[0].fault
+        found = fault.detected_at.timestamp() - stopped_at
+        notes.append(f"{fault.kind} on {', '.join(fault.nodes)} found {found:.1f} s after the stop")
+        limit = trial.spec.recovery.hang_after_seconds + HANG_FOUND_MARGIN_SECONDS
+        if fault.kind != "hang" or fault.nodes != [node] or found > limit:
+            notes.append(f"FAIL the hang of {node} was not found as one within {limit:.0f} s")
+    if trial.disk_full is not None:
+        notes += disk_full_checks(trial, status, trial.disk_full)
+    if trial.in_flight is not None and status.incidents:
+        incident = status.incidents[0]
+        if (incident.checkpoint_in_flight, incident.discarded_checkpoints) != (trial.in_flight, [trial.in_flight]):
+            notes.append(
+                f"FAIL the checkpoint of step {trial.in_flight}, written at the fault, was not found in flight and "
+                f"discarded (in flight {incident.checkpoint_in_flight}, discarded {incident.discarded_checkpoints})"
+            )
+    if trial.half_saved is not None:
+        notes += half_saved_checks(trial, trial.half_saved)
+    for incident in status.incidents:
+        if incident.resumed_from_step in trial.corrupted:
+            notes.append(f"FAIL resumed from the corrupted checkpoint of step {incident.resumed_from_step}")
+    return notes
+
+
+def half_saved_checks(trial: Trial, node: str) -> list[str]:
+    """The node's ranks of the first incarnation died with their survivor state half written (a
+    partial file, no manifest): otherwise the scenario did not test what it says."""
+    index = trial.assignment(0).nodes.index(node)
+    per_node = trial.spec.layout.ranks_per_node
+    ranks = range(index * per_node, (index + 1) * per_node)
+    half = [r for r in ranks if trial.run.survivor_state(0, r).with_suffix(".partial").exists()]
+    whole = [r for r in ranks if trial.run.survivor_manifest(0, r).exists()]
+    if half != list(ranks) or whole:
+        return [f"FAIL {node}'s ranks did not die half-way through their survivor save (partial {half}, whole {whole})"]
+    return [f"{node}'s ranks {half} died half-way through their survivor save"]
+
+
+def disk_full_checks(trial: Trial, status, lost: int) -> list[str]:
+    """The checkpoint the full disk failed never counted, the recovery took the one before it, and
+    the operator was told."""
+    notes = []
+    # The next incarnation trains that step again and commits it: only the first one's counts here.
+    if trial.watch.committed.get(lost, (None, None))[1] == 0:
+        notes.append(f"FAIL the checkpoint of step {lost}, written to a full disk, was committed")
+    previous = lost - trial.spec.trainer.checkpoint_every
+    if status.incidents and status.incidents[0].resumed_from_step != previous:
+        notes.append(f"FAIL resumed from step {status.incidents[0].resumed_from_step}, not the checkpoint {previous}")
+    said = f"checkpoint of step {lost} not written"
+    warned = [w for w in status.warnings if said in w]
+    notes.append(f"warning: {warned[0]}" if warned else f"FAIL no warning '{said}' in the run's status")
+    return notes
+
+
+async def run_scenario(
+    scenario: Scenario,
+    folder: Path,
+    spec: RunSpec,
+    kill_at: int,
+    reference: dict[int, float],
+    shared: ChaosBed | None = None,
+) -> Row:
+    """Run one scenario on a bed of its own under `folder` (or on `shared`, where the scenario
+    kills neither its worker nor its server); its row of the matrix."""
+    started = time.monotonic()
+    own = shared is None or scenario.own_bed
+    bed = ChaosBed(folder) if own else shared
+    trial = None
+    try:
+        if own:
+            await asyncio.to_thread(bed.server.start)
+            bed.start_worker(*scenario.failpoints)
+        trial = Trial(bed, scenario.spec_for(spec, kill_at), f"chaos-{scenario.name}-{uuid.uuid4().hex[:4]}")
+        await trial.start()
+        await scenario.act(trial, kill_at)
+        status = await trial.outcome()
+        trial.watch.stop()
+        row = judge(
+            scenario.name,
+            trial.spec,
+            trial.run,
+            status,
+            reference,
+            trial.watch.committed,
+            trial.watch.gone,
+            trial.corrupted,
+        )
+        row.notes = trial.notes + row.notes + scenario_checks(trial, status)
+    except ChaosError as error:
+        row = Row(scenario=scenario.name, notes=[*(trial.notes if trial else []), f"FAIL {error}"])
+    except Exception as error:  # noqa: BLE001 - a broken bed fails its row, not the whole matrix
+        traceback.print_exc()
+        row = Row(scenario=scenario.name, notes=[f"FAIL the bed broke: {type(error).__name__}: {error}"])
+    finally:
+        if trial is not None and trial.watch is not None:
+            trial.watch.stop()
+        # Here, not in a thread: a cancelled scenario (Ctrl-C) still ends what it started.
+        if own:
+            bed.close()
+        elif trial is not None:
+            if trial.handle is not None:
+                with contextlib.suppress(Exception):  # ended already, as it should have
+                    await trial.handle.terminate("the chaos scenario ended")
+            bed.cluster.stop_run(trial.run_id)
+            bed.cluster.repair_after(trial.run_id)  # the next scenario finds the nodes a fresh home has
+    row.seconds = round(time.monotonic() - started, 1)
+    return row

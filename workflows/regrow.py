@@ -1,0 +1,86 @@
+"""Regrow: a run below the dp it wants (the spec's layout.dp, or an operator's reshard's) grows
+back once the pool has the nodes again: a node returned, a spare freed, a run ended.
+
+The watch asks detect to look at the pool with each progress report (regrow_nodes); when the
+nodes are there, the run reads the pool again, decides (workflows/policy.py plan_regrow), has its
+ranks checkpoint and stop at a step boundary, claims the nodes and resumes at the larger dp from
+that checkpoint: no completed step is lost, and the global batch and sample order are kept. A
+mixin of TrainingRun; the operator holds it with `recovery.regrow: false` (set_policy).
+"""
+
+from __future__ import annotations
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from lazarus.activities.recovery import RecoveryActivities
+    from lazarus.schema.policy import RecoveryPolicy
+    from lazarus.schema.records import Decision, FaultReport, Incident, Regrowth, RunStart, RunStatus
+    from lazarus.schema.stages import RescheduleInput, ResumeResult, StopResult
+    from lazarus.workflows.policy import plan_regrow, regrow_nodes
+
+REGROW_PATCH = "regrow"
+"""workflow.patched id: a run below its wanted dp grows back when the pool has the nodes (before: it stayed small)."""
+
+
+class Regrowing:
+    """Watching the pool for the nodes a smaller run wants back, and growing into them."""
+
+    _start: RunStart
+    _status: RunStatus
+    _next_fault: FaultReport | None
+    _policy: RecoveryPolicy
+
+    async def _stage(self, name: str, method, request, incident: Incident | Regrowth | None = None):
+        """Run a stage's activity and record its timing (TrainingRun)."""
+        raise NotImplementedError
+
+    async def _stop_ranks(self, why: str, timing: Regrowth | None = None) -> StopResult | None:
+        """Checkpoint and stop the current incarnation (OperatorControls)."""
+        raise NotImplementedError
+
+    async def _replace_and_resume(
+        self, decision: Decision, incident: Incident | None, fault_kind: str, survivors_of=None, timing=None
+    ) -> ResumeResult:
+        """Claim the decision's nodes and start the next incarnation (TrainingRun)."""
+        raise NotImplementedError
+
+    def _node_limit(self) -> int:
+        cluster = self._start.spec.cluster
+        return cluster.active_nodes + cluster.spare_nodes
+
+    def _regrow_watch(self) -> int | None:
+        """How many more nodes the watch should look for in the pool, or None when the run may not grow."""
+        status = self._status
+        if not self._policy.regrow or status.assignment is None:
+            return None
+        more = regrow_nodes(status.assignment, status.wanted_dp or self._start.spec.layout.dp)
+        return more if more is not None and workflow.patched(REGROW_PATCH) else None
+
+    async def _regrow(self) -> bool:
+        """Grow back into the pool's nodes; True when training is done."""
+        status = self._status
+        regrowth = Regrowth(
+            number=len(status.regrowths) + 1,
+            started_at=workflow.now(),
+            from_dp=status.layout.dp,
+            to_dp=status.layout.dp,
+        )
+        status.regrowths.append(regrowth)
+        reading = RescheduleInput(run_id=status.run_id)
+        inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, regrowth)
+        wanted = status.wanted_dp or self._start.spec.layout.dp
+        decision = plan_regrow(inventory, status.assignment, wanted, self._node_limit())
+        regrowth.reason = decision.reason
+        if decision.action == "wait":
+            regrowth.outcome = "capacity gone"  # another run took the nodes between the two reads
+            return False
+        regrowth.to_dp = decision.layout.dp
+        regrowth.nodes = [n for n in decision.nodes if n not in status.assignment.nodes]
+        stopped = await self._stop_ranks(f"regrow to dp={decision.layout.dp}", timing=regrowth)
+        regrowth.stopped_at_step = stopped.step if stopped is not None else None
+        resumed = await self._replace_and_resume(decision, None, "regrow", timing=regrowth)
+        regrowth.resumed_from_step, regrowth.first_step_at = resumed.resumed_from_step, resumed.first_step_at
+        regrowth.outcome = "regrown"
+        self._next_fault = resumed.fault  # a fault before its first step: the next incident
+        return resumed.completed

@@ -1,0 +1,139 @@
+"""Rescheduling a recovery: read the inventory until the policy can place the next incarnation,
+wait for capacity while it cannot (recovery.capacity_wait_seconds), then ask an operator.
+
+A mixin of TrainingRun, as the operator controls are (workflows/controls.py); the decision itself
+is the pure function of workflows/policy.py.
+"""
+
+from __future__ import annotations
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from lazarus.activities.recovery import RecoveryActivities
+    from lazarus.schema.controls import ApproveRequest
+    from lazarus.schema.policy import RecoveryPolicy
+    from lazarus.schema.pool import SpareWant
+    from lazarus.schema.records import Decision, FaultReport, Incident, Inventory, RunStart, RunState, RunStatus
+    from lazarus.schema.stages import RescheduleInput
+    from lazarus.workflows.policy import plan_recovery, spare_want
+
+from lazarus.workflows.stage_calls import RunAborted, RunFailed
+
+RESHARD_PATCH = "reshard-without-spare"
+"""workflow.patched id: recovery reshards when there are too few spares (before: it waited)."""
+SHARED_SPARES_PATCH = "shared-spares"
+"""workflow.patched id: the pool's spares go to the runs that need them by priority, and a run holds
+at most cluster.active_nodes + cluster.spare_nodes nodes (before: any free spare, first come)."""
+ESCALATE_PATCH = "escalate-to-operator"
+"""workflow.patched id: after the capacity wait, wait for an operator's approval (before: fail)."""
+
+
+class Rescheduling:
+    """The reschedule stage of TrainingRun's recovery, with its capacity wait and escalation."""
+
+    _start: RunStart
+    _status: RunStatus
+    _approval: ApproveRequest | None
+    _inventory_changed: bool
+    _policy: RecoveryPolicy
+
+    def _enter(self, state: RunState) -> None:
+        """Move the run to `state`, as the state machine allows (TrainingRun)."""
+        raise NotImplementedError
+
+    async def _stage(self, name: str, method, request, incident: Incident | None = None):
+        """Run a stage's activity and record its timing on the incident (TrainingRun)."""
+        raise NotImplementedError
+
+    def _requested(self, kind: str) -> bool:
+        """Whether an operator request of this kind is outstanding (OperatorControls)."""
+        raise NotImplementedError
+
+    async def _reschedule(self, incident: Incident, fault: FaultReport) -> Decision:
+        """Read the inventory until the policy can place the next incarnation: without capacity,
+        wait for it (recovery.capacity_wait_seconds), then ask an operator."""
+        self._enter(RunState.RESCHEDULING)
+        waited_since = workflow.now()
+        capacity_until, min_dp = self._policy.capacity_wait_seconds, self._policy.min_dp
+        while True:
+            self._check_abort()
+            reading = RescheduleInput(run_id=self._status.run_id)
+            inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, incident)
+            incident.decision = decision = self._plan(inventory, fault, min_dp)
+            if decision.action != "wait":
+                self._status.awaiting_approval = None
+                return decision
+            self._enter(RunState.WAITING_FOR_CAPACITY)
+            waited = (workflow.now() - waited_since).total_seconds()
+            if waited < capacity_until:
+                await self._wait_for_capacity(min(self._policy.capacity_poll_seconds, capacity_until - waited))
+                continue
+            approval = await self._escalate(incident, decision, waited)
+            if approval.action == "reshard_below_minimum":
+                min_dp = 1
+            else:
+                capacity_until = waited + approval.wait_seconds
+
+    def _want(self, fault: FaultReport) -> SpareWant | None:
+        """What the fault makes the run need of the pool's spares (None for runs from before the shared pool)."""
+        if not workflow.patched(SHARED_SPARES_PATCH):
+            return None
+        return spare_want(self._status.run_id, self._status.assignment, fault, self._start.spec.cluster.priority)
+
+    def _plan(self, inventory: Inventory, fault: FaultReport, min_dp: int) -> Decision:
+        assignment, target, cluster = self._status.assignment, self._start.spec.layout.dp, self._start.spec.cluster
+        want = self._want(fault)
+        limit = cluster.active_nodes + cluster.spare_nodes if want is not None else None
+        decision = plan_recovery(
+            inventory, assignment, fault.nodes, target_dp=target, min_dp=min_dp, want=want, node_limit=limit
+        )
+        if decision.action == "reshard" and not workflow.patched(RESHARD_PATCH):
+            # Runs started before resharding existed keep waiting for a spare.
+            decision = plan_recovery(
+                inventory, assignment, fault.nodes, target_dp=target, min_dp=min_dp, allow_reshard=False
+            )
+        return decision
+
+    async def _wait_for_capacity(self, seconds: float) -> None:
+        """Until the next read of the inventory: a returned node or an abort ends the wait early."""
+        self._inventory_changed = False
+        try:
+            await workflow.wait_condition(lambda: self._inventory_changed or self._requested("abort"), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    async def _escalate(self, incident: Incident, decision: Decision, waited: float) -> ApproveRequest:
+        """The capacity wait ran out: wait for an operator's approve (or abort), up to
+        recovery.approval_wait_seconds; RunFailed when the policy asks no one or no one answers."""
+        reason = (
+            f"no capacity to recover from incident {incident.number}: {decision.reason}; "
+            f"waited {waited:.0f} s (recovery.capacity_wait_seconds: {self._policy.capacity_wait_seconds:g})"
+        )
+        if not workflow.patched(ESCALATE_PATCH) or self._policy.approval_wait_seconds == 0:
+            raise RunFailed(
+                reason + "; return a repaired node with `lazarus chaos return-node` and start the run again"
+            )
+        self._status.awaiting_approval = decision
+        self._enter(RunState.WAITING_FOR_APPROVAL)
+        try:
+            await workflow.wait_condition(
+                lambda: self._approval is not None or self._requested("abort"),
+                timeout=self._policy.approval_wait_seconds,
+            )
+        except TimeoutError:
+            raise RunFailed(
+                reason + f"; no operator approved within {self._policy.approval_wait_seconds:g} s "
+                "(recovery.approval_wait_seconds); the newest checkpoint is kept"
+            ) from None
+        finally:
+            self._status.awaiting_approval = None
+        self._check_abort()
+        approval, self._approval = self._approval, None
+        self._enter(RunState.RESCHEDULING)
+        return approval
+
+    def _check_abort(self) -> None:
+        """Between two stages of a recovery, an accepted abort ends the run (drain stopped the ranks)."""
+        if self._requested("abort"):
+            raise RunAborted("aborted by an operator during recovery; the newest checkpoint is kept")
