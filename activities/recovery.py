@@ -8,7 +8,6 @@ spare twice.
 
 from __future__ import annotations
 
-import re
 import time
 from datetime import UTC, datetime
 
@@ -22,8 +21,10 @@ from lazarus.activities.preflight import missing_command
 from lazarus.activities.running import in_thread, timed
 from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.infra.runfiles import survivor_source
+from lazarus.schema.nodelist import natural_key
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
 from lazarus.schema.stages import (
+    ArchiveInput,
     DetectInput,
     DrainInput,
     DrainResult,
@@ -38,15 +39,7 @@ from lazarus.schema.stages import (
     StopInput,
     StopResult,
 )
-
-
-def natural_order(name: str) -> list:
-    """Sort key that puts node-2 before node-10."""
-    # ASCII digits only: str.isdigit takes "²" too, which int() refuses.
-    return [
-        (0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part)
-        for part in re.split(r"([0-9]+)", name)
-    ]
+from lazarus.schema.tally import write_archived
 
 
 def _permanent(error: Exception, kind: str) -> ApplicationError:
@@ -96,7 +89,7 @@ class RecoveryActivities:
         except ClusterError as error:
             raise _permanent(error, "RunDirectoryConflict") from None
         inventory = await in_thread(self.cluster.inventory, request.run_id)
-        active = sorted((n.name for n in inventory.nodes if n.role == "active"), key=natural_order)
+        active = sorted((n.name for n in inventory.nodes if n.role == "active"), key=natural_key)
         assignment = await in_thread(
             self.cluster.commit_assignment,
             request.run_id,
@@ -383,3 +376,10 @@ class RecoveryActivities:
             return await in_thread(self.cluster.return_node, request.run_id, request.node)
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None
+
+    @activity.defn(name="archive_incidents")
+    @timed("archive")
+    async def archive_incidents(self, request: ArchiveInput) -> int:
+        """Write closed incidents' records to the run directory; returns how many."""
+        await in_thread(write_archived, self.cluster.run_dir(request.run_id), request.incidents)
+        return len(request.incidents)

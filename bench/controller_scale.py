@@ -33,6 +33,7 @@ from pathlib import Path
 
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
+from lazarus.history import chain_histories, incident_spans
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.infra.local import LocalCluster
 from lazarus.infra.temporal_server import local_environment, quiet_runtime
@@ -122,23 +123,8 @@ def percentile(values: list[float], q: float) -> float:
 
 async def events_per_incident(client, run_id: str) -> int | None:
     """History events from the detect completion that reported the fault through resume's completion."""
-    events = [e async for e in client.get_workflow_handle(run_id).fetch_history_events()]
-    names = {
-        e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name
-        for e in events
-        if e.HasField("activity_task_scheduled_event_attributes")
-    }
-    completed = [
-        (i, names[e.activity_task_completed_event_attributes.scheduled_event_id])
-        for i, e in enumerate(events)
-        if e.HasField("activity_task_completed_event_attributes")
-    ]
-    drains = [i for i, name in completed if name == "drain"]
-    if not drains:
-        return None
-    start = max(i for i, name in completed if name == "detect" and i < drains[0])
-    end = min(i for i, name in completed if name == "resume" and i > drains[0])
-    return end - start + 1
+    spans = incident_spans((await chain_histories(client, run_id))[0])
+    return spans[0] if spans else None
 
 
 async def bench(runs: int, spread: float, seed: int, say) -> dict:

@@ -11,6 +11,8 @@ from rich.text import Text
 
 from lazarus.console import table
 from lazarus.schema.records import STAGES, Incident, RunStatus
+from lazarus.schema.rundir import RunDir
+from lazarus.schema.tally import IncidentTally, downtime, read_archived
 
 STAGE_COLORS = {
     "detect": "#d62728",
@@ -25,13 +27,16 @@ def _seconds(a: datetime, b: datetime) -> float:
     return (b - a).total_seconds()
 
 
-def downtime(incident: Incident, until: datetime) -> tuple[datetime, datetime]:
-    """From the fault to the first new step (or to its last stage's end, or `until`, if it never trained)."""
-    start = incident.fault.occurred_at
-    if incident.first_step_at is not None:
-        return start, incident.first_step_at
-    ends = [stage.ended_at for stage in incident.stages.values() if stage.ended_at is not None]
-    return start, max(ends) if ends else until
+def with_archived(status: RunStatus) -> RunStatus:
+    """The status with every incident in full: those archived in the run directory read back
+    before its own (schema/tally.py); as it is when they cannot be read (its tally stands for them)."""
+    count = status.earlier_incidents.count
+    if not count or status.run_dir is None:
+        return status
+    archived = read_archived(RunDir(status.run_dir), count)
+    if archived is None:
+        return status
+    return status.model_copy(update={"incidents": archived + status.incidents, "earlier_incidents": IncidentTally()})
 
 
 def paused_intervals(status: RunStatus, until: datetime) -> list[tuple[datetime, datetime]]:
@@ -64,12 +69,13 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
         raise ValueError(f"run {status.run_id} has not been launched yet")
     end = status.ended_at or now
     wall = _seconds(status.started_at, end)
-    recoveries = [_seconds(*downtime(incident, end)) for incident in status.incidents]
+    tally = status.earlier_incidents  # incidents archived and not read back: their sums
+    recoveries = [tally.recovery_seconds] + [_seconds(*downtime(incident, end)) for incident in status.incidents]
     paused = sum(_seconds(a, b) for a, b in paused_intervals(status, end))
     regrowing = sum(r.seconds or 0.0 for r in status.regrowths)
     # A script that reports no steps leaves lost steps and the step time unknown: they are left
     # out of the bill (None), never guessed.
-    lost = [incident.lost_steps for incident in status.incidents]
+    lost = [tally.lost_steps] + [incident.lost_steps for incident in status.incidents]
     lost_steps = sum(lost) if None not in lost else None
     training = max(wall - sum(recoveries) - paused - regrowing, 0.0)
     steps_trained = None if status.step is None or lost_steps is None else status.step + lost_steps
@@ -77,7 +83,9 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     recomputing = lost_steps * step_seconds if lost_steps and step_seconds else 0.0
     productive = max(training - recomputing, 0.0)
     stages = {
-        name: sum(i.stages[name].seconds or 0 for i in status.incidents if name in i.stages) for name in STAGE_COLORS
+        name: tally.stage_seconds.get(name, 0.0)
+        + sum(i.stages[name].seconds or 0 for i in status.incidents if name in i.stages)
+        for name in STAGE_COLORS
     }
     return {
         "run_id": status.run_id,
@@ -88,7 +96,8 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
         "wall_seconds": wall,
         "productive_seconds": productive,
         "ettr": productive / wall if wall > 0 else None,
-        "incidents": len(status.incidents),
+        "incidents": status.incident_count,
+        "incidents_only_tallied": tally.count,
         "lost_steps": lost_steps,
         "mean_step_seconds": step_seconds,
         "lost_seconds": {
@@ -159,9 +168,19 @@ def incident_view(incident: Incident) -> Group:
 
 def stage_tables(status: RunStatus) -> Group:
     """Every incident of a run, oldest first, each with its stage table (`run status`, the demo)."""
-    if not status.incidents:
+    if not status.incident_count:
         return Group(Text("No incidents: the run trained without a fault."))
     views: list[Group | Text] = []
+    if status.earlier_incidents.count:
+        tally = status.earlier_incidents
+        views += [
+            Text(
+                f"Incidents 1-{tally.count} are archived in the run directory's incidents/ (not readable here): "
+                f"{', '.join(f'{n} {outcome}' for outcome, n in sorted(tally.outcomes.items()))}; "
+                f"{tally.recovery_seconds:.1f} s of recovery"
+            ),
+            Text(""),
+        ]
     for incident in status.incidents:
         views += [incident_view(incident), Text("")]
     return Group(*views[:-1])

@@ -68,6 +68,10 @@ class StagePolicies(Strict):
         default_factory=lambda: _stage(60, 5),
         description="When the run ends: stop its standbys and give its active nodes back to the pool.",
     )
+    archive: StagePolicy = Field(
+        default_factory=lambda: _stage(60, 5),
+        description="Write older incidents' records to the run directory, so the status carries only their tally.",
+    )
 
 
 class RecoveryPolicy(Strict):

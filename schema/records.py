@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from lazarus.schema.base import Record
 from lazarus.schema.layout import Layout
 from lazarus.schema.names import RunId
+from lazarus.schema.nodelist import NodeGroups, NodeList, RankList, natural_key
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.pool import SpareWant
 from lazarus.schema.run import RunSpec
 from lazarus.schema.states import RunState
+from lazarus.schema.tally import IncidentTally
 
 STAGES = ("detect", "drain", "reschedule", "replace_or_reshard", "resume")
 """The recovery stages, in order; also the Temporal activity type names."""
@@ -23,7 +25,7 @@ class Assignment(Record):
     """Which node hosts which ranks in one incarnation (one launch of the rank processes)."""
 
     incarnation: int = Field(ge=0, description="Launch counter: 0 at start, +1 per recovery.")
-    nodes: list[str] = Field(
+    nodes: NodeList = Field(
         description="Node names in rank order: node i hosts ranks i*ranks_per_node .. (i+1)*ranks_per_node-1."
     )
     layout: Layout = Field(description="The parallel layout this incarnation runs.")
@@ -46,15 +48,17 @@ class NodeRecord(Record):
 class Inventory(Record):
     """The run's nodes as the backend sees them."""
 
-    nodes: list[NodeRecord] = Field(description="Every node of the run, active, spare or quarantined.")
+    nodes: Annotated[list[NodeRecord], *NodeGroups] = Field(
+        description="Every node of the run, active, spare or quarantined (in JSON, runs of alike nodes share a record)."
+    )
     wants: list[SpareWant] = Field(
         default_factory=list,
         description="Other runs' needs of the pool's spares, from recoveries under way (placed ones included).",
     )
 
     def free_spares(self) -> list[str]:
-        """Healthy spare nodes, in name order."""
-        return sorted(n.name for n in self.nodes if n.role == "spare" and n.healthy)
+        """Healthy spare nodes, in name order (node-2 before node-10)."""
+        return sorted((n.name for n in self.nodes if n.role == "spare" and n.healthy), key=natural_key)
 
     def held(self) -> int:
         """Nodes the run holds: its active ones and those it quarantined."""
@@ -99,7 +103,7 @@ class FaultReport(Record):
             "own before training a step (no node to blame)."
         )
     )
-    nodes: list[str] = Field(description="Nodes blamed for the fault; they are quarantined.")
+    nodes: NodeList = Field(description="Nodes blamed for the fault; they are quarantined.")
     incarnation: int = Field(ge=0, description="Incarnation that was running.")
     occurred_at: datetime = Field(
         description="Best known time of the fault (UTC): the backend's death time, else when it was first seen."
@@ -155,17 +159,17 @@ class Decision(Record):
             "capacity yet."
         )
     )
-    nodes: list[str] = Field(
+    nodes: NodeList = Field(
         default_factory=list, description="Nodes of the next incarnation in rank order (empty when waiting)."
     )
     replacements: dict[str, str] = Field(
         default_factory=dict, description="Lost node -> spare that takes its ranks (replace)."
     )
     layout: Layout = Field(description="Layout of the next incarnation.")
-    lost_replicas: list[int] = Field(
+    lost_replicas: RankList = Field(
         default_factory=list, description="Data-parallel replicas that had a rank on a lost node."
     )
-    released_nodes: list[str] = Field(
+    released_nodes: NodeList = Field(
         default_factory=list, description="Healthy nodes of broken replicas returned to the spare pool (reshard)."
     )
     below_target_dp: bool = Field(
@@ -259,7 +263,7 @@ class Regrowth(Record):
     started_at: datetime = Field(description="When the run saw the capacity and set out to grow (UTC).")
     from_dp: int = Field(ge=1, description="Replicas before.")
     to_dp: int = Field(ge=1, description="Replicas after (from_dp while it is being decided).")
-    nodes: list[str] = Field(default_factory=list, description="Nodes it claimed from the pool.")
+    nodes: NodeList = Field(default_factory=list, description="Nodes it claimed from the pool.")
     reason: str = Field("", description="The decision, in words.")
     stages: dict[str, StageRecord] = Field(
         default_factory=dict, description="reschedule, stop, replace_or_reshard, resume: when each ran."
@@ -311,7 +315,17 @@ class RunStatus(Record):
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     layout: Layout = Field(description="Layout the run currently trains with.")
     assignment: Assignment | None = Field(None, description="Current incarnation's nodes.")
-    incidents: list[Incident] = Field(default_factory=list, description="Every fault and its recovery, oldest first.")
+    incidents: list[Incident] = Field(
+        default_factory=list,
+        description=(
+            "The newest faults and their recoveries, oldest first (older ones are in earlier_incidents and the run "
+            "directory's incidents/)."
+        ),
+    )
+    earlier_incidents: IncidentTally = Field(
+        default_factory=IncidentTally,
+        description="What the incidents archived from `incidents` add up to (numbers 1 .. its count).",
+    )
     reason: str = Field("", description="Why the run ended in FAILED or ABORTED.")
     failure: FaultReport | None = Field(
         None, description="The fault that failed the run, when one did (a program error, one recovery too many)."
@@ -324,7 +338,7 @@ class RunStatus(Record):
         description="What the ranks asked the operator to know though training went on (a checkpoint lost to a "
         "full disk), oldest first; the newest 20.",
     )
-    quarantined_nodes: list[str] = Field(
+    quarantined_nodes: NodeList = Field(
         default_factory=list, description="Nodes this run quarantined and has not had returned."
     )
     awaiting_approval: Decision | None = Field(
@@ -338,6 +352,11 @@ class RunStatus(Record):
         None, ge=1, description="Replicas a regrow grows back to: the spec's layout.dp, or an operator's reshard's."
     )
     regrowths: list[Regrowth] = Field(default_factory=list, description="Every regrow, oldest first.")
+
+    @property
+    def incident_count(self) -> int:
+        """Incidents the run has had: those archived and those held here."""
+        return self.earlier_incidents.count + len(self.incidents)
 
     @property
     def progress(self) -> str:

@@ -7,9 +7,10 @@ from datetime import datetime
 from pydantic import Field
 
 from lazarus.schema.base import Record
+from lazarus.schema.nodelist import NodeList, RankList, RankSteps
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.pool import SpareWant
-from lazarus.schema.records import Assignment, Decision, FaultReport, RestoreSource, StepSource
+from lazarus.schema.records import Assignment, Decision, FaultReport, Incident, RestoreSource, StepSource
 from lazarus.schema.run import RunSpec
 
 
@@ -50,7 +51,7 @@ class DrainInput(Record):
 
     run_id: str = Field(description="Run id.")
     incarnation: int = Field(ge=0, description="Incarnation to stop.")
-    nodes: list[str] = Field(description="Nodes to quarantine.")
+    nodes: NodeList = Field(description="Nodes to quarantine.")
     reason: str = Field(description="Why; recorded on the quarantined nodes.")
     save_grace_seconds: float = Field(
         1.0,
@@ -76,8 +77,8 @@ class DrainInput(Record):
 class DrainResult(Record):
     """What drain did."""
 
-    quarantined: list[str] = Field(description="Nodes now quarantined.")
-    stopped_ranks: list[int] = Field(description="Ranks that were still alive and were killed.")
+    quarantined: NodeList = Field(description="Nodes now quarantined.")
+    stopped_ranks: RankList = Field(description="Ranks that were still alive and were killed.")
     removed_partial_checkpoints: list[int] = Field(description="Steps of half-written checkpoints deleted.")
     in_flight_checkpoint: int | None = Field(
         None, description="Step of a checkpoint that was being written at the fault, if any."
@@ -85,7 +86,7 @@ class DrainResult(Record):
     in_flight_committed: bool = Field(
         False, description="That checkpoint committed within the grace time (else it was discarded)."
     )
-    survivors: dict[int, int] = Field(
+    survivors: RankSteps = Field(
         default_factory=dict, description="Ranks that saved their state at the fault -> the step it holds."
     )
 
@@ -190,3 +191,10 @@ class ReturnNodeInput(Record):
 
     run_id: str = Field(description="Run id.")
     node: str = Field(description="Node name.")
+
+
+class ArchiveInput(Record):
+    """Keep closed incidents' full records in the run directory (schema/tally.py)."""
+
+    run_id: str = Field(description="Run id.")
+    incidents: list[Incident] = Field(description="The incidents, oldest first; each is written to incidents/.")

@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
         StageRecord,
     )
     from lazarus.schema.stages import (
+        ArchiveInput,
         DrainInput,
         DrainResult,
         LaunchInput,
@@ -36,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         ResumeResult,
     )
     from lazarus.schema.states import may_move
+    from lazarus.schema.tally import downtime_seconds, to_archive
 
 from lazarus.workflows.controls import OperatorControls
 from lazarus.workflows.inputs import INVALID_INPUT, RunStartPayload
@@ -52,6 +54,10 @@ back to TRAINING first, and a finished run went on being watched)."""
 
 RELEASE_PATCH = "release-at-end"
 """workflow.patched id: an ended run gives its nodes back to the pool (before: it kept them)."""
+
+ARCHIVE_PATCH = "bounded-status"
+"""workflow.patched id: the status holds the newest incidents and a tally of the older ones, whose
+records are archived in the run directory (before: every incident, in full)."""
 
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("LazarusState")
 """The run's RunState, for the web UI's list and `temporal workflow list --query`."""
@@ -127,7 +133,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
             workflow.upsert_search_attributes(
                 [
                     STATE_ATTRIBUTE.value_set(state.value),
-                    INCIDENTS_ATTRIBUTE.value_set(len(self._status.incidents)),
+                    INCIDENTS_ATTRIBUTE.value_set(self._status.incident_count),
                 ]
             )
 
@@ -252,21 +258,41 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
                     raise
                 workflow.logger.warning("%s; rescheduling", refused)
         take_recovery(incident, resumed)
+        await self._archive_old_incidents()
         return resumed
+
+    async def _archive_old_incidents(self) -> None:
+        """Keep the carried status small: once it holds too many incidents, the oldest closed ones
+        go to the run directory and into the tally (schema/tally.py). An archive that fails leaves
+        them in the status, to be tried again after the next incident."""
+        status = self._status
+        count = to_archive(status.incidents)
+        if not count or not workflow.patched(ARCHIVE_PATCH):
+            return
+        archived = status.incidents[:count]
+        try:
+            archiving = ArchiveInput(run_id=status.run_id, incidents=archived)
+            await call_stage(self._policy, "archive", RecoveryActivities.archive_incidents, archiving)
+        except RunFailed as failure:
+            workflow.logger.warning("older incidents stay in the status: %s", failure)
+            return
+        for incident in archived:
+            status.earlier_incidents.add(incident, downtime_seconds(incident, workflow.now()))
+        status.incidents = status.incidents[count:]
 
     def _open_incident(self, fault: FaultReport) -> Incident:
         """Record the fault as the run's next incident; RunFailed when no recovery can help."""
         status = self._status
-        if fault.kind == "program_error" or len(status.incidents) >= self._policy.max_incidents:
+        if fault.kind == "program_error" or status.incident_count >= self._policy.max_incidents:
             status.failure = fault
         if fault.kind == "program_error":
             # No node is to blame: replacing nodes would only fail the same way.
             tail = f"; last lines of rank {fault.rank}'s log:\n{fault.log_tail}" if fault.log_tail else ""
             raise RunFailed(f"the training program failed: {fault.reason}{tail}")
-        if len(status.incidents) >= self._policy.max_incidents:
-            raise RunFailed(f"fault after {len(status.incidents)} recoveries (recovery.max_incidents): {fault.reason}")
+        if status.incident_count >= self._policy.max_incidents:
+            raise RunFailed(f"fault after {status.incident_count} recoveries (recovery.max_incidents): {fault.reason}")
         incident = Incident(
-            number=len(status.incidents) + 1,
+            number=status.incident_count + 1,
             fault=fault,
             old_assignment=status.assignment,
             stages={"detect": StageRecord(started_at=fault.occurred_at, ended_at=fault.detected_at)},

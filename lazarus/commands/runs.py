@@ -140,10 +140,10 @@ async def show_status(args: argparse.Namespace, settings: Settings) -> int:
 async def show_report(args: argparse.Namespace, settings: Settings) -> int:
     """Print what elasticity cost a run (with --json its numbers); with --plot, draw its timeline."""
     from lazarus.console import stdout, stdout_reserved_for_json
-    from lazarus.report import plot_timeline, run_report, summarize
+    from lazarus.report import plot_timeline, run_report, summarize, with_archived
 
     async def bill():
-        status = await fetch_status(await connect_client(settings), args.run_id)
+        status = with_archived(await fetch_status(await connect_client(settings), args.run_id))
         try:
             summary = summarize(status)
         except ValueError as error:
@@ -218,13 +218,13 @@ async def follow(current, console, poll_seconds: float = 0.5) -> int:
                 task = progress.add_task("run", total=total, state=state, incarnation=incarnation)
             if state != last_state and state not in TERMINAL_STATES:
                 progress.console.print(f"{state} at step {status.progress}")
-            for incident in status.incidents[incidents:]:
+            for incident in (i for i in status.incidents if i.number > incidents):
                 fault = incident.fault
                 progress.console.print(
                     f"incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step "
                     + (str(fault.step) if fault.step is not None else "unknown")
                 )
-            incidents, last_state = len(status.incidents), state
+            incidents, last_state = status.incident_count, state
             progress.update(task, completed=status.step or 0, state=state, incarnation=incarnation)
             if state in TERMINAL_STATES:
                 break
