@@ -86,7 +86,15 @@ class SimulatedCluster(LocalCluster):
                 )
             ended = RankExit(rank=rank, code=0, step=step, time=now) if finished else None
             observation.ranks.append(
-                RankObservation(rank, node, launched is not None, alive, beat, ended, launcher_alive=alive)
+                RankObservation(
+                    rank=rank,
+                    node=node,
+                    launched=launched is not None,
+                    alive=alive,
+                    heartbeat=beat,
+                    exit=ended,
+                    launcher_alive=alive,
+                )
             )
         observation.launchers_alive = sum(1 for r in observation.ranks if r.launcher_alive)
         return observation

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit, SurvivorSource
+from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import Assignment, Inventory, StepSource
@@ -25,19 +25,6 @@ from lazarus.schema.rundir import RunDir
 
 class ClusterError(RuntimeError):
     """The backend cannot do what was asked (unknown run or node, a spare taken, a stuck process)."""
-
-
-@dataclass
-class RankObservation:
-    """What the backend sees of one rank process."""
-
-    rank: int
-    node: str
-    launched: bool  # its launcher started it (or recorded that it could not)
-    alive: bool  # its process runs
-    heartbeat: Heartbeat | None = None
-    exit: RankExit | None = None
-    launcher_alive: bool = False  # the launcher of its node runs (it writes the exit record of a rank it outlives)
 
 
 @dataclass

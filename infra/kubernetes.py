@@ -286,12 +286,11 @@ class KubernetesCluster(RunFiles):
         observation = self._observation(run, incarnation, dead, addresses)
         pods = self._pods(run_id, incarnation, watched=True)
         observation.launchers_alive = sum(pod_running(p) for p in pods.values())
-        for rank in range(assignment.layout.world_size):
-            index = assignment.layout.node_of_rank(rank)
-            # A pod runs a node's ranks together: the backend sees the pod, not each rank's process.
-            running = pod_running(pods.get(index))
-            observation.ranks.append(
-                self._rank(run, assignment, rank, launched=index in pods, alive=None, launcher_alive=running)
+        for index in range(len(assignment.nodes)):
+            # A pod runs a node's ranks together: the backend sees the pod, its launcher each rank's process.
+            running, launched = pod_running(pods.get(index)), index in pods
+            observation.ranks += self._node_ranks(
+                run, assignment, index, running, launched=lambda _rank, launched=launched: launched
             )
         return observation
 

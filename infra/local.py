@@ -230,16 +230,14 @@ class LocalCluster(RunFiles):
         observation = self._observation(run, incarnation, dead)
         launchers = [lock_is_held(run.node_lock_file(incarnation, i)) for i in range(len(assignment.nodes))]
         observation.launchers_alive = sum(launchers)
-        for rank in range(assignment.layout.world_size):
-            observation.ranks.append(
-                self._rank(
-                    run,
-                    assignment,
-                    rank,
-                    launched=run.pid_file(incarnation, rank).exists(),
-                    alive=lock_is_held(run.lock_file(incarnation, rank)),
-                    launcher_alive=launchers[assignment.layout.node_of_rank(rank)],
-                )
+        for index, launcher_alive in enumerate(launchers):
+            observation.ranks += self._node_ranks(
+                run,
+                assignment,
+                index,
+                launcher_alive,
+                launched=lambda rank: run.pid_file(incarnation, rank).exists(),
+                rank_alive=lambda rank: lock_is_held(run.lock_file(incarnation, rank)),
             )
         return observation
 

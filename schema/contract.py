@@ -90,6 +90,32 @@ class RankExit(Record):
     by: Literal["rank", "launcher"] = Field("rank", description="Who wrote the record.")
 
 
+class RankObservation(Record):
+    """One rank as its node's launcher sees it (NodeReport), or as a backend's look found it from
+    the rank's own files."""
+
+    rank: int = Field(ge=0, description="The rank.")
+    node: str = Field(description="The node that hosts it.")
+    launched: bool = Field(description="Its launcher started it (or recorded that it could not).")
+    alive: bool = Field(description="Its process runs.")
+    heartbeat: Heartbeat | None = Field(None, description="Its newest heartbeat; None before its first.")
+    exit: RankExit | None = Field(None, description="How it ended; None while it runs.")
+    launcher_alive: bool = Field(
+        False, description="The launcher of its node runs (it writes the exit record of a rank it outlives)."
+    )
+
+
+class NodeReport(Record):
+    """`incarnations/K/nodes/I.report.json`: node I's launcher's view of its ranks, rewritten on every
+    change (a step, an exit) and at least every heartbeat interval. Detect reads one file per node
+    instead of a heartbeat, an exit record and a lock per rank, so a look at a run of 2,048 nodes
+    of 8 ranks is 2,048 reads, not 49,152."""
+
+    node: str = Field(description="The node.")
+    time: float = Field(description="When it was written (seconds since the epoch).")
+    ranks: list[RankObservation] = Field(description="The node's ranks, in rank order.")
+
+
 class LaunchRecord(Record):
     """`incarnations/K/launch.json`: what the first launch of an incarnation restored, and when."""
 
@@ -157,6 +183,18 @@ def read_heartbeat(run: RunDir, incarnation: int, rank: int) -> Heartbeat | None
     """The rank's newest heartbeat; None before its first."""
     path = run.heartbeat_file(incarnation, rank)
     return _parsed(Heartbeat, read_text(path), path)
+
+
+def write_node_report(run: RunDir, incarnation: int, node_index: int, report: NodeReport) -> None:
+    """Replace the node's report (atomically); fields at their defaults are left out, which keeps
+    the file, and the time to read it, small."""
+    write_json_atomic(run.node_report_file(incarnation, node_index), report.model_dump_json(exclude_defaults=True))
+
+
+def read_node_report(run: RunDir, incarnation: int, node_index: int) -> NodeReport | None:
+    """The node's newest report; None before its launcher's first."""
+    path = run.node_report_file(incarnation, node_index)
+    return _parsed(NodeReport, read_text(path), path)
 
 
 def write_exit(run: RunDir, incarnation: int, ended: RankExit) -> bool:

@@ -89,6 +89,10 @@ class RunDir:
     def node_pid_file(self, k: int, node_index: int) -> Path:
         return self.incarnation(k) / "nodes" / f"{node_index}.pid"
 
+    def node_report_file(self, k: int, node_index: int) -> Path:
+        """The launcher's report of its node's ranks (schema/contract.py NodeReport)."""
+        return self.incarnation(k) / "nodes" / f"{node_index}.report.json"
+
     def survivors(self, k: int) -> Path:
         """The folder of incarnation k's survivors' states and manifests."""
         return self.incarnation(k) / "survivors"

@@ -37,6 +37,7 @@ from lazarus.schema.files import lock_is_held, process_start_time, read_json, ta
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
+from lazarus.trainer.node_report import NodeReporter
 from lazarus.trainer.output import OutputWatch
 
 NODE_NICENESS = 5
@@ -158,12 +159,15 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     cwd = working_directory(spec, run)
     output = OutputWatch(run, incarnation, spec.trainer, planned_fault(spec, assignment, incarnation, node_index))
     per_node = assignment.layout.ranks_per_node
+    ranks = range(node_index * per_node, (node_index + 1) * per_node)
+    reporter = NodeReporter(run, incarnation, node_index, node, ranks, spec.recovery.heartbeat_interval_seconds)
     children: dict[int, object] = {}
     watched: list[int] = []
-    for rank in range(node_index * per_node, (node_index + 1) * per_node):
+    for rank in ranks:
         fd = take_lock(run.lock_file(incarnation, rank))
         if fd is None:
             watched.append(rank)  # started by an earlier launcher of this node; wait for it too
+            reporter.launched.add(rank)
             continue
         try:
             if run.exit_file(incarnation, rank).exists():
@@ -174,20 +178,24 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
             child = _start(run, incarnation, rank, rank_command(spec.trainer.command), env, fd, cwd, start_rank)
             if child is not None:
                 children[rank] = child
+                reporter.launched.add(rank)
                 record = {"pid": child.pid, "start_time": process_start_time(child.pid), "node": node}
                 write_json_atomic(run.pid_file(incarnation, rank), record)
                 output.add(rank, child.pid, log, offset)
         finally:
             os.close(fd)
     output.start()
+    reporter.start()
     for rank, child in children.items():
         code = child.wait()
         output.finish(rank)
         record_exit(run, incarnation, rank, code)
+        reporter.changed()
     output.stop()
     for rank in watched:
         while lock_is_held(run.lock_file(incarnation, rank)):
             time.sleep(0.05)
+    reporter.stop()
     return 0
 
 
