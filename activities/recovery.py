@@ -15,10 +15,9 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.failpoints import Failpoints
-from lazarus.activities.health import judge
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.preflight import missing_command
-from lazarus.activities.running import in_thread, timed
+from lazarus.activities.running import in_thread, look, timed
 from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.infra.runfiles import survivor_source
 from lazarus.schema.nodelist import natural_key
@@ -120,10 +119,7 @@ class RecoveryActivities:
         last_poll = time.time()
         exited = False
         while True:
-            observation = await in_thread(self.cluster.observe, run_id, incarnation)
-            # After the look: a node that died while it was taken must not be seen before it died.
-            now = time.time()
-            verdict = judge(observation, policy, now, last_poll, total_steps)
+            verdict, now = await in_thread(look, self.cluster, run_id, incarnation, policy, last_poll, total_steps)
             if verdict.fault is not None and verdict.fault.rank is not None:
                 verdict.fault.log_tail = await in_thread(self.cluster.log_tail, run_id, incarnation, verdict.fault.rank)
             if verdict.completed:

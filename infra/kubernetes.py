@@ -32,7 +32,6 @@ from lazarus.infra.kubernetes_objects import (
     NODE_INDEX_LABEL,
     POOL_LABEL,
     QUARANTINE_LABEL,
-    QUARANTINE_TAINT,
     REASON_ANNOTATION,
     RUN_LABEL,
     SPARE_LABEL,
@@ -46,13 +45,14 @@ from lazarus.infra.kubernetes_objects import (
     run_object_name,
     stage_event,
 )
-from lazarus.infra.kubernetes_pool import PoolWants, claim_node, release_node
+from lazarus.infra.kubernetes_pool import PoolWants, claim_node, node_records, quarantine_patch, release_node
+from lazarus.infra.kubernetes_rate import CLIENT_BURST, CLIENT_QPS, fan_out, throttle
 from lazarus.infra.kubernetes_watch import RunWatches
 from lazarus.infra.runfiles import RunFiles
 from lazarus.schema.contract import LaunchRecord, SurvivorSource
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.pool import SpareWant
-from lazarus.schema.records import Assignment, Inventory, NodeRecord
+from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import KubernetesSettings, RunSpec
 from lazarus.schema.rundir import RunDir
 
@@ -72,7 +72,9 @@ class KubernetesCluster(RunFiles):
     backend = "kubernetes"
     records_stages = True
 
-    def __init__(self, home: str | Path, api: k8s.ApiClient | None = None):
+    def __init__(
+        self, home: str | Path, api: k8s.ApiClient | None = None, qps: float = CLIENT_QPS, burst: int = CLIENT_BURST
+    ):
         super().__init__(home)
         if api is None:
             from kubernetes import config
@@ -82,6 +84,7 @@ class KubernetesCluster(RunFiles):
             except config.ConfigException:
                 config.load_kube_config()
             api = k8s.ApiClient()
+        self.bucket = throttle(api, qps, burst)
         self.core = k8s.CoreV1Api(api)
         self.watches = RunWatches(self.core)
         self.wants = PoolWants(self.core)
@@ -144,14 +147,14 @@ class KubernetesCluster(RunFiles):
             (n for n in pool if node_free(n)),
             key=lambda n: ((n.metadata.labels or {}).get(SPARE_LABEL) == "true", n.metadata.name),
         )
-        for node in candidates:
-            if len(mine) >= spec.cluster.active_nodes:
-                break
-            if self._claim(node.metadata.name, run_id, spare_only=False):
-                mine.append(node)
+        while candidates and len(mine) < spec.cluster.active_nodes:
+            # As many claims at once as nodes are missing; another run's claim can refuse some.
+            wanted = spec.cluster.active_nodes - len(mine)
+            batch, candidates = candidates[:wanted], candidates[wanted:]
+            claimed = fan_out([lambda n=n: self._claim(n.metadata.name, run_id, spare_only=False) for n in batch])
+            mine += [n for n, took in zip(batch, claimed, strict=True) if took]
         if len(mine) < spec.cluster.active_nodes:
-            for node in mine:
-                self._release(node.metadata.name, run_id)
+            fan_out([lambda n=n: self._release(n.metadata.name, run_id) for n in mine])
             raise ClusterError(
                 f"pool {settings.pool!r} has {len(mine)} free ready node(s); the run needs "
                 f"{spec.cluster.active_nodes} (label more nodes {POOL_LABEL}={settings.pool})"
@@ -161,20 +164,8 @@ class KubernetesCluster(RunFiles):
     def inventory(self, run_id: str) -> Inventory:
         """This run's nodes (active, quarantined by it) and the pool's free hot spares."""
         self._existing(run_id)
-        records = []
-        for node in self._pool(self._settings(run_id)):
-            labels = node.metadata.labels or {}
-            ready, since = node_ready(node)
-            if labels.get(RUN_LABEL) == run_label(run_id):
-                role, note = "active", ""
-            elif labels.get(QUARANTINE_LABEL) == run_label(run_id):
-                role, note = "quarantined", (node.metadata.annotations or {}).get(REASON_ANNOTATION, "")
-            elif labels.get(SPARE_LABEL) == "true" and node_free(node):
-                role, note = "spare", "hot spare of the pool"
-            else:
-                continue
-            records.append(NodeRecord(name=node.metadata.name, role=role, healthy=ready, died_at=since, note=note))
         settings = self._settings(run_id)
+        records = node_records(self._pool(settings), run_label(run_id))
         return Inventory(nodes=records, wants=self.wants.others(settings.namespace, settings.pool, run_id))
 
     def want_spares(self, run_id: str, want: SpareWant) -> None:
@@ -189,15 +180,7 @@ class KubernetesCluster(RunFiles):
     def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
         """Cordon and taint the nodes, label them with the run and annotate why; an Event on each."""
         for name in nodes:
-            taint = {"key": QUARANTINE_TAINT, "value": run_label(run_id), "effect": "NoSchedule"}
-            patch = {
-                "spec": {"unschedulable": True, "taints": [*other_taints(self._read_node(name)), taint]},
-                "metadata": {
-                    "labels": {QUARANTINE_LABEL: run_label(run_id), RUN_LABEL: None},
-                    "annotations": {REASON_ANNOTATION: reason[:1000]},
-                },
-            }
-            self.core.patch_node(name, patch)
+            self.core.patch_node(name, quarantine_patch(self._read_node(name), run_label(run_id), reason))
             self._event(run_id, "Quarantined", f"{name}: {reason}", kind="Node", name=name, namespace="")
 
     def return_node(self, run_id: str, node: str) -> Inventory:
@@ -231,11 +214,19 @@ class KubernetesCluster(RunFiles):
             self.wants.place(self._settings(run_id).namespace, run_id, got=len(claims))
             address = node_address(self.core.read_node(assignment.nodes[0])) or assignment.nodes[0]
             recorded = self.record_assignment(run_id, assignment.model_copy(update={"master_addr": address}))
-        for node in recorded.nodes:  # completes an attempt that crashed between its writes
-            if not self._claim(node, run_id, spare_only=False):
-                raise ClusterError(f"node {node} of incarnation {recorded.incarnation} is held by another run")
-        for node in set(releases) - set(recorded.nodes):
-            self._release(node, run_id)
+        # Completes an attempt that crashed between its writes: claims what is not labelled the
+        # run's yet (a claim of a node held already only confirms it).
+        pool = self._pool_nodes(self._settings(run_id))
+        missing = [
+            n
+            for n in recorded.nodes
+            if n not in pool or (pool[n].metadata.labels or {}).get(RUN_LABEL) != run_label(run_id)
+        ]
+        held = fan_out([lambda n=n: self._claim(n, run_id, spare_only=False) for n in missing])
+        lost = [n for n, took in zip(missing, held, strict=True) if not took]
+        if lost:
+            raise ClusterError(f"node {lost[0]} of incarnation {recorded.incarnation} is held by another run")
+        fan_out([lambda n=n: self._release(n, run_id) for n in sorted(set(releases) - set(recorded.nodes))])
         return recorded
 
     # --- rank pods -----------------------------------------------------------------------
@@ -254,9 +245,17 @@ class KubernetesCluster(RunFiles):
         _, assignment = self._incarnation(run_id, incarnation)
         record = self.record_launch(run_id, incarnation, resume_step, skipped, survivors)
         spec = self.spec(run_id)
-        for index in range(len(assignment.nodes)):
-            pod = rank_pod(run_id, spec, assignment, index, record.resume_step, policy or spec.recovery)
-            _ignoring_conflict(lambda pod=pod: self.core.create_namespaced_pod(spec.cluster.kubernetes.namespace, pod))
+        namespace = spec.cluster.kubernetes.namespace
+        pods = [
+            rank_pod(run_id, spec, assignment, i, record.resume_step, policy or spec.recovery)
+            for i in range(len(assignment.nodes))
+        ]
+        fan_out(
+            [
+                lambda pod=pod: _ignoring_conflict(lambda: self.core.create_namespaced_pod(namespace, pod))
+                for pod in pods
+            ]
+        )
         return record
 
     def _pods(self, run_id: str, incarnation: int, watched: bool = False) -> dict[int, k8s.V1Pod]:
@@ -286,12 +285,10 @@ class KubernetesCluster(RunFiles):
         observation = self._observation(run, incarnation, dead, addresses)
         pods = self._pods(run_id, incarnation, watched=True)
         observation.launchers_alive = sum(pod_running(p) for p in pods.values())
-        for index in range(len(assignment.nodes)):
-            # A pod runs a node's ranks together: the backend sees the pod, its launcher each rank's process.
-            running, launched = pod_running(pods.get(index)), index in pods
-            observation.ranks += self._node_ranks(
-                run, assignment, index, running, launched=lambda _rank, launched=launched: launched
-            )
+        # A pod runs a node's ranks together: the backend sees the pod, its launcher each rank's process.
+        running = [pod_running(pods.get(index)) for index in range(len(assignment.nodes))]
+        per_node = assignment.layout.ranks_per_node
+        observation.ranks = self._ranks(run, assignment, running, launched=lambda rank: rank // per_node in pods)
         return observation
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
@@ -321,13 +318,16 @@ class KubernetesCluster(RunFiles):
             if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == run_label(run_id)
         }
         lost = set(observation.dead_nodes) | quarantined
-        for index, pod in self._pods(run_id, incarnation).items():
+
+        def delete(index: int, pod: k8s.V1Pod) -> None:
             grace = 0 if assignment.nodes[index] in lost else settings.delete_grace_seconds
             try:
                 self.core.delete_namespaced_pod(pod.metadata.name, settings.namespace, grace_period_seconds=grace)
             except ApiException as error:
                 if error.status != 404:  # gone already
                     raise
+
+        fan_out([lambda i=i, pod=pod: delete(i, pod) for i, pod in self._pods(run_id, incarnation).items()])
         deadline = time.monotonic() + PODS_GONE_SECONDS
         while self._pods(run_id, incarnation):
             if time.monotonic() > deadline:
@@ -362,8 +362,7 @@ class KubernetesCluster(RunFiles):
             for n in self._pool(self._settings(run_id))
             if (n.metadata.labels or {}).get(RUN_LABEL) == run_label(run_id)
         ]
-        for name in mine:
-            self._release(name, run_id)
+        fan_out([lambda name=name: self._release(name, run_id) for name in mine])
         self.drop_want(run_id)
         return mine
 

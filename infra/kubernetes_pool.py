@@ -12,8 +12,20 @@ from __future__ import annotations
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from lazarus.infra.kubernetes_objects import POOL_LABEL, RUN_LABEL, SPARE_LABEL, node_free, run_object_name
+from lazarus.infra.kubernetes_objects import (
+    POOL_LABEL,
+    QUARANTINE_LABEL,
+    QUARANTINE_TAINT,
+    REASON_ANNOTATION,
+    RUN_LABEL,
+    SPARE_LABEL,
+    node_free,
+    node_ready,
+    other_taints,
+    run_object_name,
+)
 from lazarus.schema.pool import SpareWant
+from lazarus.schema.records import NodeRecord
 
 WANT_ANNOTATION = "lazarus.dev/spare-want"
 """The run's SpareWant as JSON, on its ConfigMap, from its drain to the end of its resume."""
@@ -40,6 +52,38 @@ def claim_node(core: k8s.CoreV1Api, node_name: str, label: str, spare_only: bool
             raise
         return "held" if (core.read_node(node_name).metadata.labels or {}).get(RUN_LABEL) == label else "refused"
     return "claimed"
+
+
+def node_records(pool: list[k8s.V1Node], label: str) -> list[NodeRecord]:
+    """The inventory of the run labelled `label` from its pool's nodes: its active ones, those it
+    quarantined, and the pool's free hot spares."""
+    records = []
+    for node in pool:
+        labels = node.metadata.labels or {}
+        ready, since = node_ready(node)
+        if labels.get(RUN_LABEL) == label:
+            role, note = "active", ""
+        elif labels.get(QUARANTINE_LABEL) == label:
+            role, note = "quarantined", (node.metadata.annotations or {}).get(REASON_ANNOTATION, "")
+        elif labels.get(SPARE_LABEL) == "true" and node_free(node):
+            role, note = "spare", "hot spare of the pool"
+        else:
+            continue
+        records.append(NodeRecord(name=node.metadata.name, role=role, healthy=ready, died_at=since, note=note))
+    return records
+
+
+def quarantine_patch(node: k8s.V1Node, label: str, reason: str) -> dict:
+    """The patch that quarantines a node for the run labelled `label`: cordoned, tainted (its other
+    taints kept), labelled with the run instead of held by it, annotated with why."""
+    taint = {"key": QUARANTINE_TAINT, "value": label, "effect": "NoSchedule"}
+    return {
+        "spec": {"unschedulable": True, "taints": [*other_taints(node), taint]},
+        "metadata": {
+            "labels": {QUARANTINE_LABEL: label, RUN_LABEL: None},
+            "annotations": {REASON_ANNOTATION: reason[:1000]},
+        },
+    }
 
 
 def release_node(core: k8s.CoreV1Api, node_name: str, label: str) -> bool:

@@ -77,6 +77,11 @@ class LocalCluster(RunFiles):
         self._existing(run_id)
         return self.pool.inventory(run_id)
 
+    def dead_nodes(self, assignment: Assignment) -> dict[str, datetime]:
+        """The assignment's nodes the pool has seen die, and when."""
+        mine = set(assignment.nodes)
+        return {name: died or datetime.now(UTC) for name, died in self.pool.unhealthy().items() if name in mine}
+
     def update_nodes(self, run_id: str, changes: dict[str, dict]) -> Inventory:
         """Apply health changes (healthy, died_at, note) to named nodes of the pool; returns the run's inventory."""
         self._existing(run_id)
@@ -222,23 +227,16 @@ class LocalCluster(RunFiles):
         """Liveness, heartbeat and exit record of every rank of an incarnation, and dead nodes."""
         self._reap()
         run, assignment = self._incarnation(run_id, incarnation)
-        dead = {
-            n.name: n.died_at or datetime.now(UTC)
-            for n in self.inventory(run_id).nodes
-            if not n.healthy and n.name in assignment.nodes
-        }
-        observation = self._observation(run, incarnation, dead)
+        observation = self._observation(run, incarnation, self.dead_nodes(assignment))
         launchers = [lock_is_held(run.node_lock_file(incarnation, i)) for i in range(len(assignment.nodes))]
         observation.launchers_alive = sum(launchers)
-        for index, launcher_alive in enumerate(launchers):
-            observation.ranks += self._node_ranks(
-                run,
-                assignment,
-                index,
-                launcher_alive,
-                launched=lambda rank: run.pid_file(incarnation, rank).exists(),
-                rank_alive=lambda rank: lock_is_held(run.lock_file(incarnation, rank)),
-            )
+        observation.ranks = self._ranks(
+            run,
+            assignment,
+            launchers,
+            launched=lambda rank: run.pid_file(incarnation, rank).exists(),
+            rank_alive=lambda rank: lock_is_held(run.lock_file(incarnation, rank)),
+        )
         return observation
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:

@@ -27,6 +27,19 @@ class LocalPool:
 
     def __init__(self, home: str | Path):
         self.file = pool_file(Path(home))
+        self._unhealthy: tuple[tuple, dict[str, datetime | None]] | None = None  # (file stat, what it said)
+
+    def unhealthy(self) -> dict[str, datetime | None]:
+        """The pool's dead nodes and when each died: what every look asks, read again only when the
+        record was rewritten (a look at a run of thousands of nodes would parse it each time)."""
+        try:
+            stat = self.file.stat()
+        except FileNotFoundError:
+            return {}
+        key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if self._unhealthy is None or self._unhealthy[0] != key:
+            self._unhealthy = (key, {n.name: n.died_at for n in self.read().nodes if not n.healthy})
+        return self._unhealthy[1]
 
     def read(self) -> PoolRecord:
         """The record as last written (an empty pool before the first write)."""

@@ -20,7 +20,7 @@ from lazarus.schema.contract import (
     read_exit,
     read_heartbeat,
     read_launch,
-    read_node_report,
+    read_node_reports,
     read_survivors,
     write_launch,
 )
@@ -133,21 +133,26 @@ class RunFiles:
             heartbeats_expected=trainer.built_in or trainer.output_is_heartbeat,
         )
 
-    def _node_ranks(
-        self, run: RunDir, assignment: Assignment, index: int, launcher_alive: bool, launched, rank_alive=None
+    def _ranks(
+        self, run: RunDir, assignment: Assignment, launchers: list[bool], launched, rank_alive=None
     ) -> list[RankObservation]:
-        """Node `index`'s ranks: its launcher's report while the launcher runs (one read for the
-        node), else each rank's own files, with the backend's view of the rank (`launched(rank)`,
-        `rank_alive(rank)`; None where it sees only the launcher)."""
-        if launcher_alive:
-            report = read_node_report(run, assignment.incarnation, index)
-            if report is not None:
-                return report.ranks
-        per_node = assignment.layout.ranks_per_node
-        return [
-            self._rank(run, assignment, r, launched(r), rank_alive(r) if rank_alive else None, launcher_alive)
-            for r in range(index * per_node, (index + 1) * per_node)
-        ]
+        """Every rank of the incarnation: from its node's report where the node's launcher runs (one
+        read a node), else from its own files, with the backend's view of the rank
+        (`launched(rank)`, `rank_alive(rank)`; None where it sees only the launcher)."""
+        k, per_node = assignment.incarnation, assignment.layout.ranks_per_node
+        reports = read_node_reports(run, k, [i for i, alive in enumerate(launchers) if alive])
+        ranks: list[RankObservation] = []
+        for index, launcher_alive in enumerate(launchers):
+            report = reports.get(index)
+            ranks += (
+                report.ranks
+                if report is not None
+                else [
+                    self._rank(run, assignment, r, launched(r), rank_alive(r) if rank_alive else None, launcher_alive)
+                    for r in range(index * per_node, (index + 1) * per_node)
+                ]
+            )
+        return ranks
 
     @staticmethod
     def _rank(

@@ -9,6 +9,7 @@ the session helper of user scripts and the backends alike.
 from __future__ import annotations
 
 import json
+import os
 from typing import IO, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -195,6 +196,34 @@ def read_node_report(run: RunDir, incarnation: int, node_index: int) -> NodeRepo
     """The node's newest report; None before its launcher's first."""
     path = run.node_report_file(incarnation, node_index)
     return _parsed(NodeReport, read_text(path), path)
+
+
+def read_node_reports(run: RunDir, incarnation: int, node_indexes) -> dict[int, NodeReport]:
+    """The newest report of each node given that has one: what one look at a run reads (one open
+    and read a node, the paths formed as text: pathlib's joins cost more than the reads)."""
+    folder = f"{run.incarnation(incarnation) / 'nodes'}{os.sep}"
+    reports = {}
+    for index in node_indexes:
+        path = f"{folder}{index}.report.json"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            data = os.read(fd, READ_AT_ONCE)
+            while len(data) % READ_AT_ONCE == 0 and (more := os.read(fd, READ_AT_ONCE)):
+                data += more
+        finally:
+            os.close(fd)
+        try:
+            reports[index] = NodeReport.model_validate_json(data)
+        except ValidationError as error:
+            raise ContractError(f"{path}: not a NodeReport ({error.errors()[0]['msg']})") from None
+    return reports
+
+
+READ_AT_ONCE = 1 << 16
+"""Bytes read_node_reports asks of a report at a time: a node of 8 ranks reports about 3 KB."""
 
 
 def write_exit(run: RunDir, incarnation: int, ended: RankExit) -> bool:

@@ -59,8 +59,17 @@ ARCHIVE_PATCH = "bounded-status"
 """workflow.patched id: the status holds the newest incidents and a tally of the older ones, whose
 records are archived in the run directory (before: every incident, in full)."""
 
+PASSING_PATCH = "passing-states-unlisted"
+"""workflow.patched id: the recovery states a run passes through in a moment are not upserted to
+the search attributes (before: an upsert, one history event, for each)."""
+
+PASSING_STATES = (RunState.RESCHEDULING, RunState.REPLACING, RunState.RESHARDING, RunState.RESUMING)
+"""States a recovery passes through, usually within a second: the status query shows them, the
+search attribute stays at DRAINING through them (each would cost an event per incident)."""
+
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("LazarusState")
-"""The run's RunState, for the web UI's list and `temporal workflow list --query`."""
+"""The run's RunState, for the web UI's list and `temporal workflow list --query`; through a
+recovery, DRAINING until the run trains again or waits (for capacity, for an approval)."""
 INCIDENTS_ATTRIBUTE = SearchAttributeKey.for_int("LazarusIncidents")
 """How many incidents the run has had."""
 
@@ -129,6 +138,8 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
         if not may_move(current, state):
             raise RuntimeError(f"a run may not go from {current.value} to {state.value} (schema.records.TRANSITIONS)")
         self._status.state = state
+        if state in PASSING_STATES and workflow.patched(PASSING_PATCH):
+            return  # the search attribute stays DRAINING (recovering) until the run trains or waits
         if self._start.search_attributes:
             workflow.upsert_search_attributes(
                 [

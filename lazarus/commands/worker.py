@@ -32,18 +32,33 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="address the metrics server binds: 0.0.0.0 in a pod, so that Prometheus can scrape it "
         "(default: LAZARUS_METRICS_ADDRESS, else 127.0.0.1)",
     )
+    worker.add_argument(
+        "--kube-qps",
+        type=float,
+        default=os.environ.get("LAZARUS_KUBE_QPS", "100"),
+        help="Kubernetes API requests a second the backend makes at most (default: LAZARUS_KUBE_QPS, else 100)",
+    )
+    worker.add_argument(
+        "--kube-burst",
+        type=int,
+        default=os.environ.get("LAZARUS_KUBE_BURST", "200"),
+        help="Kubernetes API requests the backend makes at once before --kube-qps paces it "
+        "(default: LAZARUS_KUBE_BURST, else 200)",
+    )
     worker.set_defaults(handler=work)
 
 
-def _cluster(backend: str, settings: Settings):
+def _cluster(args: argparse.Namespace, settings: Settings):
     from lazarus.infra.local import LocalCluster
 
-    if backend != "kubernetes":
+    if args.backend != "kubernetes":
         return LocalCluster(settings.home)
     from lazarus.infra.kubernetes import KubernetesCluster
 
+    if not args.kube_qps > 0 or args.kube_burst < 1:
+        raise UserError("--kube-qps must be positive and --kube-burst at least 1")
     try:
-        return KubernetesCluster(settings.home)
+        return KubernetesCluster(settings.home, qps=args.kube_qps, burst=args.kube_burst)
     except Exception as error:  # noqa: BLE001 - no kubeconfig, no service account: say so, no traceback
         raise UserError(f"--backend kubernetes: cannot reach a Kubernetes API ({error})") from None
 
@@ -56,7 +71,7 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
 
     client = await connect_client(settings)
     metrics = Metrics()
-    cluster = _cluster(args.backend, settings)
+    cluster = _cluster(args, settings)
     worker = build_worker(client, settings.task_queue, cluster, Failpoints.from_environ(), metrics)
     counter = None
     if args.metrics_port:

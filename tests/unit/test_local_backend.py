@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 
+from lazarus.infra import runfiles
 from lazarus.infra.backend import ClusterError
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import Assignment, parse_spec
+from lazarus.schema.contract import read_node_report
 from lazarus.schema.files import read_json
 
 SLEEPER = ["python", "-c", "import time; time.sleep(600)"]
@@ -68,6 +72,44 @@ def test_kill_node_kills_its_ranks_and_marks_it_dead(cluster):
     assert [r.alive for r in after.ranks] == [True, True, False, True]
     assert list(after.dead_nodes) == ["node-2"]
     assert cluster.inventory("r1").node("node-2").healthy is False
+
+
+def reports(cluster: LocalCluster, run_id: str = "r1") -> list:
+    """Every node's report of incarnation 0 (None where there is none yet)."""
+    run = cluster.run_dir(run_id)
+    return [read_node_report(run, 0, i) for i in range(len(cluster.assignment(run_id, 0).nodes))]
+
+
+def test_a_look_reads_each_node_s_report_while_its_launcher_runs(cluster, monkeypatch):
+    launch(cluster)
+    deadline = time.monotonic() + 30
+    while not all(r is not None and all(rank.alive for rank in r.ranks) for r in reports(cluster)):
+        assert time.monotonic() < deadline, f"the launchers reported no live ranks within 30 s: {reports(cluster)}"
+        time.sleep(0.01)
+
+    def not_read(*args):
+        raise AssertionError("a rank's own file was read though its launcher reports it")
+
+    for reader in ("read_heartbeat", "read_exit"):
+        monkeypatch.setattr(runfiles, reader, not_read)
+    observation = cluster.observe("r1", 0)
+    assert [(r.rank, r.node, r.launched, r.alive) for r in observation.ranks] == [
+        (i, f"node-{i}", True, True) for i in range(4)
+    ]
+
+
+def test_a_rank_killed_alone_shows_in_its_node_s_report_with_its_exit(cluster):
+    launch(cluster)
+    run = cluster.run_dir("r1")
+    os.kill(read_json(run.pid_file(0, 2))["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (report := reports(cluster)[2]) is None or report.ranks[0].exit is None:
+        assert time.monotonic() < deadline, f"node-2's launcher did not report its rank's end: {report}"
+        time.sleep(0.01)
+    ended = report.ranks[0]
+    assert not ended.alive and ended.exit.signal == "SIGKILL" and ended.exit.by == "launcher"
+    seen = cluster.observe("r1", 0).ranks[2]
+    assert seen.exit == ended.exit and not seen.alive
 
 
 def test_kill_unknown_node_is_a_clear_error(cluster):

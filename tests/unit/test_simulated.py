@@ -1,0 +1,65 @@
+"""The simulated backend (infra/simulated.py): its nodes report as launchers do, and a look judges them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lazarus.activities.health import judge
+from lazarus.infra.simulated import SimulatedCluster
+from lazarus.schema import Assignment, parse_spec
+
+SPEC = parse_spec(
+    {
+        "name": "sim",
+        "layout": {"dp": 4, "tp": 8, "ranks_per_node": 8},
+        "trainer": {"steps": 1_000_000, "checkpoint_every": 1000, "n_heads": 8},
+        "cluster": {"active_nodes": 4, "spare_nodes": 1},
+    }
+)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cluster = SimulatedCluster(tmp_path, steps_per_second=50.0, startup_seconds=0.05, report_seconds=0.05)
+    yield cluster
+    cluster.close()
+
+
+def training(cluster: SimulatedCluster, run_id: str = "sim"):
+    """Create, assign and launch the run; return its first look once every node reports a step."""
+    cluster.create(run_id, SPEC)
+    nodes = [f"node-{i}" for i in range(4)]
+    cluster.commit_assignment(run_id, Assignment(incarnation=0, nodes=nodes, layout=SPEC.layout, master_port=1))
+    cluster.start_ranks(run_id, 0, resume_step=0)
+    deadline = time.monotonic() + 10
+    while True:
+        observation = cluster.observe(run_id, 0)
+        beats = [r.heartbeat for r in observation.ranks]
+        if all(b is not None and b.step for b in beats):
+            return observation
+        assert time.monotonic() < deadline, "the simulated nodes reported no step within 10 s"
+        time.sleep(0.01)
+
+
+def test_every_node_reports_its_ranks_training(cluster):
+    observation = training(cluster)
+    assert [r.rank for r in observation.ranks] == list(range(32))
+    assert {r.node for r in observation.ranks if r.rank // 8 == 2} == {"node-2"}
+    assert observation.launchers_alive == 4 and all(r.alive and r.launcher_alive for r in observation.ranks)
+    verdict = judge(observation, SPEC.recovery, time.time(), time.time(), SPEC.trainer.steps)
+    assert verdict.fault is None and verdict.up and verdict.step >= 1
+    assert cluster.run_dir("sim").node_report_file(0, 3).is_file()
+
+
+def test_a_killed_node_is_judged_down_and_its_ranks_gone(cluster):
+    training(cluster)
+    cluster.kill_node("sim", "node-1")
+    observation = cluster.observe("sim", 0)
+    gone = [r for r in observation.ranks if r.node == "node-1"]
+    assert len(gone) == 8 and not any(r.alive for r in gone) and observation.launchers_alive == 3
+    verdict = judge(observation, SPEC.recovery, time.time(), time.time(), SPEC.trainer.steps)
+    assert verdict.fault.kind == "node_down" and verdict.fault.nodes == ["node-1"]
+    assert sorted(cluster.stop_incarnation("sim", 0)) == [r for r in range(32) if r // 8 != 1]
+    assert cluster.observe("sim", 0).launchers_alive == 0
