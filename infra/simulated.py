@@ -2,12 +2,11 @@
 
 SimulatedCluster is LocalCluster (run directories, the home's pool, claims, assignments,
 quarantine) with every node's launcher and ranks replaced by the record they would write: a
-process of its own rewrites each live incarnation's node reports (schema/contract.py NodeReport, the file a
-launcher keeps) every `report_seconds`, and observe reads them as the local backend does. So a
+process of its own rewrites each live incarnation's node reports (schema/contract.py NodeReport,
+the file a launcher keeps) every `report_seconds`, and observe reads them as the local backend does. So a
 look at a simulated run of 2,048 nodes reads and parses 2,048 files, as it would on a real one;
 only the processes are missing. Ranks report their first step `startup_seconds` after launch and
-then train `steps_per_second`. A run ends only by being stopped or terminated (bench/large_run.py,
-bench/controller_scale.py).
+then train `steps_per_second`. A run ends only by being stopped or terminated (bench/large_run.py).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -69,13 +69,13 @@ class _Pace:
         return f'{{"node":{node},"time":{now!r},"ranks":[{ranks}]}}'
 
 
-def _launchers(commands, pace: _Pace) -> None:
+def _launchers(commands, pace: _Pace, parent: int) -> None:
     """The simulated launchers, in a process of their own (as real ones run on other machines, so
     their work shares neither the controller's interpreter lock nor its timing): every
     `report_seconds`, a report from every live node. `commands` brings launches, deaths and
-    stops; None ends it."""
+    stops; None ends it, and so does the end of the process that started it."""
     live: dict[tuple[str, int], _Incarnation] = {}
-    while True:
+    while os.getppid() == parent:
         deadline = time.monotonic() + pace.report_seconds
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -112,7 +112,9 @@ class SimulatedCluster(LocalCluster):
         context = multiprocessing.get_context("spawn")  # not a fork of a process with threads
         self._commands = context.Queue()
         pace = _Pace(steps_per_second, startup_seconds, report_seconds)
-        self._writer = context.Process(target=_launchers, args=(self._commands, pace), name="simulated-launchers")
+        self._writer = context.Process(
+            target=_launchers, args=(self._commands, pace, os.getpid()), name="simulated-launchers", daemon=True
+        )
         self._writer.start()
 
     def close(self) -> None:

@@ -167,7 +167,6 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
         fd = take_lock(run.lock_file(incarnation, rank))
         if fd is None:
             watched.append(rank)  # started by an earlier launcher of this node; wait for it too
-            reporter.launched.add(rank)
             continue
         try:
             if run.exit_file(incarnation, rank).exists():
@@ -178,12 +177,19 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
             child = _start(run, incarnation, rank, rank_command(spec.trainer.command), env, fd, cwd, start_rank)
             if child is not None:
                 children[rank] = child
-                reporter.launched.add(rank)
                 record = {"pid": child.pid, "start_time": process_start_time(child.pid), "node": node}
                 write_json_atomic(run.pid_file(incarnation, rank), record)
                 output.add(rank, child.pid, log, offset)
         finally:
             os.close(fd)
+    reporter.launched.update(watched, children)
+    _wait_for_ranks(run, incarnation, children, watched, output, reporter)
+    return 0
+
+
+def _wait_for_ranks(run: RunDir, incarnation: int, children: dict, watched: list[int], output, reporter) -> None:
+    """Watch the ranks' output and report the node until every rank has ended, recording how each
+    one this launcher started ended."""
     output.start()
     reporter.start()
     for rank, child in children.items():
@@ -196,7 +202,6 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
         while lock_is_held(run.lock_file(incarnation, rank)):
             time.sleep(0.05)
     reporter.stop()
-    return 0
 
 
 def _start(run: RunDir, incarnation: int, rank: int, command: list[str], env: dict, lock_fd: int, cwd, start_rank):
