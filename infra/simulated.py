@@ -15,7 +15,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,9 +78,12 @@ def _launchers(commands, pace: _Pace, parent: int) -> None:
         deadline = time.monotonic() + pace.report_seconds
         while (left := deadline - time.monotonic()) > 0:
             try:
-                command = commands.get(timeout=left)
-            except queue.Empty:
-                break
+                if not commands.poll(left):
+                    break
+                command = commands.recv()
+            except EOFError:
+                return  # the other end is gone
+
             if command is None:
                 return
             kind, key, detail = command
@@ -109,17 +111,25 @@ class SimulatedCluster(LocalCluster):
         self.launches_done: dict[tuple[str, int], float] = {}  # (run, incarnation) -> when start_ranks returned
         self._live: dict[tuple[str, int], _Incarnation] = {}
         self._guard = threading.Lock()
+        self._sending = threading.Lock()
         context = multiprocessing.get_context("spawn")  # not a fork of a process with threads
-        self._commands = context.Queue()
+        # A pipe, not a Queue: a Queue's semaphores are finalized whenever they are collected, which
+        # can be inside a workflow's sandbox, where the finalizer may not import what it needs.
+        theirs, self._commands = context.Pipe(duplex=False)
         pace = _Pace(steps_per_second, startup_seconds, report_seconds)
         self._writer = context.Process(
-            target=_launchers, args=(self._commands, pace, os.getpid()), name="simulated-launchers", daemon=True
+            target=_launchers, args=(theirs, pace, os.getpid()), name="simulated-launchers", daemon=True
         )
         self._writer.start()
 
+    def _send(self, command) -> None:
+        with self._sending:  # one writer at a time on the pipe
+            self._commands.send(command)
+
     def close(self) -> None:
         """Stop the simulated launchers."""
-        self._commands.put(None)
+        self._send(None)
+        self._commands.close()
         self._writer.join(30)
         if self._writer.is_alive():
             self._writer.kill()
@@ -144,7 +154,7 @@ class SimulatedCluster(LocalCluster):
                 per_node = assignment.layout.ranks_per_node
                 sim = _Incarnation(run, incarnation, assignment.nodes, per_node, record.resume_step, time.time())
                 self._live[(run_id, incarnation)] = sim
-                self._commands.put(("launch", (run_id, incarnation), sim))
+                self._send(("launch", (run_id, incarnation), sim))
         self.launches_done.setdefault((run_id, incarnation), time.time())
         return record
 
@@ -177,7 +187,7 @@ class SimulatedCluster(LocalCluster):
         if sim is None or sim.stopped:
             return []
         sim.stopped = True
-        self._commands.put(("stop", (run_id, incarnation), None))
+        self._send(("stop", (run_id, incarnation), None))
         return [r for r in range(assignment.layout.world_size) if r // sim.ranks_per_node not in sim.dead]
 
     def kill_node(self, run_id: str, node: str) -> list[int]:
@@ -187,7 +197,7 @@ class SimulatedCluster(LocalCluster):
             for key, sim in self._live.items():
                 if key[0] == run_id and node in sim.nodes:
                     sim.dead.add(sim.nodes.index(node))
-                    self._commands.put(("dead", key, sim.nodes.index(node)))
+                    self._send(("dead", key, sim.nodes.index(node)))
         return []
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
