@@ -84,7 +84,7 @@ class KubernetesCluster(RunFiles):
             except config.ConfigException:
                 config.load_kube_config()
             api = k8s.ApiClient()
-        self.bucket = throttle(api, qps, burst)
+        throttle(api, qps, burst)  # every request of this client, the watches' too
         self.core = k8s.CoreV1Api(api)
         self.watches = RunWatches(self.core)
         self.wants = PoolWants(self.core)

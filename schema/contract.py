@@ -192,12 +192,6 @@ def write_node_report(run: RunDir, incarnation: int, node_index: int, report: No
     write_json_atomic(run.node_report_file(incarnation, node_index), report.model_dump_json(exclude_defaults=True))
 
 
-def read_node_report(run: RunDir, incarnation: int, node_index: int) -> NodeReport | None:
-    """The node's newest report; None before its launcher's first."""
-    path = run.node_report_file(incarnation, node_index)
-    return _parsed(NodeReport, read_text(path), path)
-
-
 def read_node_reports(run: RunDir, incarnation: int, node_indexes) -> dict[int, NodeReport]:
     """The newest report of each node given that has one: what one look at a run reads (one open
     and read a node, the paths formed as text: pathlib's joins cost more than the reads)."""

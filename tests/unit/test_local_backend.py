@@ -13,7 +13,7 @@ from lazarus.infra import runfiles
 from lazarus.infra.backend import ClusterError
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import Assignment, parse_spec
-from lazarus.schema.contract import read_node_report
+from lazarus.schema.contract import read_node_reports
 from lazarus.schema.files import read_json
 
 SLEEPER = ["python", "-c", "import time; time.sleep(600)"]
@@ -77,7 +77,9 @@ def test_kill_node_kills_its_ranks_and_marks_it_dead(cluster):
 def reports(cluster: LocalCluster, run_id: str = "r1") -> list:
     """Every node's report of incarnation 0 (None where there is none yet)."""
     run = cluster.run_dir(run_id)
-    return [read_node_report(run, 0, i) for i in range(len(cluster.assignment(run_id, 0).nodes))]
+    nodes = range(len(cluster.assignment(run_id, 0).nodes))
+    found = read_node_reports(run, 0, nodes)
+    return [found.get(i) for i in nodes]
 
 
 def test_a_look_reads_each_node_s_report_while_its_launcher_runs(cluster, monkeypatch):
