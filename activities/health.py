@@ -8,6 +8,7 @@ from functools import cached_property
 
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema.contract import RankExit
+from lazarus.schema.node_reports import NodeReading, NodeSummary
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import FaultReport, StepSource
 
@@ -82,25 +83,14 @@ def _ended(rank: RankObservation) -> str:
     return f"rank {rank.rank} on {rank.node} exited with code {rank.exit.code}{error}"
 
 
-def _silent_nodes(ranks: list[RankObservation], since: float) -> set[str]:
-    """Nodes whose every rank looks alive to the backend yet has neither an exit record nor a
-    heartbeat since `since`."""
-    by_node: dict[str, list[RankObservation]] = {}
-    for r in ranks:
-        by_node.setdefault(r.node, []).append(r)
-    return {
-        node
-        for node, on_node in by_node.items()
-        if all(
-            r.launched and r.alive and r.exit is None and (r.heartbeat is None or r.heartbeat.time <= since)
-            for r in on_node
-        )
-    }
-
-
 @dataclass(frozen=True)
 class _Look:
-    """One observation with what judging it needs: the policy, the clock, the run's length."""
+    """One observation with what judging it needs: the policy, the clock, the run's length.
+
+    A node whose report's summary is steady and within the policy's limits is judged by its
+    summary alone (`steady`); every other node's ranks are read (`ranks`). A steady node has no
+    exit, no stale or frozen rank and no warning, so the checks that look for those need only the
+    ranks; the rest take the summaries into account."""
 
     observation: Observation
     policy: RecoveryPolicy
@@ -109,26 +99,91 @@ class _Look:
     total_steps: int
 
     @property
+    def stopped_after(self) -> float:
+        """How long a rank's liveness thread may be silent before its process counts as stopped (s)."""
+        policy = self.policy
+        return min(policy.hang_after_seconds, max(ALIVE_GRACE_SECONDS, 5 * policy.heartbeat_interval_seconds))
+
+    @cached_property
+    def _split(self) -> tuple[list[RankObservation], list[NodeReading]]:
+        ranks, steady = [], []
+        dead, now, hang_after, stopped_after = (
+            self.observation.dead_nodes,
+            self.now,
+            self.policy.hang_after_seconds,
+            self.stopped_after,
+        )
+        for node in self.observation.nodes:
+            summary = node.summary
+            if (
+                summary is not None
+                and summary.steady
+                and summary.node not in dead
+                and now - summary.oldest_beat <= hang_after
+                and (summary.oldest_alive is None or now - summary.oldest_alive <= stopped_after)
+            ):
+                steady.append(node)
+            else:
+                ranks += node.ranks
+        return ranks, steady
+
+    @property
     def ranks(self) -> list[RankObservation]:
-        return self.observation.ranks
+        """The ranks of every node that is not steady."""
+        return self._split[0]
+
+    @cached_property
+    def steady(self) -> list[NodeSummary]:
+        """The summaries of the nodes judged by their summary alone."""
+        return [node.summary for node in self._split[1]]
+
+    def ranks_on(self, nodes) -> list[RankObservation]:
+        """Every rank on `nodes`, steady or not, in rank order (reading only those nodes' ranks)."""
+        return [
+            r
+            for node in self.observation.nodes
+            if node.summary is None or node.summary.node in nodes
+            for r in node.ranks
+            if r.node in nodes
+        ]
+
+    def silent_nodes(self, since: float) -> set[str]:
+        """Nodes whose every rank looks alive to the backend yet has neither an exit record nor a
+        heartbeat since `since`."""
+        by_node: dict[str, list[RankObservation]] = {}
+        for r in self.ranks:
+            by_node.setdefault(r.node, []).append(r)
+        silent = {
+            node
+            for node, on_node in by_node.items()
+            if all(
+                r.launched and r.alive and r.exit is None and (r.heartbeat is None or r.heartbeat.time <= since)
+                for r in on_node
+            )
+        }
+        return silent | {summary.node for summary in self.steady if summary.newest_beat <= since}
 
     @cached_property
     def source(self) -> StepSource | None:
         """Who reports the step: a rank's own heartbeat (lazarus.session, the built-in trainer) makes
         it the trainer; the launcher's, from the output, makes it the output; else what the spec says."""
         beats = [r.heartbeat for r in self.ranks if r.heartbeat and r.heartbeat.step is not None]
-        if any(beat.by == "rank" for beat in beats):
+        if any(beat.by == "rank" for beat in beats) or any(summary.by_rank for summary in self.steady):
             return "trainer"
-        return "output" if beats else self.observation.steps_from
+        return "output" if beats or self.steady else self.observation.steps_from
 
     @cached_property
     def steps(self) -> list[int]:
-        """Each reporting rank's step. A trainer's rank restores the resume step before its first
-        heartbeat; a rank that reports by output has no step until it prints one."""
+        """Each reporting rank's step (of a steady node, its lowest and highest). A trainer's rank
+        restores the resume step before its first heartbeat; a rank that reports by output has no
+        step until it prints one."""
+        steps = [step for summary in self.steady for step in (summary.lowest_step, summary.highest_step)]
         if self.source == "trainer":
             resumed = self.observation.resume_step
-            return [r.heartbeat.step if r.heartbeat and r.heartbeat.step is not None else resumed for r in self.ranks]
-        return [r.heartbeat.step for r in self.ranks if r.heartbeat and r.heartbeat.step is not None]
+            return steps + [
+                r.heartbeat.step if r.heartbeat and r.heartbeat.step is not None else resumed for r in self.ranks
+            ]
+        return steps + [r.heartbeat.step for r in self.ranks if r.heartbeat and r.heartbeat.step is not None]
 
     @property
     def step(self) -> int | None:
@@ -146,7 +201,7 @@ class _Look:
         steps only its age can tell: it counts as untrained for its startup grace."""
         if self.observation.incarnation != 0:
             return False
-        if any(r.heartbeat and r.heartbeat.first_step_at for r in self.ranks):
+        if any(r.heartbeat and r.heartbeat.first_step_at for r in self.ranks) or any(s.trained for s in self.steady):
             return False
         launched = self.observation.launched_at
         young = launched is None or self.now - launched <= self.policy.startup_grace_seconds
@@ -154,7 +209,7 @@ class _Look:
 
     def verdict(self, **outcome) -> Verdict:
         """A verdict of this look: its step and source, whether every rank is up, and `outcome`."""
-        up = bool(self.ranks) and all(r.launched and r.alive for r in self.ranks)
+        up = bool(self.ranks or self.steady) and all(r.launched and r.alive for r in self.ranks)
         warnings = sorted({r.heartbeat.warning for r in self.ranks if r.heartbeat and r.heartbeat.warning})
         return Verdict(outcome.pop("step", self.step), source=self.source, up=up, warnings=warnings, **outcome)
 
@@ -232,7 +287,7 @@ def _exits(look: _Look) -> Verdict | None:
     if look.fresh_and_untrained:
         # The run's first launch failing before a step: if every rank ends on its own within
         # a moment of the first, it is the program (a bad flag, a missing file), not a node.
-        if all(r.exit is not None and not r.alive for r in look.ranks):
+        if not look.steady and all(r.exit is not None and not r.alive for r in look.ranks):
             reason = f"every rank ended before training a step; first: {_ended(first)}"
             return look.fault("program_error", [first], first.exit.time, reason)
         if look.now - first.exit.time < PROGRAM_ERROR_SETTLE_SECONDS:
@@ -248,7 +303,7 @@ def _silent_peer(look: _Look, failed: list[RankObservation]) -> Verdict | None:
     """Every rank that failed lost a peer: blame the nodes gone silent (once their ranks had time
     to report), those the errors name where they name any; None when no node is silent."""
     first = failed[0]
-    silent_nodes = _silent_nodes(look.ranks, since=first.exit.time)
+    silent_nodes = look.silent_nodes(since=first.exit.time)
     # Where the errors name the lost peer's address (gloo does), a silent node they name is the
     # dead one; one they do not name is a survivor slow to notice.
     named = {
@@ -262,7 +317,7 @@ def _silent_peer(look: _Look, failed: list[RankObservation]) -> Verdict | None:
         return None
     if look.now - first.exit.time < PEER_LOSS_SETTLE_SECONDS:
         return look.verdict()
-    silent = [r for r in look.ranks if r.node in silent_nodes]
+    silent = look.ranks_on(silent_nodes)
     reason = (
         f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
         f"while its peers lost their connections to it; first: {_ended(first)}"
@@ -276,7 +331,7 @@ def _all_ended_cleanly(look: _Look) -> Verdict | None:
     # Ended only once every process is gone too (the exit record is written just before a rank
     # exits, and each node's launcher outlives its ranks by a moment).
     ranks = look.ranks
-    if not ranks or look.observation.launchers_alive:
+    if not ranks or look.steady or look.observation.launchers_alive:
         return None
     if not all(r.exit is not None and r.exit.code == 0 and not r.alive for r in ranks):
         return None
@@ -315,11 +370,9 @@ def _hangs(look: _Look) -> Verdict | None:
     # process last ran (alive_at), the hung one is a rank whose process stopped too, while those
     # waiting for it still run; else, or of several, the one that got least far (lowest step, then
     # oldest heartbeat).
-    stopped_after = min(
-        look.policy.hang_after_seconds, max(ALIVE_GRACE_SECONDS, 5 * look.policy.heartbeat_interval_seconds)
-    )
-    # Among every rank, not only the stale: the stalled ranks' heartbeats are milliseconds apart,
-    # and the first to pass the hang time need not be the one that stopped.
+    stopped_after = look.stopped_after
+    # Among every rank (a steady node has none), not only the stale: the stalled ranks' heartbeats
+    # are milliseconds apart, and the first to pass the hang time need not be the one that stopped.
     frozen = [
         (r, look.now - r.heartbeat.time)
         for r in look.ranks

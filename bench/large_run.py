@@ -10,7 +10,7 @@ backend (infra/simulated.py: LocalCluster with every launcher replaced by the no
 would keep, so a look reads and parses one file per node as on a real run). Once it trains,
 --faults nodes die one after another, each after the last recovery. Printed per size:
 
-  look              one detect look, observe + judge (median of 15, ms)
+  look              one detect look, observe + judge (median of 31, ms)
   report->decision  detect's fault report to reschedule's decision recorded (median, ms)
   decision->launch  the decision to every rank launched (the simulated launch is instant, so
                     this is replace_or_reshard and resume's start: the controller's share; ms)
@@ -49,7 +49,7 @@ from lazarus.worker import build_worker
 
 SIZES = (64, 256, 1024, 2048)
 RANKS_PER_NODE = 8
-LOOKS = 15
+LOOKS = 31
 
 
 def large_spec(nodes: int, backend: dict | None = None):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource
+from lazarus.schema.node_reports import NodeReading
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import Assignment, Inventory, StepSource
@@ -34,7 +35,7 @@ class Observation:
     incarnation: int
     launched_at: float | None  # when its first launch started the ranks (seconds since the epoch); None before
     resume_step: int  # the checkpoint step it restores
-    ranks: list[RankObservation] = field(default_factory=list)
+    nodes: list[NodeReading] = field(default_factory=list)  # each node's ranks, in node order
     dead_nodes: dict[str, datetime] = field(default_factory=dict)  # node -> when the backend saw it die
     launchers_alive: int = 0  # node launchers still running
     node_addresses: dict[str, str] = field(
@@ -42,6 +43,12 @@ class Observation:
     )  # node -> the address its ranks' peers dial, where known
     steps_from: StepSource | None = None  # who the spec says reports steps (None: only the ranks can tell)
     heartbeats_expected: bool = False  # every rank writes heartbeats from its start (built-in trainer, output)
+
+    @property
+    def ranks(self) -> list[RankObservation]:
+        """Every rank, in rank order. This parses every node's report: a look judges by the
+        summaries and reads the ranks of a node only where its summary shows something."""
+        return [rank for node in self.nodes for rank in node.ranks]
 
 
 def free_port() -> int:

@@ -288,7 +288,7 @@ class KubernetesCluster(RunFiles):
         # A pod runs a node's ranks together: the backend sees the pod, its launcher each rank's process.
         running = [pod_running(pods.get(index)) for index in range(len(assignment.nodes))]
         per_node = assignment.layout.ranks_per_node
-        observation.ranks = self._ranks(run, assignment, running, launched=lambda rank: rank // per_node in pods)
+        observation.nodes = self._nodes(run, assignment, running, launched=lambda rank: rank // per_node in pods)
         return observation
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:

@@ -230,7 +230,7 @@ class LocalCluster(RunFiles):
         observation = self._observation(run, incarnation, self.dead_nodes(assignment))
         launchers = [lock_is_held(run.node_lock_file(incarnation, i)) for i in range(len(assignment.nodes))]
         observation.launchers_alive = sum(launchers)
-        observation.ranks = self._ranks(
+        observation.nodes = self._nodes(
             run,
             assignment,
             launchers,

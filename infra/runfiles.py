@@ -20,13 +20,13 @@ from lazarus.schema.contract import (
     read_exit,
     read_heartbeat,
     read_launch,
-    read_node_reports,
     read_survivors,
     write_launch,
 )
 from lazarus.schema.files import file_sha256, write_json_atomic, write_once
 from lazarus.schema.layout import Layout
 from lazarus.schema.names import check_run_id
+from lazarus.schema.node_reports import NodeReading, read_node_reports
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir
@@ -133,26 +133,30 @@ class RunFiles:
             heartbeats_expected=trainer.built_in or trainer.output_is_heartbeat,
         )
 
-    def _ranks(
+    def _nodes(
         self, run: RunDir, assignment: Assignment, launchers: list[bool], launched, rank_alive=None
-    ) -> list[RankObservation]:
-        """Every rank of the incarnation: from its node's report where the node's launcher runs (one
-        read a node), else from its own files, with the backend's view of the rank
-        (`launched(rank)`, `rank_alive(rank)`; None where it sees only the launcher)."""
+    ) -> list[NodeReading]:
+        """Every node's ranks: from its report where the node's launcher runs (one read a node),
+        else from each rank's own files, with the backend's view of the rank (`launched(rank)`,
+        `rank_alive(rank)`; None where it sees only the launcher)."""
         k, per_node = assignment.incarnation, assignment.layout.ranks_per_node
         reports = read_node_reports(run, k, [i for i, alive in enumerate(launchers) if alive])
-        ranks: list[RankObservation] = []
+        nodes: list[NodeReading] = []
         for index, launcher_alive in enumerate(launchers):
             report = reports.get(index)
-            ranks += (
-                report.ranks
+            nodes.append(
+                report
                 if report is not None
-                else [
-                    self._rank(run, assignment, r, launched(r), rank_alive(r) if rank_alive else None, launcher_alive)
-                    for r in range(index * per_node, (index + 1) * per_node)
-                ]
+                else NodeReading.of_ranks(
+                    [
+                        self._rank(
+                            run, assignment, r, launched(r), rank_alive(r) if rank_alive else None, launcher_alive
+                        )
+                        for r in range(index * per_node, (index + 1) * per_node)
+                    ]
+                )
             )
-        return ranks
+        return nodes
 
     @staticmethod
     def _rank(

@@ -9,7 +9,6 @@ the session helper of user scripts and the backends alike.
 from __future__ import annotations
 
 import json
-import os
 from typing import IO, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -92,8 +91,8 @@ class RankExit(Record):
 
 
 class RankObservation(Record):
-    """One rank as its node's launcher sees it (NodeReport), or as a backend's look found it from
-    the rank's own files."""
+    """One rank as its node's launcher sees it (schema/node_reports.py NodeReport), or as a
+    backend's look found it from the rank's own files."""
 
     rank: int = Field(ge=0, description="The rank.")
     node: str = Field(description="The node that hosts it.")
@@ -104,17 +103,6 @@ class RankObservation(Record):
     launcher_alive: bool = Field(
         False, description="The launcher of its node runs (it writes the exit record of a rank it outlives)."
     )
-
-
-class NodeReport(Record):
-    """`incarnations/K/nodes/I.report.json`: node I's launcher's view of its ranks, rewritten on every
-    change (a step, an exit) and at least every heartbeat interval. Detect reads one file per node
-    instead of a heartbeat, an exit record and a lock per rank, so a look at a run of 2,048 nodes
-    of 8 ranks is 2,048 reads, not 49,152."""
-
-    node: str = Field(description="The node.")
-    time: float = Field(description="When it was written (seconds since the epoch).")
-    ranks: list[RankObservation] = Field(description="The node's ranks, in rank order.")
 
 
 class LaunchRecord(Record):
@@ -184,40 +172,6 @@ def read_heartbeat(run: RunDir, incarnation: int, rank: int) -> Heartbeat | None
     """The rank's newest heartbeat; None before its first."""
     path = run.heartbeat_file(incarnation, rank)
     return _parsed(Heartbeat, read_text(path), path)
-
-
-def write_node_report(run: RunDir, incarnation: int, node_index: int, report: NodeReport) -> None:
-    """Replace the node's report (atomically); fields at their defaults are left out, which keeps
-    the file, and the time to read it, small."""
-    write_json_atomic(run.node_report_file(incarnation, node_index), report.model_dump_json(exclude_defaults=True))
-
-
-def read_node_reports(run: RunDir, incarnation: int, node_indexes) -> dict[int, NodeReport]:
-    """The newest report of each node given that has one: what one look at a run reads (one open
-    and read a node, the paths formed as text: pathlib's joins cost more than the reads)."""
-    folder = f"{run.incarnation(incarnation) / 'nodes'}{os.sep}"
-    reports = {}
-    for index in node_indexes:
-        path = f"{folder}{index}.report.json"
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            data = os.read(fd, READ_AT_ONCE)
-            while len(data) % READ_AT_ONCE == 0 and (more := os.read(fd, READ_AT_ONCE)):
-                data += more
-        finally:
-            os.close(fd)
-        try:
-            reports[index] = NodeReport.model_validate_json(data)
-        except ValidationError as error:
-            raise ContractError(f"{path}: not a NodeReport ({error.errors()[0]['msg']})") from None
-    return reports
-
-
-READ_AT_ONCE = 1 << 16
-"""Bytes read_node_reports asks of a report at a time: a node of 8 ranks reports about 3 KB."""
 
 
 def write_exit(run: RunDir, incarnation: int, ended: RankExit) -> bool:

@@ -90,7 +90,7 @@ class RunDir:
         return self.incarnation(k) / "nodes" / f"{node_index}.pid"
 
     def node_report_file(self, k: int, node_index: int) -> Path:
-        """The launcher's report of its node's ranks (schema/contract.py NodeReport)."""
+        """The launcher's report of its node's ranks (schema/node_reports.py)."""
         return self.incarnation(k) / "nodes" / f"{node_index}.report.json"
 
     def survivors(self, k: int) -> Path:

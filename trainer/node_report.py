@@ -1,4 +1,4 @@
-"""A node's launcher reports its ranks in one file (schema/contract.py NodeReport), so the
+"""A node's launcher reports its ranks in one file (schema/node_reports.py), so the
 controller's look at a run costs a read per node, not three per rank.
 
 The reporter reads what the controller would otherwise read itself: each rank's liveness lock,
@@ -13,15 +13,9 @@ import sys
 import threading
 import time
 
-from lazarus.schema.contract import (
-    ContractError,
-    NodeReport,
-    RankObservation,
-    read_exit,
-    read_heartbeat,
-    write_node_report,
-)
+from lazarus.schema.contract import ContractError, RankObservation, read_exit, read_heartbeat
 from lazarus.schema.files import lock_is_held
+from lazarus.schema.node_reports import NodeReport, write_node_report
 from lazarus.schema.rundir import RunDir
 
 REPORT_POLL_SECONDS = 0.05

@@ -8,6 +8,7 @@ from lazarus.activities.health import judge
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema import RecoveryPolicy
 from lazarus.schema.contract import Heartbeat, RankExit
+from lazarus.schema.node_reports import NodeReading
 
 POLICY = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=60)
 NOW = 1_000_000.0
@@ -27,7 +28,7 @@ def observe(*ranks, dead=None, incarnation=2, addresses=None):
         incarnation=incarnation,
         launched_at=NOW - 100,
         resume_step=0,
-        ranks=list(ranks),
+        nodes=[NodeReading.of_ranks(list(ranks))],
         dead_nodes=dead or {},
         node_addresses=addresses or {},
     )

@@ -13,8 +13,8 @@ from lazarus.infra import runfiles
 from lazarus.infra.backend import ClusterError
 from lazarus.infra.local import LocalCluster
 from lazarus.schema import Assignment, parse_spec
-from lazarus.schema.contract import read_node_reports
 from lazarus.schema.files import read_json
+from lazarus.schema.node_reports import read_node_reports
 
 SLEEPER = ["python", "-c", "import time; time.sleep(600)"]
 

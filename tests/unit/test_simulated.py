@@ -9,6 +9,7 @@ import pytest
 from lazarus.activities.health import judge
 from lazarus.infra.simulated import SimulatedCluster
 from lazarus.schema import Assignment, parse_spec
+from lazarus.schema.node_reports import NodeSummary, read_node_reports
 
 SPEC = parse_spec(
     {
@@ -51,6 +52,14 @@ def test_every_node_reports_its_ranks_training(cluster):
     verdict = judge(observation, SPEC.recovery, time.time(), time.time(), SPEC.trainer.steps)
     assert verdict.fault is None and verdict.up and verdict.step >= 1
     assert cluster.run_dir("sim").node_report_file(0, 3).is_file()
+
+
+def test_a_simulated_report_s_summary_is_what_its_ranks_sum_up_to(cluster):
+    training(cluster)
+    readings = read_node_reports(cluster.run_dir("sim"), 0, range(4))
+    for index, reading in readings.items():
+        assert reading.summary == NodeSummary.of(f"node-{index}", reading.ranks)
+        assert reading.summary.steady
 
 
 def test_a_killed_node_is_judged_down_and_its_ranks_gone(cluster):
