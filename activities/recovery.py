@@ -15,13 +15,15 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.failpoints import Failpoints
+from lazarus.activities.health import newest_step
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.preflight import missing_command
-from lazarus.activities.running import in_thread, look, timed
+from lazarus.activities.running import in_thread, timed
+from lazarus.activities.watching import progress_of, watch, watch_until_reported
 from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.infra.runfiles import survivor_source
 from lazarus.schema.nodelist import natural_key
-from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory, RankProgress
+from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory
 from lazarus.schema.stages import (
     ArchiveInput,
     DetectInput,
@@ -111,41 +113,11 @@ class RecoveryActivities:
         except Exception as error:  # noqa: BLE001 - the audit trail of record is the workflow history
             activity.logger.warning("could not record %s for run %s: %s", stage, run_id, error)
 
-    async def _watch(self, run_id: str, incarnation: int, policy, total_steps: int, until=None) -> tuple:
-        """Look at the incarnation until judge finds a fault, completion or a stop, or `until(verdict)` holds.
-
-        It looks every heartbeat interval (heartbeats, hangs) and at once when a process exits.
-        """
-        last_poll = time.time()
-        exited = False
-        while True:
-            verdict, now = await in_thread(look, self.cluster, run_id, incarnation, policy, last_poll, total_steps)
-            if verdict.fault is not None and verdict.fault.rank is not None:
-                verdict.fault.log_tail = await in_thread(self.cluster.log_tail, run_id, incarnation, verdict.fault.rank)
-            if verdict.completed:
-                await in_thread(self.cluster.release_standbys, run_id)
-            if verdict.fault or verdict.completed or verdict.stopped or (until and until(verdict, now)):
-                return verdict, now
-            last_poll = now
-            activity.heartbeat(verdict.step)
-            # Woken by an exit: look again soon, the launcher is about to record how the rank ended.
-            wait = 0.01 if exited else policy.heartbeat_interval_seconds
-            exited = await self.cluster.wait_for_exit(run_id, incarnation, wait)
-
     @activity.defn(name="detect")
     async def detect(self, request: DetectInput) -> DetectResult:
-        """Watch an incarnation; return a fault, completion, or progress after progress_every_seconds."""
-        report_at = time.time() + request.policy.progress_every_seconds
-        verdict, now = await self._watch(
-            request.run_id,
-            request.incarnation,
-            request.policy,
-            request.total_steps,
-            until=lambda _, now: now >= report_at,
-        )
-        progress = RankProgress(
-            step=verdict.step, at=datetime.fromtimestamp(now, UTC), source=verdict.source, warnings=verdict.warnings
-        )
+        """Watch an incarnation; return a fault, completion, a new warning, spares for a regrow, or
+        progress after progress_every_seconds (activities/watching.py)."""
+        verdict, now, capacity = await watch_until_reported(self.cluster, request)
         fault = verdict.fault
         if verdict.stopped:
             # Nobody asked (the workflow stops detect before it asks): treat it as a failure.
@@ -165,10 +137,7 @@ class RecoveryActivities:
                 request.run_id, "fault_detected", f"{fault.kind} on {', '.join(fault.nodes)}: {fault.reason}"
             )
             await self.failpoints.reach("detect.after_fault")
-        capacity = False
-        if request.regrow_nodes is not None and fault is None and not verdict.completed:
-            inventory = await in_thread(self.cluster.inventory, request.run_id)
-            capacity = len(inventory.spares_for(None, request.node_limit)[0]) >= request.regrow_nodes
+        progress = progress_of(verdict, now)
         return DetectResult(fault=fault, completed=verdict.completed, progress=progress, capacity=capacity)
 
     @activity.defn(name="drain")
@@ -186,6 +155,9 @@ class RecoveryActivities:
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
+        step = None
+        if request.read_step:
+            step = newest_step(await in_thread(self.cluster.observe, request.run_id, request.incarnation))
         survivors = {}
         if request.survivor_grace_seconds > 0:
             survivors = await in_thread(
@@ -210,6 +182,7 @@ class RecoveryActivities:
             in_flight_checkpoint=in_flight,
             in_flight_committed=committed,
             survivors=survivors,
+            step=step,
         )
 
     @activity.defn(name="reschedule")
@@ -288,7 +261,7 @@ class RecoveryActivities:
         await self._note(
             run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from} from {restored_from}"
         )
-        verdict, _ = await self._watch(run_id, incarnation, request.policy, request.total_steps, until=up)
+        verdict, _ = await watch(self.cluster, run_id, incarnation, request.policy, request.total_steps, until=up)
         await in_thread(self.cluster.drop_want, run_id)  # the recovery is over, whatever became of it
         if verdict.fault:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
@@ -333,8 +306,8 @@ class RecoveryActivities:
         run = self.cluster.run_dir(run_id)
         await in_thread(_touch, run.stop_file(incarnation))
         deadline = time.time() + request.timeout_seconds
-        verdict, _ = await self._watch(
-            run_id, incarnation, request.policy, request.total_steps, until=lambda _, now: now >= deadline
+        verdict, _ = await watch(
+            self.cluster, run_id, incarnation, request.policy, request.total_steps, until=lambda _, now: now >= deadline
         )
         clean = verdict.stopped or verdict.completed
         if not clean:

@@ -105,6 +105,16 @@ async def start_run(client: Client, settings: Settings, spec: RunSpec, run_id: s
         search_attributes=attributes,
         # A run id names one run directory; reusing it would resume a finished run's state.
         id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        static_summary=static_summary(spec),
+    )
+
+
+def static_summary(spec: RunSpec) -> str:
+    """The run in one line, as the web UI shows it beside its id: spec, layout, nodes, length."""
+    cluster = spec.cluster
+    return (
+        f"{spec.name}: {spec.layout.describe()} on {cluster.active_nodes} {cluster.backend} nodes "
+        f"+ {cluster.spare_nodes} spare, {spec.trainer.steps} steps"
     )
 
 

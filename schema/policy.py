@@ -38,8 +38,11 @@ class StagePolicies(Strict):
         default_factory=lambda: _stage(120, 10), description="Create the run's cluster state and start incarnation 0."
     )
     detect: StagePolicy = Field(
-        default_factory=lambda: _stage(120, 5, attempts=0),
-        description="Watch the run; returns a fault, a progress snapshot or completion.",
+        default_factory=lambda: _stage(7200, 5, attempts=0),
+        description=(
+            "Watch the run; returns a fault, completion, a new warning, spares for a regrow, or a progress snapshot "
+            "after progress_every_seconds (so its timeout must exceed that)."
+        ),
     )
     drain: StagePolicy = Field(
         default_factory=lambda: _stage(60, 5),
@@ -96,10 +99,13 @@ class RecoveryPolicy(Strict):
         description="Time a new incarnation may take to its first heartbeat before it counts as hung (seconds).",
     )
     progress_every_seconds: float = Field(
-        5.0,
+        3600.0,
         gt=0,
         le=MAX_SECONDS,
-        description="Detect returns a progress snapshot (step) to the workflow at least this often (seconds).",
+        description=(
+            "Detect returns to the workflow with a progress snapshot at least this often, even when nothing "
+            "happened (seconds): a safety interval. Between reports the step is in detect's heartbeat details."
+        ),
     )
     min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
     capacity_wait_seconds: float = Field(

@@ -309,6 +309,7 @@ class RunStatus(Record):
         ge=0,
         description="Last step every rank completed, as of the last progress report; None: the script reports none.",
     )
+    step_at: datetime | None = Field(None, description="When the step was reported (UTC); None before the first.")
     steps_from: StepSource | None = Field(
         "trainer", description="Who reports the step (trainer: it trains to total_steps); None when nobody does."
     )

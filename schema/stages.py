@@ -39,11 +39,14 @@ class DetectInput(Record):
         None,
         ge=1,
         description=(
-            "With each progress report, say whether the pool has this many spares the run may take for a regrow "
-            "(none that another run's recovery needs, within node_limit); None: do not look."
+            "Return as soon as the pool has this many spares the run may take for a regrow (none that another run's "
+            "recovery needs, within node_limit), read every capacity_poll_seconds; None: do not look."
         ),
     )
     node_limit: int | None = Field(None, ge=1, description="Nodes the run may hold, active and quarantined (nodes).")
+    known_warnings: list[str] = Field(
+        default_factory=list, description="Warnings the workflow has; a new one ends the watch, to be recorded."
+    )
 
 
 class DrainInput(Record):
@@ -72,6 +75,13 @@ class DrainInput(Record):
     detect_seconds: float = Field(
         0.0, ge=0, description="The incident's fault-to-report time, for the detect metric (seconds)."
     )
+    read_step: bool = Field(
+        False,
+        description=(
+            "Look up the newest step a rank reported before stopping them: the fault came by signal or from an "
+            "operator, and its step is only the workflow's last progress report."
+        ),
+    )
 
 
 class DrainResult(Record):
@@ -88,6 +98,9 @@ class DrainResult(Record):
     )
     survivors: RankSteps = Field(
         default_factory=dict, description="Ranks that saved their state at the fault -> the step it holds."
+    )
+    step: int | None = Field(
+        None, description="With read_step: the newest step a rank reported before the stop (None: unknown)."
     )
 
 

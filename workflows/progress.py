@@ -7,7 +7,7 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from lazarus.schema.records import Incident, RunStatus, StepSource
+    from lazarus.schema.records import Incident, RankProgress, RunStatus, StepSource
     from lazarus.schema.run import TrainerSettings
     from lazarus.schema.stages import ResumeResult
 
@@ -22,16 +22,17 @@ MAX_WARNINGS = 20
 """Warnings a run's status keeps, the newest (its history holds every one)."""
 
 
-def take_progress(status: RunStatus, step: int | None, source: StepSource | None, warnings=()) -> None:
+def take_progress(status: RunStatus, progress: RankProgress) -> None:
     """A progress report: the step never goes back, and an unknown step leaves it as it was; a
     warning not seen before is kept."""
-    for warning in warnings:
+    for warning in progress.warnings:
         if warning not in status.warnings:
             status.warnings = [*status.warnings, warning][-MAX_WARNINGS:]
-    if source is not None:
-        status.steps_from = source
-    if step is not None:
-        status.step = step if status.step is None else max(status.step, step)
+    if progress.source is not None:
+        status.steps_from = progress.source
+    step = progress.step
+    if step is not None and (status.step is None or step >= status.step):
+        status.step, status.step_at = step, progress.at
 
 
 def take_resume(status: RunStatus, resumed: ResumeResult) -> None:

@@ -18,6 +18,8 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from lazarus.schema.policy import RecoveryPolicy, StagePolicy
 
+from lazarus.workflows.story import activity_summary
+
 
 class RunFailed(Exception):
     """A business failure: the run cannot go on; the workflow fails with this reason."""
@@ -61,7 +63,9 @@ async def call_stage(policy: RecoveryPolicy, name: str, method: Any, request: An
     """Run activity `method` under recovery.stages.<name>; StageRefused or RunFailed when it fails."""
     stage: StagePolicy = getattr(policy.stages, name)
     try:
-        return await workflow.execute_activity_method(method, request, **stage_options(stage))
+        return await workflow.execute_activity_method(
+            method, request, summary=activity_summary(name, request), **stage_options(stage)
+        )
     except ActivityError as error:
         if isinstance(error.cause, ApplicationError) and error.cause.non_retryable:
             raise StageRefused(name, error.cause.type or "error", error.cause.message) from None

@@ -45,6 +45,7 @@ from lazarus.workflows.progress import expected_source, take_completion, take_pr
 from lazarus.workflows.regrow import Regrowing
 from lazarus.workflows.rescheduling import Rescheduling
 from lazarus.workflows.stage_calls import RunAborted, RunFailed, StageRefused, call_stage
+from lazarus.workflows.story import current_details
 from lazarus.workflows.watch import watch
 
 RESTART_PATCH = "restart-as-recovery"
@@ -138,6 +139,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
         if not may_move(current, state):
             raise RuntimeError(f"a run may not go from {current.value} to {state.value} (schema.records.TRANSITIONS)")
         self._status.state = state
+        self._show()
         if state in PASSING_STATES and workflow.patched(PASSING_PATCH):
             return  # the search attribute stays DRAINING (recovering) until the run trains or waits
         if self._start.search_attributes:
@@ -147,6 +149,10 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
                     INCIDENTS_ATTRIBUTE.value_set(self._status.incident_count),
                 ]
             )
+
+    def _show(self) -> None:
+        """Keep the run's current details (the web UI's summary of it) up to date."""
+        workflow.set_current_details(current_details(self._status))
 
     def _end(self, state: RunState, reason: str = "") -> None:
         status = self._status
@@ -169,6 +175,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
 
     async def _train(self) -> None:
         """Launch once; then recover, carry out requests or watch, until training is done."""
+        self._show()  # a continued run starts with its details
         if self._status.assignment is None:
             await self._launch()
         while True:
@@ -232,7 +239,8 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
         )
         if watched is None:
             return False  # an operator's request interrupted the watch
-        take_progress(self._status, watched.progress.step, watched.progress.source, watched.progress.warnings)
+        take_progress(self._status, watched.progress)
+        self._show()
         if watched.fault is not None and await self._recover_all(watched.fault):
             return True
         if watched.capacity and watched.fault is None and not watched.completed:
@@ -269,6 +277,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
                     raise
                 workflow.logger.warning("%s; rescheduling", refused)
         take_recovery(incident, resumed)
+        self._show()
         await self._archive_old_incidents()
         return resumed
 
@@ -329,8 +338,12 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
             ),
             detect_seconds=max(0.0, (fault.detected_at - fault.occurred_at).total_seconds()),
             want=self._want(fault),
+            # Detect's own faults carry the step of their look; the others only the last progress report.
+            read_step=fault.kind in ("external", "operator"),
         )
         drained = await self._stage("drain", RecoveryActivities.drain, draining, incident)
+        if drained.step is not None and (fault.step is None or drained.step > fault.step):
+            fault.step = status.step = drained.step
         status.quarantined_nodes = sorted(set(status.quarantined_nodes) | set(drained.quarantined))
         incident.checkpoint_in_flight = drained.in_flight_checkpoint
         incident.discarded_checkpoints = drained.removed_partial_checkpoints

@@ -18,6 +18,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.schema.stages import DetectInput
 
 from lazarus.workflows.stage_calls import RunFailed, root_cause, stage_options
+from lazarus.workflows.story import activity_summary
 
 
 async def watch(
@@ -39,8 +40,14 @@ async def watch(
         policy=policy,
         regrow_nodes=regrow_nodes,
         node_limit=node_limit,
+        known_warnings=status.warnings,
     )
-    detect = workflow.start_activity_method(RecoveryActivities.detect, request, **stage_options(policy.stages.detect))
+    detect = workflow.start_activity_method(
+        RecoveryActivities.detect,
+        request,
+        summary=activity_summary("detect", request),
+        **stage_options(policy.stages.detect),
+    )
     await workflow.wait_condition(
         lambda: detect.done() or signalled_fault(reported, status.assignment) is not None or interrupted()
     )

@@ -83,22 +83,30 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-async def fetch_status(client, run_id: str):
-    """The run's status from its workflow; no such run, or no worker to answer, is said in one line."""
+async def fetch_status(client, run_id: str, home=None):
+    """The run's status and where it was read (lazarus/reading.py): from its worker, else its
+    result or its history; no such run, or a history this version cannot replay, in one line."""
     from temporalio.client import WorkflowQueryFailedError
     from temporalio.service import RPCError
 
-    from lazarus.client import run_status
+    from lazarus.reading import read_status
 
     try:
-        return await run_status(client, run_id)
+        return await read_status(client, run_id, home)
     except RPCError as error:
         raise UserError(f"no status for run {run_id}: {error.message}") from None
     except WorkflowQueryFailedError as error:
-        raise UserError(f"run {run_id} did not answer: {error}; is a worker running (`lazarus worker`)?") from None
+        raise UserError(f"run {run_id} did not answer its status query: {error}") from None
+    except RuntimeError as error:
+        raise UserError(str(error)) from None
 
 
-def status_view(status):
+def where_read(reading) -> str:
+    """One line: where the status was read, and what the reader should know."""
+    return f"read from {reading.source}" + (f"; {reading.note}" if reading.note else "")
+
+
+def status_view(status, read_from: str = ""):
     """A run's state, step, layout and nodes as a two-column grid, then its incidents' stage tables."""
     from rich.console import Group
     from rich.table import Table
@@ -120,6 +128,8 @@ def status_view(status):
         facts.add_row("reason", status.reason)
     for warning in status.warnings:
         facts.add_row("warning", Text(warning, style="yellow"))
+    if read_from:
+        facts.add_row("source", Text(read_from, style="dim"))
     return Group(facts, Text(""), stage_tables(status))
 
 
@@ -129,11 +139,11 @@ async def show_status(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.json:
         with stdout_reserved_for_json() as emit:
-            status = await fetch_status(await connect_client(settings), args.run_id)
-            emit(status.summary())
+            reading = await fetch_status(await connect_client(settings), args.run_id, settings.home)
+            emit(reading.summary())
         return 0
-    status = await fetch_status(await connect_client(settings), args.run_id)
-    stdout.print(status_view(status))
+    reading = await fetch_status(await connect_client(settings), args.run_id, settings.home)
+    stdout.print(status_view(reading.status, where_read(reading)))
     return 0
 
 
@@ -143,46 +153,66 @@ async def show_report(args: argparse.Namespace, settings: Settings) -> int:
     from lazarus.report import plot_timeline, run_report, summarize, with_archived
 
     async def bill():
-        status = with_archived(await fetch_status(await connect_client(settings), args.run_id))
+        reading = await fetch_status(await connect_client(settings), args.run_id, settings.home)
+        status = with_archived(reading.status)
         try:
             summary = summarize(status)
         except ValueError as error:
             raise UserError(str(error)) from None
         if args.plot:
             plot_timeline(status, summary, args.plot)
-        return status, summary
+        return status, summary, reading
 
     if args.json:
         with stdout_reserved_for_json() as emit:
-            emit((await bill())[1])
+            _, summary, reading = await bill()
+            emit({**summary, "read_from": reading.source, "worker_serving": reading.served})
         return 0
-    status, summary = await bill()
+    status, summary, reading = await bill()
     stdout.print(run_report(status, summary))
     if args.plot:
         stdout.print(f"\nTimeline: {args.plot}")
+    stdout.print(f"\nStatus {where_read(reading)}", style="dim")
     return 0
 
 
 async def list_runs(args: argparse.Namespace, settings: Settings) -> int:
     """A table of the runs Temporal knows, newest first: id, workflow status, state, incidents, start."""
+    from temporalio.client import WorkflowExecutionStatus
+
     from lazarus.console import stdout, table
+    from lazarus.reading import ask_worker
 
     client = await connect_client(settings)
     query = "WorkflowType='TrainingRun'" + (f" AND LazarusState='{args.state}'" if args.state else "")
-    runs = table("run", "workflow", "state", "incidents", "started", right=("incidents",))
+    runs = table("run", "workflow", "state", "incidents", "worker", "started", right=("incidents",))
+    served: dict[str, bool] = {}  # task queue -> a worker polls it
     try:
         async for execution in client.list_workflows(query, limit=args.limit):
             attributes = execution.search_attributes
+            worker = "-"
+            if execution.status == WorkflowExecutionStatus.RUNNING:
+                if execution.task_queue not in served:  # asked of one running run of each task queue
+                    answer, _ = await ask_worker(client, execution.id, execution.task_queue)
+                    served[execution.task_queue] = answer is not None
+                worker = "serving" if served[execution.task_queue] else "none"
             runs.add_row(
                 execution.id,
                 execution.status.name.lower(),
                 str((attributes.get("LazarusState") or ["-"])[0]),
                 str((attributes.get("LazarusIncidents") or ["-"])[0]),
+                worker,
                 f"{execution.start_time:%Y-%m-%d %H:%M:%S}",
             )
     except Exception as error:  # noqa: BLE001 - a bad query is the user's: say it in one line
         raise UserError(f"cannot list runs: {str(error).splitlines()[0]}") from None
     stdout.print(runs if runs.row_count else "(no runs)")
+    idle = sorted(queue for queue, up in served.items() if not up)
+    if idle:
+        stdout.print(
+            f"No worker is serving task queue {', '.join(map(repr, idle))}: the runs on it are not watched "
+            "(start one with `lazarus worker`; `lazarus run status` still reads them)."
+        )
     return 0
 
 
@@ -191,7 +221,11 @@ async def watch_run(args: argparse.Namespace, settings: Settings) -> int:
     from lazarus.console import stdout
 
     client = await connect_client(settings)
-    return await follow(lambda: fetch_status(client, args.run_id), stdout)
+
+    async def current():
+        return (await fetch_status(client, args.run_id, settings.home)).status
+
+    return await follow(current, stdout)
 
 
 async def follow(current, console, poll_seconds: float = 0.5) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import subprocess
 import sys
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowExecutionStatus
@@ -23,18 +25,25 @@ from tests.support.workers import demo_json, lazarus_env
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 KILL_AT_STEP = 15
+DEMO_SPEC = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
 
-def activity_names_in_web_ui(ui_port: int, workflow_id: str) -> list[str]:
-    """Activity types of a workflow's history, read from the web UI's own HTTP API."""
+def history_in_web_ui(ui_port: int, workflow_id: str) -> list[dict]:
+    """A workflow's history events, read from the web UI's own HTTP API."""
     url = f"http://127.0.0.1:{ui_port}/api/v1/namespaces/default/workflows/{workflow_id}/history"
     with urllib.request.urlopen(url, timeout=10) as response:
-        events = json.load(response)["history"]["events"]
-    return [
-        e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
-        for e in events
-        if "activityTaskScheduledEventAttributes" in e
-    ]
+        return json.load(response)["history"]["events"]
+
+
+def activities_in_web_ui(ui_port: int, workflow_id: str) -> list[tuple[str, str]]:
+    """Each activity the web UI lists: its type and the summary it shows beside it."""
+    activities = []
+    for event in history_in_web_ui(ui_port, workflow_id):
+        if "activityTaskScheduledEventAttributes" in event:
+            name = event["activityTaskScheduledEventAttributes"]["activityType"]["name"]
+            payload = event.get("userMetadata", {}).get("summary", {}).get("data", "")
+            activities.append((name, json.loads(base64.b64decode(payload)) if payload else ""))
+    return activities
 
 
 def assert_last_incarnation_matches(run: RunDir, incident: dict, reference: dict[int, float]) -> None:
@@ -82,16 +91,40 @@ def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, refe
         assert "read by the node's standby before this rank started" in log, log
     assert LocalCluster(home).live_pids(status["run_id"]) == []
 
-    names = activity_names_in_web_ui(dev_env.ui_port, status["run_id"])
-    assert [n for n in names if n != "detect"] == [
+    activities = activities_in_web_ui(dev_env.ui_port, status["run_id"])
+    assert [(name, summary) for name, summary in activities if name != "detect"] == [
+        ("launch", "launch incarnation 0: dp=4 on 4 nodes (+1 spare)"),
+        ("drain", "drain node-2, incarnation 0 (incident 1: node_down)"),
+        ("reschedule", "read the inventory: replace, reshard or wait"),
+        ("replace_or_reshard", "replace node-2 with node-4"),
+        (
+            "resume",
+            "resume incarnation 1 on node-0, node-1, node-4, node-3, "
+            "from incarnation 0's survivors or the newest checkpoint",
+        ),
+        ("release", "give the run's nodes back to the pool"),
+    ]
+    watches = {summary for name, summary in activities if name == "detect"}
+    assert watches == {"watch incarnation 0", "watch incarnation 1"}
+
+
+def test_a_fault_free_demo_sized_run_writes_a_short_history(dev_env, home, tmp_path):
+    """The demo's spec, shortened to 60 steps, without a fault: no progress reports in the history,
+    only the run's own events (launch, one watch, the end)."""
+    spec = tmp_path / "demo-60.yaml"
+    spec.write_text(DEMO_SPEC.read_text().replace("steps: 300 ", "steps: 60 "))
+    env = lazarus_env(dev_env, home, f"demo-{uuid.uuid4().hex[:6]}")
+    status = demo_json(env, "--spec", str(spec), "--no-fault")
+    assert status["state"] == "COMPLETED" and status["step"] == 60 and status["incidents"] == []
+    events = history_in_web_ui(dev_env.ui_port, status["run_id"])
+    kinds = [event["eventType"] for event in events]
+    print(f"a fault-free demo-sized run: {len(events)} history events")
+    assert len(events) <= 30, kinds
+    assert [name for name, _ in activities_in_web_ui(dev_env.ui_port, status["run_id"])] == [
         "launch",
-        "drain",
-        "reschedule",
-        "replace_or_reshard",
-        "resume",
+        "detect",
         "release",
     ]
-    assert "detect" in names
 
 
 async def test_a_demo_ended_by_sigterm_terminates_its_run_and_ends_every_process(dev_env, home):

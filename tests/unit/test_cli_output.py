@@ -126,9 +126,10 @@ PATCHES = {
     "status": """
 import lazarus.commands.runs as runs
 async def connect_client(settings): return None
-async def fetch_status(client, run_id):
+async def fetch_status(client, run_id, home=None):
+    from lazarus.reading import StatusReading
     noise()
-    return STATUS
+    return StatusReading(STATUS, "a test's fake", served=True)
 runs.connect_client, runs.fetch_status = connect_client, fetch_status
 """,
     "demo": """

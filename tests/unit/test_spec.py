@@ -84,9 +84,9 @@ def test_hang_threshold_must_exceed_the_interval():
 
 
 def test_detect_timeout_must_exceed_the_progress_interval():
-    message = refuse({"recovery": {"progress_every_seconds": 200}})
+    message = refuse({"recovery": {"progress_every_seconds": 9000}})
     assert message.startswith(
-        "recovery.stages.detect.timeout_seconds: 120.0 must exceed recovery.progress_every_seconds"
+        "recovery.stages.detect.timeout_seconds: 7200.0 must exceed recovery.progress_every_seconds"
     )
 
 

@@ -1,0 +1,169 @@
+"""Reading a run's status wherever it is kept, so that it answers when no worker serves the run
+(a crashed controller, a demo's worker gone): the workflow itself when a worker answers, else its
+result (a closed run) or its history replayed here with the workflow's own code; the step from the
+pending detect's heartbeat details (kept by the server) or the run directory, whichever is newer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from temporalio import workflow
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
+from temporalio.worker import (
+    ExecuteWorkflowInput,
+    Interceptor,
+    Replayer,
+    UnsandboxedWorkflowRunner,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+)
+
+from lazarus.schema.node_reports import read_node_reports
+from lazarus.schema.records import RankProgress, RunStatus
+from lazarus.schema.rundir import RunDir
+from lazarus.workflows.progress import take_progress
+from lazarus.workflows.training_run import TrainingRun
+
+QUERY_SECONDS = 5.0
+"""How long the status query waits for a worker to answer before the history is replayed instead (seconds)."""
+
+POLLED_WITHIN_SECONDS = 90.0
+"""A task queue counts as served when a worker polled it this recently (seconds): a worker's poll
+is a long poll of up to a minute."""
+
+
+@dataclass
+class StatusReading:
+    """A run's status and where it was read."""
+
+    status: RunStatus
+    source: str  # where the status came from, in words
+    served: bool  # a worker answered for the run (a closed run needs none)
+    note: str = ""  # what the reader should know: no worker serves the run, where the step came from
+
+    def summary(self) -> dict:
+        """The status as `run status --json` prints it, with where it was read."""
+        return {**self.status.summary(), "read_from": self.source, "worker_serving": self.served, "note": self.note}
+
+
+async def polled_recently(client: Client, task_queue: str) -> bool:
+    """Whether a worker polled the task queue for workflow tasks within POLLED_WITHIN_SECONDS (one
+    that has just gone still counts: ask_worker tells)."""
+    request = DescribeTaskQueueRequest(
+        namespace=client.namespace,
+        task_queue=TaskQueue(name=task_queue),
+        task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+    )
+    response = await client.workflow_service.describe_task_queue(request)
+    now = time.time()
+    return any(now - poller.last_access_time.ToSeconds() < POLLED_WITHIN_SECONDS for poller in response.pollers)
+
+
+async def read_status(client: Client, run_id: str, home: Path | None = None) -> StatusReading:
+    """The run's status: asked of its worker when one serves it, else read from its result or its
+    history; the step overlaid with the newest one the server or the run directory holds.
+    RPCError when there is no such run."""
+    handle = client.get_workflow_handle(run_id, result_type=RunStatus)
+    description = await handle.describe()
+    task_queue = description.task_queue
+    if description.status == WorkflowExecutionStatus.COMPLETED:
+        status = await handle.result()
+        return StatusReading(status, "the workflow's result (the run is closed)", served=False)
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        status = await replayed_status(client, run_id)
+        closed = description.status.name.lower()
+        return StatusReading(status, f"the workflow's history, replayed here (the run is {closed})", served=False)
+    status, why = await ask_worker(client, run_id, task_queue)
+    if status is not None:
+        reading = StatusReading(status, f"the workflow (its worker on task queue {task_queue!r})", served=True)
+    else:
+        status = await replayed_status(client, run_id)
+        reading = StatusReading(status, "the workflow's history, replayed here", served=False, note=why)
+    await _overlay_step(reading, description, client, home)
+    return reading
+
+
+async def ask_worker(client: Client, run_id: str, task_queue: str) -> tuple[RunStatus | None, str]:
+    """The running run's status as its worker answers the query; else None and why no worker did."""
+    if not await polled_recently(client, task_queue):
+        return None, f"no worker has polled task queue {task_queue!r} in the last {POLLED_WITHIN_SECONDS:g} s"
+    handle = client.get_workflow_handle(run_id)
+    try:
+        timeout = timedelta(seconds=QUERY_SECONDS)
+        return await handle.query(TrainingRun.status, result_type=RunStatus, rpc_timeout=timeout), ""
+    except RPCError as error:
+        return None, f"no worker on task queue {task_queue!r} answered within {QUERY_SECONDS:g} s ({error.message})"
+
+
+async def _overlay_step(reading: StatusReading, description, client: Client, home: Path | None) -> None:
+    """Bring the step up to date: the workflow hears it only at a fault or its safety interval."""
+    for pending in description.raw_description.pending_activities:
+        if pending.activity_type.name == "detect" and pending.heartbeat_details.payloads:
+            [progress] = await client.data_converter.decode(pending.heartbeat_details.payloads, [RankProgress])
+            if isinstance(progress, RankProgress):
+                take_progress(reading.status, progress)
+    from_files = step_in_run_directory(reading.status, home)
+    if from_files is not None:
+        before = reading.status.step
+        take_progress(reading.status, from_files)
+        if reading.status.step != before:
+            reading.note = " ".join(filter(None, [reading.note, "The step is read from the run directory."]))
+
+
+def step_in_run_directory(status: RunStatus, home: Path | None) -> RankProgress | None:
+    """The step every rank of the current incarnation reported in its node's report, when the run
+    directory is on this machine (`home` is where a local run's directory is; a Kubernetes run's
+    is its shared volume, at `status.run_dir`)."""
+    if status.assignment is None:
+        return None
+    roots = [Path(status.run_dir)] if status.run_dir else []
+    if home is not None:
+        roots.append(Path(home) / "runs" / status.run_id)
+    root = next((root for root in roots if root.is_dir()), None)
+    if root is None:
+        return None
+    nodes = range(len(status.assignment.nodes))
+    readings = read_node_reports(RunDir(root), status.assignment.incarnation, nodes)
+    summaries = [reading.summary for reading in readings.values()]
+    if len(summaries) != len(nodes) or any(s.lowest_step is None or s.newest_beat is None for s in summaries):
+        return None  # a node without a report, or ranks that report no step: nothing to say
+    at = datetime.fromtimestamp(min(s.newest_beat for s in summaries), UTC)
+    return RankProgress(step=min(s.lowest_step for s in summaries), at=at, source=status.steps_from)
+
+
+async def replayed_status(client: Client, run_id: str) -> RunStatus:
+    """The status the workflow holds at the end of its history (the current run of its chain),
+    rebuilt by replaying that history here with TrainingRun's code: what a worker would answer."""
+    history = await client.get_workflow_handle(run_id).fetch_history()
+    instances: list[TrainingRun] = []
+
+    class Keep(WorkflowInboundInterceptor):
+        async def execute_workflow(self, input: ExecuteWorkflowInput):
+            instances.append(workflow.instance())
+            return await super().execute_workflow(input)
+
+    class KeepInstances(Interceptor):
+        def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput):
+            return Keep
+
+    replayer = Replayer(
+        workflows=[TrainingRun],
+        data_converter=pydantic_data_converter,
+        interceptors=[KeepInstances()],
+        workflow_runner=UnsandboxedWorkflowRunner(),
+        runtime=client.service_client.config.runtime,
+    )
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+    if result.replay_failure is not None or not instances:
+        failure = result.replay_failure
+        raise RuntimeError(f"run {run_id}: its history does not replay with this version of Lazarus: {failure}")
+    return instances[0].status()
