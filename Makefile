@@ -6,7 +6,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test test-fast lint format setup tls-proxy bench clean-state
+.PHONY: demo test test-fast lint format setup tls-proxy browser bench clean-state
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP) tls-proxy
+setup: $(STAMP) tls-proxy browser
 
 # haproxy terminates TLS in front of the test dev server (tests/e2e/test_tls.py). Checked on each
 # `make setup` and `make test`, not only when .venv is made, so an existing .venv gets it too; it
@@ -34,10 +34,24 @@ tls-proxy:
 	    || echo "haproxy not installed (needs root and apt-get): the TLS tests will skip; install it with: apt-get install haproxy"; \
 	}
 
+# Debian's Chromium opens the web UI headless in tests/e2e/test_web_ui.py. Like haproxy: installed
+# only as root with apt-get, never failing the set-up; without it that test skips, as this line says.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
+	      || { apt-get update -qq >/dev/null 2>&1 \
+	           && apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; }; \
+	  fi; \
+	  command -v chromium >/dev/null 2>&1 \
+	    || echo "chromium not installed (needs root and apt-get): the web UI check will skip; install it with: apt-get install chromium"; \
+	}
+
 demo: $(STAMP)
 	.venv/bin/lazarus demo $(ARGS)
 
-test: $(STAMP) tls-proxy
+test: $(STAMP) tls-proxy browser
 	$(PY) -m pytest -q $(ARGS)
 
 test-fast: $(STAMP)

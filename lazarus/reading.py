@@ -101,7 +101,7 @@ async def ask_worker(client: Client, run_id: str, task_queue: str) -> tuple[RunS
         timeout = timedelta(seconds=QUERY_SECONDS)
         return await handle.query(TrainingRun.status, result_type=RunStatus, rpc_timeout=timeout), ""
     except RPCError as error:
-        return None, f"no worker on task queue {task_queue!r} answered within {QUERY_SECONDS:g} s ({error.message})"
+        return None, f"no worker on task queue {task_queue!r} answered its status query ({error.message})"
 
 
 async def _overlay_step(reading: StatusReading, description, client: Client, home: Path | None) -> None:
@@ -116,7 +116,7 @@ async def _overlay_step(reading: StatusReading, description, client: Client, hom
         before = reading.status.step
         take_progress(reading.status, from_files)
         if reading.status.step != before:
-            reading.note = " ".join(filter(None, [reading.note, "The step is read from the run directory."]))
+            reading.note = "; ".join(filter(None, [reading.note, "the step from the run directory"]))
 
 
 def step_in_run_directory(status: RunStatus, home: Path | None) -> RankProgress | None:

@@ -54,12 +54,7 @@ def activity_summary(stage: str, request) -> str:
                 return f"replace {swaps}" if len(decision.replacements) <= 4 else f"replace {swaps[:120]}..."
             return f"{decision.action} to {decision.layout.describe()} on {nodes(decision.nodes)}"
         case ResumeInput():
-            source = (
-                f", from incarnation {request.survivors_of}'s survivors or the newest checkpoint"
-                if request.survivors_of is not None
-                else ", from the newest checkpoint"
-            )
-            return f"resume {on(request.assignment)}{source}"
+            return f"resume {on(request.assignment)}"  # where its state came from is in its result
         case StopInput():
             return f"checkpoint and stop incarnation {request.incarnation}"
         case ReturnNodeInput():

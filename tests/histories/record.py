@@ -14,6 +14,9 @@ histories beside the old ones, which keep replaying the unpatched branch:
   clean.json         a run without a fault.
   override.json      an operator pauses, resumes, drains a node and reshards (updates).
   escalation.json    no capacity, the operator approves a reshard below the minimum.
+  story.json         the demo's spec at 60 steps, a node killed at step 25: recorded once detect
+                     reported no routine progress (the hourly safety interval) and every
+                     activity carried a summary.
   restart_done_v1.json, restart_fault_v1.json
                      an operator pauses and resumes, and the resume finds the last step already
                      checkpointed (done) or meets a fault before its first step (fault). Recorded
@@ -45,6 +48,7 @@ from tests.support.waiting import wait_until
 HERE = Path(__file__).resolve().parent
 SMALL = HERE.parent / "specs" / "small.yaml"
 SMALL_PP = HERE.parent / "specs" / "small-pp.yaml"
+DEMO = HERE.parents[1] / "examples" / "demo.yaml"
 
 
 def changed(path: Path, **sections) -> object:
@@ -103,7 +107,7 @@ async def escalation(client, settings, cluster, spec) -> None:
 
 
 async def main() -> None:
-    names = set(sys.argv[1:]) or {"hot_spare", "reshard", "clean", "override", "escalation"}
+    names = set(sys.argv[1:]) or {"hot_spare", "reshard", "clean", "override", "escalation", "story"}
     if "hot_spare" in names:
         await record("hot_spare", load_spec(SMALL), kill_at=15)
     if "reshard" in names:
@@ -122,6 +126,8 @@ async def main() -> None:
             ),
             drive=escalation,
         )
+    if "story" in names:
+        await record("story", changed(DEMO, trainer={"steps": 60}), kill_at=25)
     if "no_capacity" in names:
         await record(
             "no_capacity",

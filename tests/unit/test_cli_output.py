@@ -180,10 +180,13 @@ def test_every_json_command_prints_one_document_whatever_writes_to_stdout(tmp_pa
     document = json.loads(done.stdout)  # the whole of stdout: one document, nothing before or after it
     for line in NOISE_LINES:
         assert line in done.stderr
+    read = {"read_from": "a test's fake", "worker_serving": True}  # where the fake says it read
     if argv[:2] == ["run", "report"]:
-        assert document == summarize(status)
+        assert document == summarize(status) | read
     elif patch == "simulate":
         assert [p["name"] for p in document["policies"]] == ["automatic", "survivors", "reshard-only", "wait-for-human"]
+    elif patch == "status":
+        assert document == status.summary() | read | {"note": ""}
     else:
         assert document == status.summary()
 

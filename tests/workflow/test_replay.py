@@ -31,6 +31,7 @@ def test_histories_are_committed():
         "reshard_v1",
         "restart_done_v1",
         "restart_fault_v1",
+        "story",
     }
 
 
