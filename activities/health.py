@@ -236,17 +236,6 @@ class _Look:
         )
 
 
-def newest_step(observation: Observation) -> int | None:
-    """The highest step any rank reported (None: none did); of a reported node, from its summary."""
-    steps = []
-    for node in observation.nodes:
-        if node.summary is not None:
-            steps.append(node.summary.highest_step)
-        else:
-            steps += [r.heartbeat.step for r in node.ranks if r.heartbeat is not None]
-    return max((step for step in steps if step is not None), default=None)
-
-
 def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float, total_steps: int) -> Verdict:
     """Decide what an observation shows.
 

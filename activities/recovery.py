@@ -15,7 +15,6 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.failpoints import Failpoints
-from lazarus.activities.health import newest_step
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.preflight import missing_command
 from lazarus.activities.running import in_thread, timed
@@ -157,7 +156,7 @@ class RecoveryActivities:
         await self.failpoints.reach("drain.after_quarantine")
         step = None
         if request.read_step:
-            step = newest_step(await in_thread(self.cluster.observe, request.run_id, request.incarnation))
+            step = (await in_thread(self.cluster.observe, request.run_id, request.incarnation)).newest_step()
         survivors = {}
         if request.survivor_grace_seconds > 0:
             survivors = await in_thread(

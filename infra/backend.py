@@ -50,6 +50,16 @@ class Observation:
         summaries and reads the ranks of a node only where its summary shows something."""
         return [rank for node in self.nodes for rank in node.ranks]
 
+    def newest_step(self) -> int | None:
+        """The highest step any rank reported (None: none did); of a reported node, from its summary."""
+        steps = []
+        for node in self.nodes:
+            if node.summary is not None:
+                steps.append(node.summary.highest_step)
+            else:
+                steps += [rank.heartbeat.step for rank in node.ranks if rank.heartbeat is not None]
+        return max((step for step in steps if step is not None), default=None)
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""

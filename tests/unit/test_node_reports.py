@@ -156,3 +156,14 @@ def test_a_report_is_read_back_as_written_and_a_torn_one_is_refused(tmp_path):
     run.node_report_file(3, 0).write_text('{"node": "node-0"}')
     with pytest.raises(ContractError, match=r"0\.report\.json: not a node report"):
         read_node_reports(run, 3, [0])
+
+
+def test_the_newest_step_comes_from_summaries_and_ranks_alike():
+    reported = reading(training(0, step=9))  # read from its report: the summary says 9
+    by_rank = NodeReading.of_ranks(
+        training(1, step=11)[:1] + [RankObservation(rank=3, node="node-1", launched=True, alive=True)]
+    )
+    silent = NodeReading.of_ranks([RankObservation(rank=4, node="node-2", launched=True, alive=False)])
+    assert Observation(0, NOW, 0, nodes=[reported, by_rank, silent]).newest_step() == 11
+    assert Observation(0, NOW, 0, nodes=[reported]).newest_step() == 9
+    assert Observation(0, NOW, 0, nodes=[silent]).newest_step() is None

@@ -69,6 +69,10 @@ def fault(nodes=("node-2",), step=15, incarnation=0) -> FaultReport:
     )
 
 
+DRAINED_STEP = 37
+"""The newest step the fake drain reads when asked: past any step the fake watch reports."""
+
+
 class FakeStages:
     """The recovery activities, scripted: detect plays `watch` in order, resume plays `resumes`
     ("done": the checkpoint is the last step; a FaultReport: a fault before the first step; then
@@ -176,6 +180,8 @@ class FakeStages:
             stopped_ranks=[0, 1, 2, 3],
             removed_partial_checkpoints=[20],
             in_flight_checkpoint=20,
+            # Asked for a fault whose step is only the workflow's last report (an operator's, a signal's).
+            step=DRAINED_STEP if request.read_step else None,
         )
 
     @activity.defn(name="reschedule")

@@ -14,7 +14,7 @@ from temporalio.worker import Worker
 
 from lazarus.schema import RunStart, RunState, RunStatus, controls
 from lazarus.workflows.training_run import TrainingRun
-from tests.workflow.fakes import FakeStages, fake_worker, fault, make_spec
+from tests.workflow.fakes import DRAINED_STEP, FakeStages, fake_worker, fault, make_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,6 +106,8 @@ async def test_drain_node_starts_the_same_recovery_and_refuses_unknown_nodes(dev
         assert (
             incident.fault.kind == "operator" and incident.fault.nodes == ["node-1"] and incident.fault.reason == "ECC"
         )
+        # Its step is where the ranks were when drain stopped them, not the workflow's last report.
+        assert incident.fault.step == DRAINED_STEP
         assert status.assignment.nodes == ["node-0", "node-4", "node-2", "node-3"]
         assert status.quarantined_nodes == ["node-1"]
 
