@@ -72,3 +72,20 @@ def test_a_killed_node_is_judged_down_and_its_ranks_gone(cluster):
     assert verdict.fault.kind == "node_down" and verdict.fault.nodes == ["node-1"]
     assert sorted(cluster.stop_incarnation("sim", 0)) == [r for r in range(32) if r // 8 != 1]
     assert cluster.observe("sim", 0).launchers_alive == 0
+
+
+async def test_a_drain_asked_for_the_step_reads_the_newest_one_before_it_stops_the_ranks(cluster):
+    from temporalio.testing import ActivityEnvironment
+
+    from lazarus.activities.recovery import RecoveryActivities
+    from lazarus.schema.stages import DrainInput
+
+    observation = training(cluster)
+    before = max(r.heartbeat.step for r in observation.ranks)
+    request = DrainInput(run_id="sim", incarnation=0, nodes=["node-1"], reason="incident 1: operator: test")
+    drained = await ActivityEnvironment().run(
+        RecoveryActivities(cluster).drain, request.model_copy(update={"read_step": True})
+    )
+    assert drained.step >= before and drained.stopped_ranks == list(range(32))
+    again = await ActivityEnvironment().run(RecoveryActivities(cluster).drain, request)
+    assert again.step is None  # not asked: a detected fault carries the step of its own look
