@@ -16,10 +16,12 @@ from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.metrics import Metrics
+from lazarus.activities.ownership import check_owner, owned, refused, take_over_run
 from lazarus.activities.preflight import missing_command
 from lazarus.activities.running import in_thread, timed
 from lazarus.activities.watching import progress_of, watch, watch_until_reported
 from lazarus.infra.backend import ClusterBackend, ClusterError
+from lazarus.infra.ownership import NotOwner
 from lazarus.infra.runfiles import survivor_source
 from lazarus.schema.nodelist import natural_key
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory
@@ -38,6 +40,8 @@ from lazarus.schema.stages import (
     ReturnNodeInput,
     StopInput,
     StopResult,
+    TakeOverInput,
+    TakeOverResult,
 )
 from lazarus.schema.tally import write_archived
 
@@ -84,6 +88,7 @@ class RecoveryActivities:
         missing = missing_command(request.spec.trainer, work_dir, self.cluster.backend)
         if missing:
             raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
+        await check_owner(self.cluster, request)  # after the checks: a refused launch leaves no owner
         try:
             run = await in_thread(self.cluster.create, request.run_id, request.spec)
         except ClusterError as error:
@@ -113,6 +118,7 @@ class RecoveryActivities:
             activity.logger.warning("could not record %s for run %s: %s", stage, run_id, error)
 
     @activity.defn(name="detect")
+    @owned
     async def detect(self, request: DetectInput) -> DetectResult:
         """Watch an incarnation; return a fault, completion, a new warning, spares for a regrow, or
         progress after progress_every_seconds (activities/watching.py)."""
@@ -141,6 +147,7 @@ class RecoveryActivities:
 
     @activity.defn(name="drain")
     @timed("drain")
+    @owned
     async def drain(self, request: DrainInput) -> DrainResult:
         """Quarantine the blamed nodes, stop every rank of the incarnation, drop half-written checkpoints."""
         # Drain runs once per incident: the place to count the incident's detection time.
@@ -186,6 +193,7 @@ class RecoveryActivities:
 
     @activity.defn(name="reschedule")
     @timed("reschedule")
+    @owned
     async def reschedule(self, request: RescheduleInput) -> Inventory:
         """The run's inventory: which spares are free, which nodes are quarantined."""
         inventory = await in_thread(self.cluster.inventory, request.run_id)
@@ -195,6 +203,7 @@ class RecoveryActivities:
 
     @activity.defn(name="replace_or_reshard")
     @timed("replace_or_reshard")
+    @owned
     async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
         """Claim the decided spares and release leftover nodes (exactly once); record the next assignment."""
         old, decision = request.old_assignment, request.decision
@@ -224,6 +233,7 @@ class RecoveryActivities:
 
     @activity.defn(name="resume")
     @timed("resume")
+    @owned
     async def resume(self, request: ResumeInput) -> ResumeResult:
         """Start the incarnation from what the fault's survivors saved, else from the newest complete
         checkpoint; return once it is up: past its first new step where the ranks report steps,
@@ -299,6 +309,7 @@ class RecoveryActivities:
 
     @activity.defn(name="stop")
     @timed("stop")
+    @owned
     async def stop(self, request: StopInput) -> StopResult:
         """Ask the incarnation to checkpoint and exit; past the timeout, or on a fault, kill it."""
         run_id, incarnation = request.run_id, request.incarnation
@@ -328,6 +339,7 @@ class RecoveryActivities:
 
     @activity.defn(name="release")
     @timed("release")
+    @owned
     async def release(self, request: ReleaseInput) -> list[str]:
         """The run ended: stop its standbys and give its active nodes back to the pool; returns them."""
         try:
@@ -338,6 +350,7 @@ class RecoveryActivities:
 
     @activity.defn(name="return_node")
     @timed("return_node")
+    @owned
     async def return_node(self, request: ReturnNodeInput) -> Inventory:
         """A repaired node rejoins the run's spare pool."""
         try:
@@ -347,7 +360,24 @@ class RecoveryActivities:
 
     @activity.defn(name="archive_incidents")
     @timed("archive")
+    @owned
     async def archive_incidents(self, request: ArchiveInput) -> int:
         """Write closed incidents' records to the run directory; returns how many."""
         await in_thread(write_archived, self.cluster.run_dir(request.run_id), request.incidents)
         return len(request.incidents)
+
+    @activity.defn(name="take_over")
+    @timed("take_over")
+    async def take_over(self, request: TakeOverInput) -> TakeOverResult:
+        """Make the calling execution the run's owner (after a reset, or an adoption) and read what
+        the cluster holds of the run (activities/ownership.py)."""
+        if request.owner is None:
+            raise ApplicationError(
+                "take_over needs the calling execution (owner)", type="InvalidInput", non_retryable=True
+            )
+        try:
+            return await in_thread(take_over_run, self.cluster, request)
+        except NotOwner as error:
+            raise refused(error) from None
+        except ClusterError as error:
+            raise _permanent(error, "UnknownRun") from None

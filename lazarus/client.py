@@ -8,7 +8,7 @@ import logging
 import time
 
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
@@ -18,6 +18,7 @@ from lazarus.config import Settings
 from lazarus.infra.temporal_server import SEARCH_ATTRIBUTES
 from lazarus.schema.records import RunStart, RunState, RunStatus
 from lazarus.schema.run import RunSpec
+from lazarus.schema.states import TERMINAL_STATES
 from lazarus.tls import tls_config
 from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 
@@ -99,7 +100,7 @@ async def start_run(client: Client, settings: Settings, spec: RunSpec, run_id: s
     )
     return await client.start_workflow(
         TrainingRun.run,
-        RunStart(run_id=run_id, spec=spec, search_attributes=searchable),
+        RunStart(spec=spec, search_attributes=searchable),  # the run's id is the workflow id
         id=run_id,
         task_queue=settings.task_queue,
         search_attributes=attributes,
@@ -107,6 +108,51 @@ async def start_run(client: Client, settings: Settings, spec: RunSpec, run_id: s
         id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
         static_summary=static_summary(spec),
     )
+
+
+class NotAdoptable(Exception):
+    """The run cannot be adopted; the message says why, in one line."""
+
+
+ADOPTABLE = {
+    WorkflowExecutionStatus.TERMINATED,
+    WorkflowExecutionStatus.CANCELED,
+    WorkflowExecutionStatus.TIMED_OUT,
+}
+"""How a workflow may have ended and left its run's ranks training: not by the run's own end."""
+
+
+async def adopt_run(client: Client, settings: Settings, run_id: str) -> tuple[WorkflowHandle, RunStatus]:
+    """Start a new workflow for run `run_id`, whose workflow ended without ending the run (terminated
+    by mistake): it carries the ended workflow's last status and spec, takes the run over (recorded
+    as an adopt intervention and in the run's owner record) and takes it up where the cluster holds
+    it. Returns its handle and the status it carried; NotAdoptable when there is nothing to adopt,
+    RPCError when there is no such workflow."""
+    from lazarus.reading import replayed_run
+
+    description = await client.get_workflow_handle(run_id).describe()
+    ended = description.status
+    if ended not in ADOPTABLE:
+        why = "its workflow still drives it" if ended == WorkflowExecutionStatus.RUNNING else "the run itself ended"
+        raise NotAdoptable(f"run {run_id}'s workflow is {ended.name.lower()}: {why}, nothing to adopt")
+    try:
+        ended_run = await replayed_run(client, run_id)
+    except RuntimeError as error:
+        raise NotAdoptable(str(error)) from None
+    status, start = ended_run.status(), ended_run.start_input()
+    if status.state in TERMINAL_STATES:
+        raise NotAdoptable(f"run {run_id} had ended {status.state.value} before its workflow did: nothing to adopt")
+    status.segments += 1
+    handle = await client.start_workflow(
+        TrainingRun.run,
+        RunStart(spec=start.spec, carried=status, search_attributes=start.search_attributes, adopt=True),
+        id=run_id,
+        task_queue=settings.task_queue,
+        # Only a closed workflow's id is taken again, and only on purpose: this is that purpose.
+        id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+        static_summary=static_summary(start.spec),
+    )
+    return handle, status
 
 
 def static_summary(spec: RunSpec) -> str:

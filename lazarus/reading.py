@@ -143,6 +143,12 @@ def step_in_run_directory(status: RunStatus, home: Path | None) -> RankProgress 
 async def replayed_status(client: Client, run_id: str) -> RunStatus:
     """The status the workflow holds at the end of its history (the current run of its chain),
     rebuilt by replaying that history here with TrainingRun's code: what a worker would answer."""
+    return (await replayed_run(client, run_id)).status()
+
+
+async def replayed_run(client: Client, run_id: str) -> TrainingRun:
+    """The workflow as it stands at the end of its history (its input, its status), rebuilt by
+    replaying that history here; RuntimeError when this version cannot replay it."""
     history = await client.get_workflow_handle(run_id).fetch_history()
     instances: list[TrainingRun] = []
 
@@ -166,4 +172,4 @@ async def replayed_status(client: Client, run_id: str) -> RunStatus:
     if result.replay_failure is not None or not instances:
         failure = result.replay_failure
         raise RuntimeError(f"run {run_id}: its history does not replay with this version of Lazarus: {failure}")
-    return instances[0].status()
+    return instances[0]

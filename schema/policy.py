@@ -75,6 +75,10 @@ class StagePolicies(Strict):
         default_factory=lambda: _stage(60, 5),
         description="Write older incidents' records to the run directory, so the status carries only their tally.",
     )
+    take_over: StagePolicy = Field(
+        default_factory=lambda: _stage(30, 5),
+        description="Take the run over (after a reset, for an adoption) and read what the cluster holds of it.",
+    )
 
 
 class RecoveryPolicy(Strict):

@@ -232,11 +232,11 @@ class Incident(Record):
         None, description="Steps trained after that checkpoint and lost to the fault (steps); None when unknown."
     )
     first_step_at: datetime | None = Field(None, description="When the new incarnation completed its first step (UTC).")
-    outcome: Literal["recovering", "recovered", "interrupted", "failed"] = Field(
+    outcome: Literal["recovering", "recovered", "interrupted", "failed", "taken over"] = Field(
         "recovering",
         description=(
             "recovered: trained past the checkpoint; interrupted: a new fault hit before that (see the next "
-            "incident); failed: the run failed."
+            "incident); failed: the run failed; taken over: a reset or an adoption took the run over mid-recovery."
         ),
     )
 
@@ -286,11 +286,15 @@ class Regrowth(Record):
         return None if self.first_step_at is None else (self.first_step_at - self.started_at).total_seconds()
 
 
+OperatorUpdate = Literal["pause", "resume", "abort", "drain_node", "return_node", "reshard", "approve", "set_policy"]
+InterventionKind = OperatorUpdate | Literal["reset", "adopt"]
+
+
 class Intervention(Record):
     """An operator's request and what came of it (the history has the request too)."""
 
-    kind: Literal["pause", "resume", "abort", "drain_node", "return_node", "reshard", "approve", "set_policy"] = Field(
-        description="The update that was called."
+    kind: InterventionKind = Field(
+        description="The update called; reset, adopt: a reset execution, or an adopting workflow, took the run over."
     )
     detail: str = Field("", description="Its arguments, in words.")
     requested_at: datetime = Field(description="When the update was accepted (UTC).")
@@ -376,8 +380,8 @@ class RunStatus(Record):
 class RunStart(Record):
     """Workflow input: the spec and the run's id, and the state carried over a continue-as-new."""
 
-    run_id: RunId = Field(
-        description="Run id; also the Temporal workflow id, and the name of the run's directory (schema/names.py)."
+    run_id: RunId | None = Field(
+        None, description="Run id: may be left out; when given it must be the workflow id, else the start is refused."
     )
     spec: RunSpec = Field(description="The validated run spec.")
     carried: RunStatus | None = Field(
@@ -389,4 +393,8 @@ class RunStart(Record):
             "The namespace has Lazarus's search attributes (LazarusState, LazarusIncidents); the workflow keeps them "
             "current."
         ),
+    )
+    adopt: bool = Field(
+        False,
+        description="Take over a run whose workflow ended; `carried` holds its last status (`lazarus run adopt`).",
     )

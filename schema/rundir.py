@@ -29,6 +29,12 @@ class RunDir:
         return self.root / "spec.json"
 
     @property
+    def owner_file(self) -> Path:
+        """The execution that drives the run (schema/ownership.py); `owner.lock` beside it is held
+        while it is read and changed."""
+        return self.root / "owner.json"
+
+    @property
     def pool_file(self) -> Path:
         """The record of the local pool this run's nodes come from (its home's)."""
         return pool_file(self.root.parent.parent)

@@ -3,21 +3,35 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import Field
 
 from lazarus.schema.base import Record
 from lazarus.schema.nodelist import NodeList, RankList, RankSteps
+from lazarus.schema.ownership import Owner
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import Assignment, Decision, FaultReport, Incident, RestoreSource, StepSource
 from lazarus.schema.run import RunSpec
 
 
-class LaunchInput(Record):
-    """Create the run's cluster state and start incarnation 0."""
+class RunRequest(Record):
+    """What every activity is asked about: a run, by the execution that owns it."""
 
     run_id: str = Field(description="Run id.")
+    owner: Owner | None = Field(
+        None,
+        description=(
+            "The workflow execution that asks; the activity acts only for the run's owner (schema/ownership.py). "
+            "None from executions that began before runs had owners: no check."
+        ),
+    )
+
+
+class LaunchInput(RunRequest):
+    """Create the run's cluster state and start incarnation 0."""
+
     spec: RunSpec = Field(description="The run's spec.")
 
 
@@ -28,10 +42,9 @@ class LaunchResult(Record):
     assignment: Assignment = Field(description="Incarnation 0's nodes.")
 
 
-class DetectInput(Record):
+class DetectInput(RunRequest):
     """Watch one incarnation."""
 
-    run_id: str = Field(description="Run id.")
     incarnation: int = Field(ge=0, description="Incarnation to watch.")
     total_steps: int = Field(ge=1, description="Steps the run trains for; reaching them is completion.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval, hang threshold, progress interval.")
@@ -49,10 +62,9 @@ class DetectInput(Record):
     )
 
 
-class DrainInput(Record):
+class DrainInput(RunRequest):
     """Stop an incarnation and quarantine the nodes blamed for its fault."""
 
-    run_id: str = Field(description="Run id.")
     incarnation: int = Field(ge=0, description="Incarnation to stop.")
     nodes: NodeList = Field(description="Nodes to quarantine.")
     reason: str = Field(description="Why; recorded on the quarantined nodes.")
@@ -104,16 +116,13 @@ class DrainResult(Record):
     )
 
 
-class RescheduleInput(Record):
+class RescheduleInput(RunRequest):
     """Read the inventory for a recovery decision."""
 
-    run_id: str = Field(description="Run id.")
 
-
-class ReplaceInput(Record):
+class ReplaceInput(RunRequest):
     """Carry out a replace decision: claim spares and write the next assignment."""
 
-    run_id: str = Field(description="Run id.")
     decision: Decision = Field(description="Reschedule's decision.")
     old_assignment: Assignment = Field(description="Assignment of the failed incarnation.")
     fault_kind: str = Field(
@@ -121,10 +130,9 @@ class ReplaceInput(Record):
     )
 
 
-class ResumeInput(Record):
+class ResumeInput(RunRequest):
     """Start an incarnation from the newest complete checkpoint."""
 
-    run_id: str = Field(description="Run id.")
     assignment: Assignment = Field(description="The incarnation to start.")
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval and hang thresholds while waiting.")
@@ -171,10 +179,9 @@ class ResumeResult(Record):
     step: int | None = Field(None, description="The step every reporting rank had completed when resume returned.")
 
 
-class StopInput(Record):
+class StopInput(RunRequest):
     """Checkpoint and stop an incarnation (operator's pause, abort or reshard)."""
 
-    run_id: str = Field(description="Run id.")
     incarnation: int = Field(ge=0, description="Incarnation to stop.")
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval and hang thresholds while waiting.")
@@ -193,21 +200,50 @@ class StopResult(Record):
     reason: str = Field("", description="Why the stop was not clean.")
 
 
-class ReleaseInput(Record):
+class ReleaseInput(RunRequest):
     """Give an ended run's nodes back to the pool."""
 
-    run_id: str = Field(description="Run id.")
 
-
-class ReturnNodeInput(Record):
+class ReturnNodeInput(RunRequest):
     """Return a repaired node to the spare pool."""
 
-    run_id: str = Field(description="Run id.")
     node: str = Field(description="Node name.")
 
 
-class ArchiveInput(Record):
+class ArchiveInput(RunRequest):
     """Keep closed incidents' full records in the run directory (schema/tally.py)."""
 
-    run_id: str = Field(description="Run id.")
     incidents: list[Incident] = Field(description="The incidents, oldest first; each is written to incidents/.")
+
+
+class TakeOverInput(RunRequest):
+    """Take the run from the execution that owns it (after a reset, or to adopt it), and read what
+    the cluster holds of it."""
+
+    previous: str | None = Field(
+        description=(
+            "Temporal run id of the execution the caller takes the run from (the owner its refusal named); "
+            "None to take whatever execution holds it (an operator's adoption)."
+        )
+    )
+    kind: Literal["reset", "adopt"] = Field(description="Why: the workflow was reset, or an operator adopts the run.")
+
+
+class TakeOverResult(Record):
+    """What the cluster holds of the run, as the new owner found it."""
+
+    previous_owner: Owner | None = Field(
+        None, description="The execution the run was taken from; None if none held it."
+    )
+    run_dir: str = Field(description="The run's directory.")
+    assignment: Assignment | None = Field(
+        None, description="The newest incarnation's assignment; None when the run was never launched."
+    )
+    launched: bool = Field(False, description="The newest incarnation's ranks were started (it has a launch record).")
+    ended: bool = Field(False, description="The backend ended the newest incarnation (a drain or a stop).")
+    stopped: bool = Field(
+        False, description="The newest incarnation was asked to checkpoint and stop (a pause, reshard or regrow)."
+    )
+    quarantined: NodeList = Field(default_factory=list, description="Nodes the run holds out after faults.")
+    checkpoint_step: int = Field(0, ge=0, description="Step of the newest complete checkpoint (0: none).")
+    step: int | None = Field(None, ge=0, description="Newest step the newest incarnation's ranks reported, if any.")

@@ -20,6 +20,7 @@ class RunState(str, Enum):
     REPLACING = "REPLACING"
     RESHARDING = "RESHARDING"
     RESUMING = "RESUMING"
+    TAKING_OVER = "TAKING_OVER"
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     ABORTED = "ABORTED"
@@ -48,7 +49,21 @@ _MOVES: dict[RunState, set[RunState]] = {
     RunState.STOPPING: {RunState.PAUSED, RunState.RESHARDING},
     # resume starts the next incarnation on the held nodes.
     RunState.PAUSED: {RunState.REPLACING},
+    # A reset or an adoption found the run as the cluster holds it: never launched, an incarnation
+    # assigned but not started, one training, one drained (a recovery), one stopped (an operator
+    # decides), training done.
+    RunState.TAKING_OVER: {
+        RunState.LAUNCHING,
+        RunState.RESUMING,
+        RunState.TRAINING,
+        RunState.DRAINING,
+        RunState.PAUSED,
+        RunState.COMPLETED,
+    },
 }
+# A reset can land anywhere, and an adoption starts from the state its predecessor carried.
+for _state in set(_MOVES) - {RunState.TAKING_OVER}:
+    _MOVES[_state].add(RunState.TAKING_OVER)
 
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     state: frozenset() if state in TERMINAL_STATES else frozenset(_MOVES[state] | {RunState.FAILED, RunState.ABORTED})

@@ -30,7 +30,12 @@ with workflow.unsafe.imports_passed_through():
         SetPolicyRequest,
     )
     from lazarus.schema.load import validation_message
+    from lazarus.schema.names import check_run_id
     from lazarus.schema.records import RunStart
+
+OWNER_PATCH = "one-owner"
+"""workflow.patched id: a start whose input names another run than its workflow id is refused
+(before: the input's run_id named the run)."""
 
 INVALID_INPUT = "InvalidInput"
 """ApplicationError type of a payload that does not fit its model."""
@@ -76,3 +81,24 @@ ReturnNodePayload = refusing(ReturnNodeRequest)
 ApprovePayload = refusing(ApproveRequest)
 SetPolicyPayload = refusing(SetPolicyRequest)
 FaultSignalPayload = refusing(FaultSignal)
+
+
+def own_run_id(start: RunStart) -> str:
+    """The run's id: its workflow id. A start whose input names another run is refused (two
+    workflows would drive one run directory); runs started before the rule keep their input's id."""
+    workflow_id = workflow.info().workflow_id
+    if start.run_id is not None and start.run_id != workflow_id:
+        if workflow.patched(OWNER_PATCH):
+            raise ApplicationError(
+                f"the input's run_id {start.run_id!r} is not the workflow id {workflow_id!r}: a run's id is its "
+                f"workflow id; start workflow {start.run_id!r}, or leave run_id out",
+                type=INVALID_INPUT,
+                non_retryable=True,
+            )
+        return start.run_id
+    try:
+        return check_run_id(workflow_id)
+    except ValueError as error:
+        raise ApplicationError(
+            f"the workflow id {workflow_id!r} cannot name a run: {error}", type=INVALID_INPUT, non_retryable=True
+        ) from None

@@ -4,6 +4,9 @@ what a failure means for the run is decided here, once.
 A stage that refuses its request for good (a non-retryable ApplicationError) raises StageRefused,
 which the recovery may answer (a spare lost before its claim is decided again); a stage that
 exhausts its retry policy fails the run (RunFailed), with the policy it ran under in the reason.
+Every request names the execution that sends it (schema/ownership.py); a stage that refuses it
+because another execution owns the run raises OwnerChanged, which the run loop answers
+(workflows/takeover.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from lazarus.schema.ownership import NOT_OWNER, Owner, Ownership
     from lazarus.schema.policy import RecoveryPolicy, StagePolicy
+    from lazarus.schema.stages import RunRequest
 
 from lazarus.workflows.story import activity_summary
 
@@ -36,6 +41,25 @@ class StageRefused(RunFailed):
         super().__init__(f"{stage} refused ({kind}): {message}")
         self.stage = stage
         self.kind = kind
+
+
+class OwnerChanged(RunFailed):
+    """A stage refused the request: another execution owns the run (`record`)."""
+
+    def __init__(self, stage: str, message: str, record: Ownership):
+        super().__init__(f"{stage} refused: {message}")
+        self.record = record
+
+
+def calling_execution() -> Owner:
+    """This workflow execution, as it names itself to its activities."""
+    info = workflow.info()
+    return Owner(
+        workflow_id=info.workflow_id,
+        execution=info.run_id,
+        lineage=info.first_execution_run_id,
+        continued_from=info.continued_run_id,
+    )
 
 
 def stage_options(stage: StagePolicy) -> dict[str, Any]:
@@ -62,11 +86,17 @@ def root_cause(error: BaseException) -> str:
 async def call_stage(policy: RecoveryPolicy, name: str, method: Any, request: Any) -> Any:
     """Run activity `method` under recovery.stages.<name>; StageRefused or RunFailed when it fails."""
     stage: StagePolicy = getattr(policy.stages, name)
+    # No patch: replay compares an activity's type and id, not its input, and a run that predates
+    # ownership gains an owner on its next stage.
+    if isinstance(request, RunRequest) and request.owner is None:
+        request = request.model_copy(update={"owner": calling_execution()})
     try:
         return await workflow.execute_activity_method(
             method, request, summary=activity_summary(name, request), **stage_options(stage)
         )
     except ActivityError as error:
+        if isinstance(error.cause, ApplicationError) and error.cause.type == NOT_OWNER:
+            raise OwnerChanged(name, error.cause.message, Ownership.model_validate(error.cause.details[0])) from None
         if isinstance(error.cause, ApplicationError) and error.cause.non_retryable:
             raise StageRefused(name, error.cause.type or "error", error.cause.message) from None
         attempts = "unlimited" if stage.max_attempts == 0 else stage.max_attempts

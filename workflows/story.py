@@ -18,6 +18,7 @@ with workflow.unsafe.imports_passed_through():
         ResumeInput,
         ReturnNodeInput,
         StopInput,
+        TakeOverInput,
     )
 
 
@@ -59,6 +60,9 @@ def activity_summary(stage: str, request) -> str:
             return f"checkpoint and stop incarnation {request.incarnation}"
         case ReturnNodeInput():
             return f"return {request.node} to the pool"
+        case TakeOverInput():
+            whom = f"from execution {request.previous}" if request.previous else "from whoever holds it"
+            return f"take the run over {whom} ({request.kind}) and read what the cluster holds"
         case ArchiveInput():
             numbers = [incident.number for incident in request.incidents]
             return f"archive incidents {min(numbers)}-{max(numbers)}" if numbers else "archive incidents"

@@ -27,7 +27,6 @@ with workflow.unsafe.imports_passed_through():
         StageRecord,
     )
     from lazarus.schema.stages import (
-        ArchiveInput,
         DrainInput,
         DrainResult,
         LaunchInput,
@@ -37,15 +36,16 @@ with workflow.unsafe.imports_passed_through():
         ResumeResult,
     )
     from lazarus.schema.states import may_move
-    from lazarus.schema.tally import downtime_seconds, to_archive
 
 from lazarus.workflows.controls import OperatorControls
-from lazarus.workflows.inputs import INVALID_INPUT, RunStartPayload
+from lazarus.workflows.incidents import Incidents
+from lazarus.workflows.inputs import INVALID_INPUT, RunStartPayload, own_run_id
 from lazarus.workflows.progress import expected_source, take_completion, take_progress, take_recovery, take_resume
 from lazarus.workflows.regrow import Regrowing
 from lazarus.workflows.rescheduling import Rescheduling
-from lazarus.workflows.stage_calls import RunAborted, RunFailed, StageRefused, call_stage
+from lazarus.workflows.stage_calls import OwnerChanged, RunAborted, RunFailed, StageRefused, call_stage
 from lazarus.workflows.story import current_details
+from lazarus.workflows.takeover import TakingOver
 from lazarus.workflows.watch import watch
 
 RESTART_PATCH = "restart-as-recovery"
@@ -55,10 +55,6 @@ back to TRAINING first, and a finished run went on being watched)."""
 
 RELEASE_PATCH = "release-at-end"
 """workflow.patched id: an ended run gives its nodes back to the pool (before: it kept them)."""
-
-ARCHIVE_PATCH = "bounded-status"
-"""workflow.patched id: the status holds the newest incidents and a tally of the older ones, whose
-records are archived in the run directory (before: every incident, in full)."""
 
 PASSING_PATCH = "passing-states-unlisted"
 """workflow.patched id: the recovery states a run passes through in a moment are not upserted to
@@ -76,7 +72,7 @@ INCIDENTS_ATTRIBUTE = SearchAttributeKey.for_int("LazarusIncidents")
 
 
 @workflow.defn(name="TrainingRun")
-class TrainingRun(OperatorControls, Rescheduling, Regrowing):
+class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Incidents):
     """Launch the run, watch it, and on every fault run drain, reschedule, replace-or-reshard, resume."""
 
     @workflow.init
@@ -88,7 +84,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
         super().__init__()
         self._start = start
         self._status = start.carried or RunStatus(
-            run_id=start.run_id,
+            run_id=start.run_id or workflow.info().workflow_id,  # checked as the run starts
             total_steps=start.spec.trainer.steps,
             layout=start.spec.layout,
         )
@@ -103,6 +99,8 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
     @workflow.run
     async def run(self, start: RunStartPayload) -> RunStatus:
         """Train to the last step through every fault; the status is the result, or the failure's reason."""
+        if start.carried is None:
+            own_run_id(start)  # refuses, before anything is done, a start that names another run
         try:
             await self._train()
         except RunAborted as aborted:
@@ -150,6 +148,10 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
                 ]
             )
 
+    def start_input(self) -> RunStart:
+        """What this workflow run started with (read from a replay: `lazarus run adopt`)."""
+        return self._start
+
     def _show(self) -> None:
         """Keep the run's current details (the web UI's summary of it) up to date."""
         workflow.set_current_details(current_details(self._status))
@@ -174,28 +176,37 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
     # --- the run loop ---------------------------------------------------------------------
 
     async def _train(self) -> None:
-        """Launch once; then recover, carry out requests or watch, until training is done."""
+        """Launch once; then recover, carry out requests or watch, until training is done. A stage
+        refused because another execution owns the run is answered by taking it over, where this
+        execution may (workflows/takeover.py); an adoption takes it over first."""
         self._show()  # a continued run starts with its details
+        done = await self._take_over(None) if self._start.adopt else False
+        while not done:
+            try:
+                done = await self._turn()
+            except OwnerChanged as changed:
+                done = await self._take_over(changed)
+        take_completion(self._status)
+        self._end(RunState.COMPLETED)
+
+    async def _turn(self) -> bool:
+        """One turn of the run loop: launch, recover, carry out a request, wait while paused, continue
+        as new, or watch; True when training is done."""
         if self._status.assignment is None:
             await self._launch()
-        while True:
-            if self._next_fault is not None:
-                fault, self._next_fault = self._next_fault, None
-                done = await self._recover_all(fault)
-            elif self._queue:
-                done = await self._carry_out_next()
-            elif self._status.state == RunState.PAUSED:
-                await workflow.wait_condition(lambda: bool(self._queue))  # resume or abort
-                continue
-            elif self._time_to_continue_as_new() and not self._reported:
-                await self._continue_as_new()
-                continue
-            else:
-                done = await self._watch_and_recover()
-            if done:
-                take_completion(self._status)
-                self._end(RunState.COMPLETED)
-                return
+            return False
+        if self._next_fault is not None:
+            fault, self._next_fault = self._next_fault, None
+            return await self._recover_all(fault)
+        if self._queue:
+            return await self._carry_out_next()
+        if self._status.state == RunState.PAUSED:
+            await workflow.wait_condition(lambda: bool(self._queue))  # resume or abort
+            return False
+        if self._time_to_continue_as_new() and not self._reported:
+            await self._continue_as_new()
+            return False
+        return await self._watch_and_recover()
 
     async def _launch(self) -> None:
         status = self._status
@@ -281,47 +292,6 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
         await self._archive_old_incidents()
         return resumed
 
-    async def _archive_old_incidents(self) -> None:
-        """Keep the carried status small: once it holds too many incidents, the oldest closed ones
-        go to the run directory and into the tally (schema/tally.py). An archive that fails leaves
-        them in the status, to be tried again after the next incident."""
-        status = self._status
-        count = to_archive(status.incidents)
-        if not count or not workflow.patched(ARCHIVE_PATCH):
-            return
-        archived = status.incidents[:count]
-        try:
-            archiving = ArchiveInput(run_id=status.run_id, incidents=archived)
-            await call_stage(self._policy, "archive", RecoveryActivities.archive_incidents, archiving)
-        except RunFailed as failure:
-            workflow.logger.warning("older incidents stay in the status: %s", failure)
-            return
-        for incident in archived:
-            status.earlier_incidents.add(incident, downtime_seconds(incident, workflow.now()))
-        status.incidents = status.incidents[count:]
-
-    def _open_incident(self, fault: FaultReport) -> Incident:
-        """Record the fault as the run's next incident; RunFailed when no recovery can help."""
-        status = self._status
-        if fault.kind == "program_error" or status.incident_count >= self._policy.max_incidents:
-            status.failure = fault
-        if fault.kind == "program_error":
-            # No node is to blame: replacing nodes would only fail the same way.
-            tail = f"; last lines of rank {fault.rank}'s log:\n{fault.log_tail}" if fault.log_tail else ""
-            raise RunFailed(f"the training program failed: {fault.reason}{tail}")
-        if status.incident_count >= self._policy.max_incidents:
-            raise RunFailed(f"fault after {status.incident_count} recoveries (recovery.max_incidents): {fault.reason}")
-        incident = Incident(
-            number=status.incident_count + 1,
-            fault=fault,
-            old_assignment=status.assignment,
-            stages={"detect": StageRecord(started_at=fault.occurred_at, ended_at=fault.detected_at)},
-        )
-        status.incidents.append(incident)
-        if fault.step is not None:
-            status.step = fault.step
-        return incident
-
     async def _drain(self, incident: Incident, fault: FaultReport) -> DrainResult:
         """Quarantine the blamed nodes and stop every rank of the failed incarnation."""
         status = self._status
@@ -370,6 +340,14 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
         status.assignment, status.layout = assignment, assignment.layout
         if incident is not None:
             incident.new_assignment = assignment
+        fault_step = incident.fault.step if incident is not None else None
+        return await self._resume(assignment, record, fault_step, survivors_of)
+
+    async def _resume(self, assignment, record=None, fault_step=None, survivors_of=None) -> ResumeResult:
+        """Start `assignment`'s incarnation (timed on `record`, an incident or a regrow): from what
+        the survivors of `survivors_of` saved at `fault_step`, else the newest complete checkpoint.
+        TRAINING again unless a fault hit it before its first step."""
+        status = self._status
         self._enter(RunState.RESUMING)
         starting = ResumeInput(
             run_id=status.run_id,
@@ -377,7 +355,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing):
             total_steps=status.total_steps,
             policy=self._policy,
             steps_from=status.steps_from,
-            fault_step=incident.fault.step if incident is not None else None,
+            fault_step=fault_step,
             survivors_of=survivors_of,
         )
         resumed = await self._stage("resume", RecoveryActivities.resume, starting, record)

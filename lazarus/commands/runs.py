@@ -1,4 +1,4 @@
-"""`lazarus run start|status|list|watch|logs|report`: start a run, and read what it did."""
+"""`lazarus run start|adopt|status|list|watch|logs|report`: start or adopt a run, and read what it did."""
 
 from __future__ import annotations
 
@@ -18,6 +18,18 @@ def register(run_commands: argparse._SubParsersAction) -> None:
     start.add_argument("spec", help="path of the run spec (YAML), e.g. examples/demo.yaml")
     start.add_argument("--run-id", type=run_id, help="run id, also the workflow id (default: <name>-<date>-<time>)")
     start.set_defaults(handler=start_run)
+    adopt = run_commands.add_parser(
+        "adopt",
+        help="drive a run whose workflow was terminated (its ranks train on) from a new workflow",
+        description=(
+            "A run's ranks keep training when its workflow is terminated, cancelled or times out: nothing watches "
+            "them or recovers them. adopt starts a new workflow under the run's id that carries the ended "
+            "workflow's status, takes the run over (recorded as an intervention and in the run directory's "
+            "owner record) and takes it up as the cluster holds it."
+        ),
+    )
+    adopt.add_argument("run_id", metavar="RUN", type=run_id)
+    adopt.set_defaults(handler=adopt_run)
     status = run_commands.add_parser("status", help="state, step, assignment and incidents of a run")
     status.add_argument("run_id", metavar="RUN", type=run_id)
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
@@ -80,6 +92,27 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
     except RPCError as error:
         raise UserError(f"cannot start run {run_id}: {error.message}") from None
     print(f"started run {run_id}\n  status: lazarus run status {run_id}\n  web UI: {settings.workflow_url(run_id)}")
+    return 0
+
+
+async def adopt_run(args: argparse.Namespace, settings: Settings) -> int:
+    """Start a workflow that takes over a run whose workflow ended without ending it."""
+    from temporalio.service import RPCError
+
+    from lazarus.client import NotAdoptable, adopt_run
+
+    client = await connect_client(settings)
+    try:
+        _, carried = await adopt_run(client, settings, args.run_id)
+    except NotAdoptable as error:
+        raise UserError(str(error)) from None
+    except RPCError as error:
+        raise UserError(f"cannot adopt run {args.run_id}: {error.message}") from None
+    print(
+        f"adopted run {args.run_id} (it was {carried.state.value} at step {carried.progress}); the new workflow "
+        f"takes it up where the cluster holds it\n  status: lazarus run status {args.run_id}\n"
+        f"  web UI: {settings.workflow_url(args.run_id)}"
+    )
     return 0
 
 

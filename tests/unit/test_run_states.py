@@ -67,5 +67,12 @@ def test_the_readmes_diagram_is_the_table():
             continue
         drawn[RunState(left.strip())] = {RunState(name.strip()) for name in right.split("|")}
     always = {RunState.FAILED, RunState.ABORTED}
-    assert drawn == {state: set(moves) - always for state, moves in TRANSITIONS.items() if moves}
+    taking_over = {RunState.TAKING_OVER}
+    assert drawn == {
+        state: set(moves) - always - (set() if state == RunState.TAKING_OVER else taking_over)
+        for state, moves in TRANSITIONS.items()
+        if moves
+    }
     assert "every state but COMPLETED, FAILED and ABORTED -> FAILED | ABORTED" in block
+    assert "every state but COMPLETED, FAILED, ABORTED and TAKING_OVER -> TAKING_OVER" in block
+    assert all(RunState.TAKING_OVER in TRANSITIONS[state] for state in drawn if state != RunState.TAKING_OVER)

@@ -281,7 +281,7 @@ async def run_workflow(env, stages: FakeStages, spec, during=None) -> RunStatus:
     async with fake_worker(env, stages, queue):
         handle = await env.client.start_workflow(
             TrainingRun.run,
-            RunStart(run_id=f"run-{uuid.uuid4().hex[:8]}", spec=spec),
+            RunStart(spec=spec),
             id=f"run-{uuid.uuid4()}",
             task_queue=queue,
         )

@@ -136,7 +136,7 @@ class Served:
         queue = f"fuzz-{uuid.uuid4()}"
         await self.stack.enter_async_context(fake_worker(self.env, stages, queue))
         handle = await self.env.client.start_workflow(
-            TrainingRun.run, {"run_id": "fuzz", "spec": make_spec().model_dump(mode="json")}, id=queue, task_queue=queue
+            TrainingRun.run, {"spec": make_spec().model_dump(mode="json")}, id=queue, task_queue=queue
         )
         self.stack.push_async_callback(terminate, handle)
         return handle
@@ -312,6 +312,11 @@ def test_a_fault_report_without_a_time_zone_is_taken_as_utc(served):
         ({"run_id": "ok"}, "RunStart: spec: required field is missing"),
         ([1, 2], "RunStart: input: must be a valid dictionary"),
         (None, "TrainingRun takes a RunStart, not NoneType"),
+        # A run's id is its workflow id: another id would let two workflows drive one run.
+        (
+            {"run_id": "other-run", "spec": {"name": "x"}},
+            "the input's run_id 'other-run' is not the workflow id 'start-",
+        ),
     ],
 )
 def test_a_bad_start_fails_the_run_cleanly_and_writes_nothing(served, tmp_path, start, said):

@@ -25,7 +25,7 @@ async def running(env, stages: FakeStages, spec=None):
     queue = f"op-{uuid.uuid4()}"
     async with fake_worker(env, stages, queue):
         handle = await env.client.start_workflow(
-            TrainingRun.run, RunStart(run_id="op", spec=spec or make_spec()), id=f"op-{uuid.uuid4()}", task_queue=queue
+            TrainingRun.run, RunStart(spec=spec or make_spec()), id=f"op-{uuid.uuid4()}", task_queue=queue
         )
         yield handle
 
@@ -248,7 +248,7 @@ async def test_a_transition_the_table_forbids_stalls_the_workflow_task_instead_o
     async with Worker(dev_env.client, task_queue=queue, workflows=[BrokenTrainingRun]):
         handle = await dev_env.client.start_workflow(
             BrokenTrainingRun.run,
-            RunStart(run_id="broken", spec=make_spec()),
+            RunStart(spec=make_spec()),
             id=f"broken-{uuid.uuid4()}",
             task_queue=queue,
         )

@@ -206,7 +206,7 @@ async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
         queue = f"wf-{uuid.uuid4()}"
         async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
             handle = await env.client.start_workflow(
-                TrainingRun.run, RunStart(run_id="long", spec=make_spec()), id=f"long-{uuid.uuid4()}", task_queue=queue
+                TrainingRun.run, RunStart(spec=make_spec()), id=f"long-{uuid.uuid4()}", task_queue=queue
             )
             status = await handle.result()
             first_run = env.client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
@@ -226,7 +226,7 @@ async def start_on(env, stages: FakeStages, spec):
     queue = f"wf-{uuid.uuid4()}"
     worker = fake_worker(env, stages, queue)
     handle = await env.client.start_workflow(
-        TrainingRun.run, RunStart(run_id="esc", spec=spec), id=f"esc-{uuid.uuid4()}", task_queue=queue
+        TrainingRun.run, RunStart(spec=spec), id=f"esc-{uuid.uuid4()}", task_queue=queue
     )
     return worker, handle
 

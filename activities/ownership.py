@@ -1,0 +1,75 @@
+"""One run, one owner, on the activities' side: every activity acts only for the execution that
+owns the run (schema/ownership.py), and `take_over` hands the run over and reads what the cluster
+holds of it, so the new owner takes up the run where it stands instead of redoing its past."""
+
+from __future__ import annotations
+
+import functools
+
+from temporalio.exceptions import ApplicationError
+
+from lazarus.activities.running import in_thread
+from lazarus.infra.backend import ClusterBackend, ClusterError
+from lazarus.infra.ownership import NotOwner, hold, read_owner, take_over
+from lazarus.schema.contract import read_launch
+from lazarus.schema.ownership import NOT_OWNER
+from lazarus.schema.stages import RunRequest, TakeOverInput, TakeOverResult
+
+
+def refused(error: NotOwner) -> ApplicationError:
+    """The refusal the workflow sees: for good (retrying cannot make the caller the owner), with
+    the owner record in its details."""
+    return ApplicationError(str(error), error.record.model_dump(mode="json"), type=NOT_OWNER, non_retryable=True)
+
+
+async def check_owner(cluster: ClusterBackend, request: RunRequest) -> None:
+    """Return when the request's execution may act on its run; else raise the NOT_OWNER refusal.
+    A request that names no owner (an execution from before runs had owners) is let through."""
+    if request.owner is None:
+        return
+    try:
+        await in_thread(hold, cluster.run_dir(request.run_id), request.owner)
+    except NotOwner as error:
+        raise refused(error) from None
+    except ClusterError as error:  # a run id that names no directory
+        raise ApplicationError(str(error), type="UnknownRun", non_retryable=True) from None
+
+
+def owned(method):
+    """Run the activity only for the run's owner (check_owner first)."""
+
+    @functools.wraps(method)
+    async def run(self, request):
+        await check_owner(self.cluster, request)
+        return await method(self, request)
+
+    return run
+
+
+def take_over_run(cluster: ClusterBackend, request: TakeOverInput) -> TakeOverResult:
+    """Make the request's execution the run's owner and read what the cluster holds: the newest
+    incarnation (whether its ranks were started, whether the backend ended it, the newest step
+    they reported), the quarantined nodes and the newest complete checkpoint."""
+    run = cluster.run_dir(request.run_id)
+    previous = request.previous
+    if previous is None:  # an adoption takes the run from whoever holds it
+        record = read_owner(run)
+        previous = record.owner.execution if record is not None else request.owner.execution
+    _, replaced = take_over(run, request.owner, previous, request.kind)
+    result = TakeOverResult(previous_owner=replaced, run_dir=str(run.root))
+    if not run.spec_file.exists():
+        return result  # never launched: the new owner launches it
+    incarnations = run.incarnations()
+    inventory = cluster.inventory(request.run_id)
+    result.quarantined = [node.name for node in inventory.nodes if node.role == "quarantined"]
+    result.checkpoint_step = run.newest_checkpoint()[0]
+    if not incarnations:
+        return result
+    newest = incarnations[-1]
+    result.assignment = cluster.assignment(request.run_id, newest)
+    result.launched = read_launch(run, newest) is not None
+    result.ended = run.ended_file(newest).exists()
+    result.stopped = run.stop_file(newest).exists()
+    if result.launched and not result.ended:
+        result.step = cluster.observe(request.run_id, newest).newest_step()
+    return result

@@ -1,0 +1,97 @@
+"""The owner record of a run directory: who may act on a run, and how it changes hands."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lazarus.infra.ownership import NotOwner, hold, read_owner, take_over
+from lazarus.schema.ownership import HANDOVERS_KEPT, Owner
+from lazarus.schema.rundir import RunDir
+
+
+def execution(name: str, lineage: str = "first", continued_from: str | None = None, workflow_id: str = "run-a"):
+    return Owner(workflow_id=workflow_id, execution=name, lineage=lineage, continued_from=continued_from)
+
+
+@pytest.fixture
+def run(tmp_path) -> RunDir:
+    return RunDir(tmp_path / "runs" / "run-a")
+
+
+def test_the_first_execution_to_act_owns_the_run_and_its_continuations_inherit_it(run):
+    first = execution("first")
+    assert read_owner(run) is None
+    assert hold(run, first).owner == first
+    assert hold(run, first).owner == first  # acting again changes nothing
+    second = execution("second", continued_from="first")
+    assert hold(run, second).owner == second
+    third = execution("third", continued_from="second")
+    assert hold(run, third).owner == third and read_owner(run).handovers == []
+    with pytest.raises(NotOwner, match="the workflow was reset"):
+        hold(run, second)  # a run that continued as new never acts again
+
+
+def test_a_reset_execution_is_refused_until_it_takes_the_run_over(run):
+    hold(run, execution("first"))
+    reset = execution("reset-1")  # same lineage, not a continuation of the owner
+    with pytest.raises(NotOwner) as refused:
+        hold(run, reset)
+    assert "execution first of this workflow drives run 'run-a', not reset-1: the workflow was reset" in str(
+        refused.value
+    )
+    assert refused.value.record.owner.execution == "first"
+    record, replaced = take_over(run, reset, previous="first", kind="reset")
+    assert replaced.execution == "first" and record.owner == reset
+    [handover] = record.handovers
+    assert (handover.kind, handover.from_execution, handover.to_execution) == ("reset", "first", "reset-1")
+    assert hold(run, reset).owner == reset
+    with pytest.raises(NotOwner):
+        hold(run, execution("first"))  # the execution reset away changes nothing any more
+    assert take_over(run, reset, previous="first", kind="reset") == (record, None)  # a retry of the same take-over
+
+
+def test_a_later_workflow_under_the_same_id_must_adopt_and_another_workflow_never_acts(run):
+    hold(run, execution("first"))
+    later = execution("later", lineage="later")
+    with pytest.raises(NotOwner, match="adopt it: lazarus run adopt run-a"):
+        hold(run, later)
+    stranger = execution("x", lineage="x", workflow_id="wf-b")
+    with pytest.raises(NotOwner, match="run 'wf-b' is driven by workflow 'run-a'"):
+        hold(run, stranger)
+    record, _ = take_over(run, later, previous="first", kind="adopt")
+    assert record.owner == later and record.handovers[-1].kind == "adopt"
+
+
+def test_two_executions_taking_the_run_from_the_same_owner_cannot_both_win(run):
+    hold(run, execution("first"))
+    won, lost = [], []
+    candidates = [execution(f"reset-{n}") for n in range(8)]
+    barrier = threading.Barrier(len(candidates))
+
+    def race(candidate):
+        barrier.wait()
+        try:
+            won.append(take_over(run, candidate, previous="first", kind="reset")[0].owner)
+        except NotOwner as error:
+            lost.append(str(error))
+
+    threads = [threading.Thread(target=race, args=(c,)) for c in candidates]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(won) == 1 and len(lost) == len(candidates) - 1
+    assert read_owner(run).owner == won[0] and len(read_owner(run).handovers) == 1
+    assert all(f"passed to execution {won[0].execution} since execution first was refused" in m for m in lost)
+
+
+def test_the_record_keeps_only_the_newest_handovers(run):
+    previous = "first"
+    hold(run, execution(previous))
+    for n in range(HANDOVERS_KEPT + 5):
+        take_over(run, execution(f"reset-{n}"), previous=previous, kind="reset")
+        previous = f"reset-{n}"
+    handovers = read_owner(run).handovers
+    assert len(handovers) == HANDOVERS_KEPT and handovers[-1].to_execution == previous

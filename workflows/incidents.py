@@ -1,0 +1,68 @@
+"""A run's incidents: one opened per fault (or the run fails, when no recovery can help), and the
+oldest closed ones archived to the run directory so the status carried through continue-as-new
+stays small (schema/tally.py). A mixin of TrainingRun."""
+
+from __future__ import annotations
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from lazarus.activities.recovery import RecoveryActivities
+    from lazarus.schema.policy import RecoveryPolicy
+    from lazarus.schema.records import FaultReport, Incident, RunStatus, StageRecord
+    from lazarus.schema.stages import ArchiveInput
+    from lazarus.schema.tally import downtime_seconds, to_archive
+
+from lazarus.workflows.stage_calls import RunFailed, call_stage
+
+ARCHIVE_PATCH = "bounded-status"
+"""workflow.patched id: the status holds the newest incidents and a tally of the older ones, whose
+records are archived in the run directory (before: every incident, in full)."""
+
+
+class Incidents:
+    """Opening and archiving the run's incidents."""
+
+    _status: RunStatus
+    _policy: RecoveryPolicy
+
+    async def _archive_old_incidents(self) -> None:
+        """Keep the carried status small: once it holds too many incidents, the oldest closed ones
+        go to the run directory and into the tally (schema/tally.py). An archive that fails leaves
+        them in the status, to be tried again after the next incident."""
+        status = self._status
+        count = to_archive(status.incidents)
+        if not count or not workflow.patched(ARCHIVE_PATCH):
+            return
+        archived = status.incidents[:count]
+        try:
+            archiving = ArchiveInput(run_id=status.run_id, incidents=archived)
+            await call_stage(self._policy, "archive", RecoveryActivities.archive_incidents, archiving)
+        except RunFailed as failure:
+            workflow.logger.warning("older incidents stay in the status: %s", failure)
+            return
+        for incident in archived:
+            status.earlier_incidents.add(incident, downtime_seconds(incident, workflow.now()))
+        status.incidents = status.incidents[count:]
+
+    def _open_incident(self, fault: FaultReport) -> Incident:
+        """Record the fault as the run's next incident; RunFailed when no recovery can help."""
+        status = self._status
+        if fault.kind == "program_error" or status.incident_count >= self._policy.max_incidents:
+            status.failure = fault
+        if fault.kind == "program_error":
+            # No node is to blame: replacing nodes would only fail the same way.
+            tail = f"; last lines of rank {fault.rank}'s log:\n{fault.log_tail}" if fault.log_tail else ""
+            raise RunFailed(f"the training program failed: {fault.reason}{tail}")
+        if status.incident_count >= self._policy.max_incidents:
+            raise RunFailed(f"fault after {status.incident_count} recoveries (recovery.max_incidents): {fault.reason}")
+        incident = Incident(
+            number=status.incident_count + 1,
+            fault=fault,
+            old_assignment=status.assignment,
+            stages={"detect": StageRecord(started_at=fault.occurred_at, ended_at=fault.detected_at)},
+        )
+        status.incidents.append(incident)
+        if fault.step is not None:
+            status.step = fault.step
+        return incident
