@@ -4,13 +4,16 @@ holds of it, so the new owner takes up the run where it stands instead of redoin
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+from collections.abc import AsyncIterator
 
 from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.running import in_thread
 from lazarus.infra.backend import ClusterBackend, ClusterError
-from lazarus.infra.ownership import NotOwner, hold, read_owner, take_over
+from lazarus.infra.ownership import ACTING_POLL_SECONDS, NotOwner, hold, read_owner, share_acting, take_over
 from lazarus.schema.contract import read_launch
 from lazarus.schema.ownership import NOT_OWNER
 from lazarus.schema.stages import RunRequest, TakeOverInput, TakeOverResult
@@ -22,21 +25,40 @@ def refused(error: NotOwner) -> ApplicationError:
     return ApplicationError(str(error), error.record.model_dump(mode="json"), type=NOT_OWNER, non_retryable=True)
 
 
-async def check_owner(cluster: ClusterBackend, request: RunRequest) -> None:
-    """Return when the request's execution may act on its run; else raise the NOT_OWNER refusal.
-    A request that names no owner (an execution from before runs had owners) is let through."""
+@contextlib.asynccontextmanager
+async def acting_for_owner(cluster: ClusterBackend, request: RunRequest) -> AsyncIterator[None]:
+    """Let the request's execution act on its run for the body's duration, or raise the NOT_OWNER
+    refusal. Until the body ends no take-over can begin (infra/ownership.py: acting.lock). A
+    request that names no owner (an execution from before runs had owners) is let through."""
     if request.owner is None:
+        yield
         return
     try:
-        await in_thread(hold, cluster.run_dir(request.run_id), request.owner)
-    except NotOwner as error:
-        raise refused(error) from None
+        run = cluster.run_dir(request.run_id)
     except ClusterError as error:  # a run id that names no directory
         raise ApplicationError(str(error), type="UnknownRun", non_retryable=True) from None
+    while (acting := share_acting(run)) is None:
+        await asyncio.sleep(ACTING_POLL_SECONDS)  # a take-over is being recorded
+    try:
+        try:
+            await in_thread(hold, run, request.owner)
+        except NotOwner as error:
+            raise refused(error) from None
+        yield
+    finally:
+        acting.close()
 
 
-def owned(method):
-    """Run the activity only for the run's owner (check_owner first)."""
+async def check_owner(cluster: ClusterBackend, request: RunRequest) -> None:
+    """Return when the request's execution may act on its run (for a stage that only reads: the
+    check, without holding off a take-over); else raise the NOT_OWNER refusal."""
+    async with acting_for_owner(cluster, request):
+        pass
+
+
+def checked(method):
+    """Run the activity only for the run's owner; for a stage that watches and does not act (detect),
+    which would otherwise hold off a take-over for as long as it watches."""
 
     @functools.wraps(method)
     async def run(self, request):
@@ -46,8 +68,20 @@ def owned(method):
     return run
 
 
-def take_over_run(cluster: ClusterBackend, request: TakeOverInput) -> TakeOverResult:
-    """Make the request's execution the run's owner and read what the cluster holds: the newest
+def owned(method):
+    """Run the activity only for the run's owner, and hold off any take-over while it acts."""
+
+    @functools.wraps(method)
+    async def run(self, request):
+        async with acting_for_owner(self.cluster, request):
+            return await method(self, request)
+
+    return run
+
+
+def take_over_run(cluster: ClusterBackend, request: TakeOverInput, wait_seconds: float) -> TakeOverResult:
+    """Make the request's execution the run's owner, once no stage of the execution it replaces
+    acts on the run (waiting up to `wait_seconds`), and read what the cluster holds: the newest
     incarnation (whether its ranks were started, whether the backend ended it, the newest step
     they reported), the quarantined nodes and the newest complete checkpoint."""
     run = cluster.run_dir(request.run_id)
@@ -55,7 +89,7 @@ def take_over_run(cluster: ClusterBackend, request: TakeOverInput) -> TakeOverRe
     if previous is None:  # an adoption takes the run from whoever holds it
         record = read_owner(run)
         previous = record.owner.execution if record is not None else request.owner.execution
-    _, replaced = take_over(run, request.owner, previous, request.kind)
+    _, replaced = take_over(run, request.owner, previous, request.kind, wait_seconds)
     result = TakeOverResult(previous_owner=replaced, run_dir=str(run.root))
     if not run.spec_file.exists():
         return result  # never launched: the new owner launches it

@@ -16,12 +16,12 @@ from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.metrics import Metrics
-from lazarus.activities.ownership import check_owner, owned, refused, take_over_run
+from lazarus.activities.ownership import acting_for_owner, checked, owned, refused, take_over_run
 from lazarus.activities.preflight import missing_command
 from lazarus.activities.running import in_thread, timed
 from lazarus.activities.watching import progress_of, watch, watch_until_reported
 from lazarus.infra.backend import ClusterBackend, ClusterError
-from lazarus.infra.ownership import NotOwner
+from lazarus.infra.ownership import NotOwner, StillActing
 from lazarus.infra.runfiles import survivor_source
 from lazarus.schema.nodelist import natural_key
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory
@@ -88,7 +88,10 @@ class RecoveryActivities:
         missing = missing_command(request.spec.trainer, work_dir, self.cluster.backend)
         if missing:
             raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
-        await check_owner(self.cluster, request)  # after the checks: a refused launch leaves no owner
+        async with acting_for_owner(self.cluster, request):  # after the checks: a refused launch leaves no owner
+            return await self._launch(request)
+
+    async def _launch(self, request: LaunchInput) -> LaunchResult:
         try:
             run = await in_thread(self.cluster.create, request.run_id, request.spec)
         except ClusterError as error:
@@ -118,7 +121,7 @@ class RecoveryActivities:
             activity.logger.warning("could not record %s for run %s: %s", stage, run_id, error)
 
     @activity.defn(name="detect")
-    @owned
+    @checked
     async def detect(self, request: DetectInput) -> DetectResult:
         """Watch an incarnation; return a fault, completion, a new warning, spares for a regrow, or
         progress after progress_every_seconds (activities/watching.py)."""
@@ -375,9 +378,14 @@ class RecoveryActivities:
             raise ApplicationError(
                 "take_over needs the calling execution (owner)", type="InvalidInput", non_retryable=True
             )
+        # Wait for the old owner's stages for most of this attempt's time, keeping some to read the cluster.
+        timeout = activity.info().start_to_close_timeout
+        wait_seconds = 0.8 * timeout.total_seconds() if timeout else 600.0
         try:
-            return await in_thread(take_over_run, self.cluster, request)
+            return await in_thread(take_over_run, self.cluster, request, wait_seconds)
         except NotOwner as error:
             raise refused(error) from None
+        except StillActing as error:  # retried: the pending activity says what it waits for
+            raise ApplicationError(str(error), type="StillActing") from None
         except ClusterError as error:
             raise _permanent(error, "UnknownRun") from None

@@ -5,19 +5,34 @@ later run of its chain as the owner), records the first execution that acts on a
 an owner, and refuses everyone else with NotOwner. `take_over` is the one way a run changes
 hands otherwise: the caller names the execution it takes the run from, so two executions that
 both decided to take over cannot both win.
+
+A stage that passed `hold` acts for a while after it; a take-over must not read the cluster
+while a stage of the execution it replaces still acts on it (a reset lands while the old
+execution's resume starts ranks). So a stage holds a shared flock of `acting.lock` from before
+its check to its end (`share_acting`), and `take_over` takes it exclusively: it waits until every
+such stage has ended, and none starts until the run has changed hands.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import IO
 
 from lazarus.infra.backend import ClusterError
 from lazarus.schema.files import write_json_atomic
 from lazarus.schema.ownership import HANDOVERS_KEPT, Handover, Owner, Ownership
 from lazarus.schema.rundir import RunDir
+
+ACTING_POLL_SECONDS = 0.05
+"""How often a stage or a take-over tries `acting.lock` again while the other holds it (seconds)."""
+
+
+class StillActing(ClusterError):
+    """A stage of the execution being replaced still acts on the run after the take-over's wait."""
 
 
 class NotOwner(ClusterError):
@@ -47,6 +62,43 @@ def _locked(run: RunDir) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def share_acting(run: RunDir) -> IO | None:
+    """The open `acting.lock` under a shared flock, which the stage holds while it acts (closing
+    the file ends it); None when a take-over holds it, to be tried again."""
+    run.root.mkdir(parents=True, exist_ok=True)
+    handle = open(run.root / "acting.lock", "a")  # noqa: SIM115 - the caller closes it when the stage ends
+    try:
+        fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+@contextlib.contextmanager
+def _no_stage_acting(run: RunDir, wait_seconds: float) -> Iterator[None]:
+    """Hold `acting.lock` exclusively: once every stage that holds it has ended (StillActing
+    after `wait_seconds`), and until the take-over is recorded."""
+    run.root.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_seconds
+    with open(run.root / "acting.lock", "a") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StillActing(
+                        f"a stage of the execution that held run {run.root.name!r} still acts on it after "
+                        f"{wait_seconds:g} s; the take-over waits until it has ended"
+                    ) from None
+                time.sleep(ACTING_POLL_SECONDS)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _write(run: RunDir, record: Ownership) -> None:
     write_json_atomic(run.owner_file, record.model_dump_json(indent=1))
 
@@ -70,12 +122,15 @@ def hold(run: RunDir, owner: Owner) -> Ownership:
         return record
 
 
-def take_over(run: RunDir, owner: Owner, previous: str, kind: str) -> tuple[Ownership, Owner | None]:
+def take_over(
+    run: RunDir, owner: Owner, previous: str, kind: str, wait_seconds: float = 60.0
+) -> tuple[Ownership, Owner | None]:
     """Make `owner` the run's owner in place of execution `previous` (the one whose refusal the
-    caller saw); returns the new record and the owner it replaced (None when the run had no
-    record). NotOwner when the run is held by an execution other than `previous` and `owner`:
-    somebody else took it in between. Taking a run one already owns changes nothing."""
-    with _locked(run):
+    caller saw), once no stage acts on the run (StillActing after `wait_seconds`); returns the
+    new record and the owner it replaced (None when the run had no record). NotOwner when the
+    run is held by an execution other than `previous` and `owner`: somebody else took it in
+    between. Taking a run one already owns changes nothing."""
+    with _no_stage_acting(run, wait_seconds), _locked(run):
         record = read_owner(run)
         now = datetime.now(UTC)
         if record is None:

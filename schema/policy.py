@@ -76,8 +76,12 @@ class StagePolicies(Strict):
         description="Write older incidents' records to the run directory, so the status carries only their tally.",
     )
     take_over: StagePolicy = Field(
-        default_factory=lambda: _stage(30, 5),
-        description="Take the run over (after a reset, for an adoption) and read what the cluster holds of it.",
+        default_factory=lambda: _stage(600, 5, attempts=0),
+        description=(
+            "Take the run over (after a reset, for an adoption) once the stages of the execution it replaces have "
+            "ended (each attempt waits most of its timeout for them, then fails saying so and is retried), and "
+            "read what the cluster holds of it."
+        ),
     )
 
 

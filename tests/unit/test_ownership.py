@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from lazarus.infra.ownership import NotOwner, hold, read_owner, take_over
+from lazarus.infra.ownership import NotOwner, StillActing, hold, read_owner, share_acting, take_over
 from lazarus.schema.ownership import HANDOVERS_KEPT, Owner
 from lazarus.schema.rundir import RunDir
 
@@ -95,3 +95,36 @@ def test_the_record_keeps_only_the_newest_handovers(run):
         previous = f"reset-{n}"
     handovers = read_owner(run).handovers
     assert len(handovers) == HANDOVERS_KEPT and handovers[-1].to_execution == previous
+
+
+def test_a_take_over_waits_until_the_old_owner_s_stage_has_ended(run):
+    """A reset lands while a stage of the old execution acts: the take-over records nothing until
+    it ends, and no stage starts acting while the take-over holds the run."""
+    hold(run, execution("first"))
+    acting = share_acting(run)  # the old execution's resume, still starting ranks
+    taken = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (take_over(run, execution("reset-1"), "first", "reset", wait_seconds=30), taken.set())
+    )
+    thread.start()
+    assert not taken.wait(0.5) and read_owner(run).owner.execution == "first"
+    acting.close()  # the stage ended
+    assert taken.wait(10)
+    thread.join()
+    assert read_owner(run).owner.execution == "reset-1"
+    late = share_acting(run)  # a stage the old execution starts now gets the lock, then its refusal
+    assert late is not None
+    with pytest.raises(NotOwner):
+        hold(run, execution("first"))
+    late.close()
+
+
+def test_a_take_over_says_so_when_the_old_owner_s_stage_never_ends(run):
+    hold(run, execution("first"))
+    acting = share_acting(run)
+    try:
+        with pytest.raises(StillActing, match="still acts on it after 0.2 s"):
+            take_over(run, execution("reset-1"), "first", "reset", wait_seconds=0.2)
+    finally:
+        acting.close()
+    assert read_owner(run).owner.execution == "first" and read_owner(run).handovers == []
