@@ -7,6 +7,7 @@ without a fault."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import uuid
@@ -208,6 +209,11 @@ async def test_a_terminated_workflow_s_run_is_adopted_and_recovers(dev_env, home
         await handle.terminate("by mistake")
         reached = trained_step(run)
         await asyncio.to_thread(wait_until, lambda: trained_step(run) >= reached + 3, "ranks training on", 60)
+        # What the operator reads first: the terminated run, replayed by the CLI, still training.
+        shown = await asyncio.to_thread(lazarus, "run", "status", run_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        before = json.loads(shown.stdout)
+        assert before["state"] == "TRAINING" and "the run is terminated" in before["read_from"]
         adopted = await asyncio.to_thread(lazarus, "run", "adopt", run_id)
         assert adopted.returncode == 0, adopted.stderr
         assert f"adopted run {run_id} (it was TRAINING" in adopted.stdout
