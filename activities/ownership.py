@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 from collections.abc import AsyncIterator
 
 from temporalio.exceptions import ApplicationError
 
-from lazarus.activities.running import in_thread
+from lazarus.activities.running import THREADS_OF_STAGE, in_thread
 from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.infra.ownership import ACTING_POLL_SECONDS, NotOwner, hold, read_owner, share_acting, take_over
 from lazarus.schema.contract import read_launch
@@ -39,6 +40,8 @@ async def acting_for_owner(cluster: ClusterBackend, request: RunRequest) -> Asyn
         raise ApplicationError(str(error), type="UnknownRun", non_retryable=True) from None
     while (acting := share_acting(run)) is None:
         await asyncio.sleep(ACTING_POLL_SECONDS)  # a take-over is being recorded
+    threads = []
+    token = THREADS_OF_STAGE.set(threads)
     try:
         try:
             await in_thread(hold, run, request.owner)
@@ -46,7 +49,24 @@ async def acting_for_owner(cluster: ClusterBackend, request: RunRequest) -> Asyn
             raise refused(error) from None
         yield
     finally:
+        THREADS_OF_STAGE.reset(token)
+        _close_when_ended(acting, threads)
+
+
+def _close_when_ended(acting, threads: list[threading.Event]) -> None:
+    """End the stage's hold on the run once its threads have ended: a stage cancelled (its
+    workflow reset or terminated) leaves a backend call running on in its thread."""
+    running = [ended for ended in threads if not ended.is_set()]
+    if not running:
         acting.close()
+        return
+
+    def close_after():
+        for ended in running:
+            ended.wait()
+        acting.close()
+
+    threading.Thread(target=close_after, name="acting-until-threads-end", daemon=True).start()
 
 
 async def check_owner(cluster: ClusterBackend, request: RunRequest) -> None:

@@ -4,6 +4,7 @@ successful attempt timed into its stage's histogram and spans (activities/metric
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import gc
 import threading
@@ -33,13 +34,30 @@ def timed(stage: str):
     return wrap
 
 
+THREADS_OF_STAGE: contextvars.ContextVar[list[threading.Event] | None] = contextvars.ContextVar(
+    "threads_of_stage", default=None
+)
+"""Where a stage that acts on a run (activities/ownership.py) collects its threads' ends: a
+cancelled stage's thread runs on, and the stage counts as acting until that thread ends."""
+
+
 async def in_thread(call, *args):
     """Run a blocking backend call in a thread, heartbeating while it runs, so that a call that
     outlasts the activity's heartbeat timeout (a drain waiting for pods to go) is not taken for
     a lost worker."""
     timeout = activity.info().heartbeat_timeout
     every = timeout.total_seconds() / 3 if timeout else None
-    task = asyncio.ensure_future(asyncio.to_thread(call, *args))
+    ended, threads = threading.Event(), THREADS_OF_STAGE.get()
+    if threads is not None:
+        threads.append(ended)
+
+    def run():
+        try:
+            return call(*args)
+        finally:
+            ended.set()
+
+    task = asyncio.ensure_future(asyncio.to_thread(run))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=every)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
+from temporalio.testing import ActivityEnvironment
 
+from lazarus.activities.ownership import acting_for_owner
+from lazarus.activities.running import in_thread
+from lazarus.infra.local import LocalCluster
 from lazarus.infra.ownership import NotOwner, StillActing, hold, read_owner, share_acting, take_over
 from lazarus.schema.ownership import HANDOVERS_KEPT, Owner
 from lazarus.schema.rundir import RunDir
+from lazarus.schema.stages import RunRequest
 
 
 def execution(name: str, lineage: str = "first", continued_from: str | None = None, workflow_id: str = "run-a"):
@@ -128,3 +134,35 @@ def test_a_take_over_says_so_when_the_old_owner_s_stage_never_ends(run):
     finally:
         acting.close()
     assert read_owner(run).owner.execution == "first" and read_owner(run).handovers == []
+
+
+async def test_a_cancelled_stage_holds_off_a_take_over_until_its_thread_ends(tmp_path):
+    """A reset cancels the old execution's resume, whose backend call runs on in its thread: the
+    run counts as acted on until that call ends, so the take-over reads the cluster only after."""
+    cluster = LocalCluster(tmp_path)
+    run = cluster.run_dir("run-a")
+    hold(run, execution("first"))
+    request = RunRequest(run_id="run-a", owner=execution("first"))
+    started, release = threading.Event(), threading.Event()
+
+    def starting_ranks():
+        started.set()
+        release.wait(30)
+
+    async def resume():
+        async with acting_for_owner(cluster, request):
+            await in_thread(starting_ranks)
+
+    stage = ActivityEnvironment()
+    running = asyncio.ensure_future(stage.run(resume))
+    await asyncio.to_thread(started.wait, 10)
+    stage.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    try:
+        with pytest.raises(StillActing):
+            await asyncio.to_thread(take_over, run, execution("reset-1"), "first", "reset", 0.3)
+    finally:
+        release.set()
+    record, _ = await asyncio.to_thread(take_over, run, execution("reset-1"), "first", "reset", 10)
+    assert record.owner.execution == "reset-1"
