@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import Field, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from lazarus.schema.base import Record
 from lazarus.schema.contract import ContractError, RankObservation
@@ -139,7 +139,7 @@ def read_node_reports(run: RunDir, incarnation: int, node_indexes) -> dict[int, 
 
 
 def _read_reports(folder: str, folder_fd: int, node_indexes) -> dict[int, NodeReading]:
-    readings = {}
+    found, files, summaries = [], [], []
     for index in node_indexes:
         name = f"{index}.report.json"
         try:
@@ -160,15 +160,36 @@ def _read_reports(folder: str, folder_fd: int, node_indexes) -> dict[int, NodeRe
         newline = data.find(b"\n")
         if newline < 0:
             raise ContractError(f"{folder}{name}: not a node report (a NodeSummary line, then a NodeReport)")
+        found.append(index)
+        files.append(data)
+        summaries.append(data[:newline])
+    return {
+        index: NodeReading(summary, report=data, start=len(line) + 1, path=f"{folder}{index}.report.json")
+        for index, summary, data, line in zip(
+            found, _parse_summaries(folder, found, summaries), files, summaries, strict=True
+        )
+    }
+
+
+def _parse_summaries(folder: str, indexes: list[int], lines: list[bytes]) -> list[NodeSummary]:
+    """The summary lines parsed in one call (a look's largest share of work after the reads: one
+    call for 2,048 lines costs less than 2,048 calls); a bad line is named by its file."""
+    try:
+        parsed = _summaries_of_json(b"[" + b",".join(lines) + b"]")
+        if len(parsed) == len(lines):  # a line of two records would shift every later one
+            return parsed
+    except ValidationError:
+        pass
+    for index, line in zip(indexes, lines, strict=True):
         try:
-            summary = _summary_of_json(data[:newline])
+            NodeSummary.model_validate_json(line)
         except ValidationError as error:
-            raise ContractError(f"{folder}{name}: not a NodeSummary ({error.errors()[0]['msg']})") from None
-        readings[index] = NodeReading(summary, report=data, start=newline + 1, path=f"{folder}{name}")
-    return readings
+            message = error.errors()[0]["msg"]
+            raise ContractError(f"{folder}{index}.report.json: not a NodeSummary ({message})") from None
+    raise ContractError(f"{folder}: a summary line holds more than one NodeSummary")
 
 
-_summary_of_json = NodeSummary.__pydantic_validator__.validate_json  # a quarter faster than model_validate_json
+_summaries_of_json = TypeAdapter(list[NodeSummary]).validate_json
 
 _read_flags = [os.O_RDONLY | getattr(os, "O_NOATIME", 0)]
 """How read_node_reports opens a report: without updating its access time where the reader may (it

@@ -158,6 +158,24 @@ def test_a_report_is_read_back_as_written_and_a_torn_one_is_refused(tmp_path):
         read_node_reports(run, 3, [0])
 
 
+def test_a_bad_summary_among_good_ones_is_named_by_its_file(tmp_path):
+    """The summaries are parsed in one call; a line that is no summary, or two of them, is still
+    refused with the file it came from, and never shifts another node's summary onto a node."""
+    run = RunDir(tmp_path / "run")
+    for index in range(3):
+        write_node_report(run, 0, index, NodeReport(node=f"node-{index}", time=NOW, ranks=training(index)))
+    read = read_node_reports(run, 0, range(3))
+    assert [read[i].summary.node for i in range(3)] == ["node-0", "node-1", "node-2"]
+    report = run.node_report_file(0, 1)
+    summary, rest = report.read_text().split("\n", 1)
+    report.write_text(f'{{"node": "node-1"}}\n{rest}')
+    with pytest.raises(ContractError, match=r"/1\.report\.json: not a NodeSummary"):
+        read_node_reports(run, 0, range(3))
+    report.write_text(f"{summary},{summary}\n{rest}")  # two records on the line: the array would grow
+    with pytest.raises(ContractError, match=r"1\.report\.json: not a NodeSummary"):
+        read_node_reports(run, 0, range(3))
+
+
 def test_the_newest_step_comes_from_summaries_and_ranks_alike():
     reported = reading(training(0, step=9))  # read from its report: the summary says 9
     by_rank = NodeReading.of_ranks(
