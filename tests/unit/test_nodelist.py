@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from lazarus.schema import Assignment, FaultReport, Incident, Inventory, NodeRecord
 from lazarus.schema.layout import Layout
-from lazarus.schema.nodelist import COMPACT_FROM, compress, expand, expand_numbers, natural_key
+from lazarus.schema.nodelist import (
+    COMPACT_FROM,
+    compress,
+    compress_numbers,
+    expand,
+    expand_numbers,
+    natural_key,
+)
 from lazarus.schema.stages import DrainResult
 from lazarus.schema.tally import INCIDENTS_KEPT, to_archive
 
@@ -70,6 +77,16 @@ def test_an_inventory_of_thousands_of_nodes_is_a_few_records_in_json():
     assert Inventory.model_validate_json(text) == inventory
 
 
+@given(st.lists(st.integers(0, 200), max_size=300), st.booleans())
+def test_a_compact_number_list_stands_for_the_same_numbers_in_the_same_order(numbers, increasing):
+    """Either path: bisection over a strictly increasing list, the loop over any other."""
+    if increasing:
+        numbers = sorted(set(numbers))
+    assert expand_numbers(compress_numbers(numbers)) == numbers
+    with pytest.raises(ValueError, match="rank -1"):
+        compress_numbers([*numbers, -1])
+
+
 def test_rank_lists_and_survivor_steps_are_ranges_in_json():
     alive = [r for r in range(16384) if r // 8 != 5]
     survivors = {r: 99 if r // 128 == 7 else 98 for r in alive}
@@ -81,6 +98,11 @@ def test_rank_lists_and_survivor_steps_are_ranges_in_json():
     assert data["survivors"] == {"98": "0-39,48-895,1024-16383", "99": "896-1023"}
     assert DrainResult.model_validate_json(drained.model_dump_json()) == drained
     assert expand_numbers("") == []
+    # Survivors at many steps (no two-step drain): grouped by the other path, read back the same.
+    scattered = drained.model_copy(update={"survivors": {r: r % 20 for r in alive}})
+    data = json.loads(scattered.model_dump_json())
+    assert len(data["survivors"]) == 20 and data["survivors"]["3"].startswith("3,23,63,")  # 43 was on node-5
+    assert DrainResult.model_validate_json(scattered.model_dump_json()) == scattered
 
 
 def _incident(number: int, outcome: str = "recovered", nodes: int = 4) -> Incident:
