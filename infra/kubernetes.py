@@ -308,7 +308,7 @@ class KubernetesCluster(RunFiles):
         cordoned and out of the run either way.
         """
         run, assignment = self._incarnation(run_id, incarnation)
-        run.ended_file(incarnation).touch()
+        run.end(incarnation)
         settings = self._settings(run_id)
         observation = self.observe(run_id, incarnation)
         # A fresh list, not the watch: the quarantine drain wrote a moment ago must be seen.

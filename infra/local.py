@@ -276,7 +276,7 @@ class LocalCluster(RunFiles):
         late) must not run, and a late checkpoint commit of the incarnation does not count.
         """
         run, _ = self._incarnation(run_id, incarnation)
-        run.ended_file(incarnation).touch()
+        run.end(incarnation)
         killed = kill_and_wait(node_groups(run, incarnation))
         self._reap()
         return sorted(rank for _, ranks, _ in killed for rank in ranks)
@@ -287,7 +287,7 @@ class LocalCluster(RunFiles):
         """SIGKILL every process of every incarnation of a run and wait until none is alive."""
         run = self.run_dir(run_id)
         for k in run.incarnations():
-            run.ended_file(k).touch()
+            run.end(k)
         kill_standbys(run)
         kill_and_wait([group for k in run.incarnations() for group in node_groups(run, k)])
         self._reap()

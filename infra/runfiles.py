@@ -29,7 +29,7 @@ from lazarus.schema.names import check_run_id
 from lazarus.schema.node_reports import NodeReading, read_node_reports
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
-from lazarus.schema.rundir import COMMIT_MARKER, RunDir
+from lazarus.schema.rundir import RunDir
 
 COMMIT_POLL_SECONDS = 0.02
 """How often drain looks for the commit marker of a checkpoint in flight (seconds)."""
@@ -204,7 +204,7 @@ class RunFiles:
             return None, False
         step = newer[-1]
         deadline = time.monotonic() + grace
-        while not (run.checkpoint(step) / COMMIT_MARKER).is_file():
+        while step not in run.checkpoint_steps():
             if not alive() or time.monotonic() > deadline:
                 return step, False
             time.sleep(COMMIT_POLL_SECONDS)
@@ -233,7 +233,8 @@ class RunFiles:
         complete = set(run.checkpoint_steps())
         partial = [s for s in run.checkpoint_steps(complete_only=False) if s not in complete]
         for step in partial:
-            shutil.rmtree(run.checkpoint(step), ignore_errors=True)
+            for folder in [run.checkpoints / f"step-{step}", *run.checkpoints.glob(f"step-{step}.incarnation-*")]:
+                shutil.rmtree(folder, ignore_errors=True)
         return partial
 
     def remove_stale_survivors(self, run_id: str, incarnation: int) -> list[int]:

@@ -209,7 +209,7 @@ class SimulatedCluster(LocalCluster):
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
         sim = self._live.get((run_id, incarnation))
         run, assignment = self._incarnation(run_id, incarnation)
-        run.ended_file(incarnation).touch()
+        run.end(incarnation)
         if sim is None or sim.stopped:
             return []
         sim.stopped = True

@@ -6,16 +6,19 @@ means is trainer/CONTRACT.md, and the records written in them are typed in schem
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import threading
 import time
 from pathlib import Path
 
-from lazarus.schema.files import file_sha256, read_json, write_json_atomic
+from lazarus.schema.files import file_sha256, read_json, read_text, write_json_atomic
 from lazarus.schema.names import check_node_name
 from lazarus.schema.pool import pool_file
 
 COMMIT_MARKER = "COMMITTED"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)(?:\.incarnation-(\d+))?$")
 
 
 class RunDir:
@@ -116,6 +119,28 @@ class RunDir:
         """Written by the backend before it kills an incarnation: a launcher started later must not run."""
         return self.incarnation(k) / "ended"
 
+    def end(self, k: int) -> None:
+        """Mark incarnation `k` ended, once, naming the checkpoints it had committed by then: those
+        alone of its checkpoints ever count (`committed`). A retried drain leaves the first mark."""
+        path = self.ended_file(k)
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        steps = sorted(
+            step
+            for step, found in self._step_folders().items()
+            for incarnation, folder in found
+            if incarnation == k and (folder / COMMIT_MARKER).is_file()
+        )
+        temporary = path.with_name(f"ended.{os.getpid()}.{threading.get_ident()}")
+        temporary.write_text(json.dumps({"committed_steps": steps, "time": time.time()}))
+        try:
+            os.link(temporary, path)  # whole, and only if no other end came first
+        except FileExistsError:
+            pass
+        finally:
+            temporary.unlink()
+
     def standby(self, node: str) -> Path:
         """The warm standby of a node: `orders` (a FIFO), `lock` (held while it lives), `pid`, `ready`, `log`.
         ValueError for a name that is no node's: it would lead out of standby/."""
@@ -133,28 +158,61 @@ class RunDir:
             return []
         return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit() and (p / "assignment.json").exists())
 
+    def checkpoint_folder(self, step: int, incarnation: int) -> Path:
+        """The folder incarnation `incarnation` writes its checkpoint of `step` into: its own, so
+        that nothing a fenced incarnation writes late (a node cut off from the controller but not
+        from the volume) can touch a checkpoint another incarnation wrote."""
+        return self.checkpoints / f"step-{step}.incarnation-{incarnation}"
+
+    def _step_folders(self) -> dict[int, list[tuple[int, Path]]]:
+        """step -> its folders as (incarnation, folder), oldest incarnation first (-1: a folder
+        named `step-N`, from before checkpoints had an incarnation's name)."""
+        folders: dict[int, list[tuple[int, Path]]] = {}
+        if not self.checkpoints.is_dir():
+            return folders
+        for entry in self.checkpoints.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match:
+                incarnation = int(match.group(2)) if match.group(2) is not None else -1
+                folders.setdefault(int(match.group(1)), []).append((incarnation, entry))
+        return {step: sorted(found) for step, found in folders.items()}
+
+    def committed(self, folder: Path) -> bool:
+        """Whether a checkpoint folder counts as committed: it has its commit marker, and the
+        incarnation that wrote it had committed it when the controller ended that incarnation
+        (`end`). A fenced incarnation's late commit (its check passed just before the end) never
+        counts."""
+        if not (folder / COMMIT_MARKER).is_file():
+            return False
+        match = _STEP_DIR.match(folder.name)
+        if match is None or match.group(2) is None:
+            return True
+        ended = read_text(self.ended_file(int(match.group(2))))
+        # An empty mark is one from before ends named their checkpoints.
+        return not ended or int(match.group(1)) in json.loads(ended)["committed_steps"]
+
     def checkpoint(self, step: int) -> Path:
-        """Folder of the checkpoint taken after `step` steps."""
-        return self.checkpoints / f"step-{step}"
+        """The folder of the checkpoint of `step`: the newest incarnation's committed one, else the
+        newest incarnation's (incomplete) one, else where one from before incarnations were named
+        would be."""
+        found = self._step_folders().get(step, [])
+        committed = [folder for _, folder in found if self.committed(folder)]
+        if committed:
+            return committed[-1]
+        return found[-1][1] if found else self.checkpoints / f"step-{step}"
 
     def checkpoint_steps(self, complete_only: bool = True) -> list[int]:
-        """Steps that have a checkpoint folder (only complete ones by default), ascending.
+        """Steps that have a checkpoint folder (only committed ones by default, `committed`), ascending.
 
         A folder is complete when its commit marker exists: the marker is written after every
         rank has finished writing (for torch.distributed.checkpoint, after its metadata), so a
         folder without it may be half-written and is never loaded.
         """
-        if not self.checkpoints.is_dir():
-            return []
-        steps = []
-        for entry in self.checkpoints.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if not match:
-                continue
-            if complete_only and not (entry / COMMIT_MARKER).is_file():
-                continue
-            steps.append(int(match.group(1)))
-        return sorted(steps)
+        return sorted(
+            step
+            for step, found in self._step_folders().items()
+            if not complete_only or any(self.committed(folder) for _, folder in found)
+        )
 
     def checkpoint_problem(self, step: int) -> str | None:
         """Why checkpoint `step` must not be loaded, or None when its files match its manifest.
@@ -166,6 +224,8 @@ class RunDir:
         marker = read_json(folder / COMMIT_MARKER) if folder.is_dir() else None
         if marker is None:
             return "incomplete (no commit marker)"
+        if not self.committed(folder):
+            return f"fenced: committed by incarnation {marker.get('incarnation')} after the controller ended it"
         for name, expected in marker.get("files", {}).items():
             path = folder / name
             if not path.is_file():
@@ -207,7 +267,7 @@ def commit_checkpoint(run: RunDir, step: int, incarnation: int) -> bool:
     """
     if run.ended_file(incarnation).exists():
         return False
-    folder = run.checkpoint(step)
+    folder = run.checkpoint_folder(step, incarnation)
     write_json_atomic(
         folder / COMMIT_MARKER,
         {"step": step, "incarnation": incarnation, "time": time.time(), "files": checkpoint_manifest(folder)},

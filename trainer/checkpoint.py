@@ -77,7 +77,7 @@ def disk_error(error: BaseException) -> OSError | None:
 
 
 class Checkpointer:
-    """Saves `step-N` checkpoints (at most one in flight), commits them, keeps the newest k.
+    """Saves `step-N.incarnation-K` checkpoints (at most one in flight), commits them, keeps the newest k.
 
     `warn(message)` tells the controller about a checkpoint lost to the disk (see the module)."""
 
@@ -96,7 +96,7 @@ class Checkpointer:
     def save(self, model, optimizer, step: int, samples: int) -> None:
         """Checkpoint the state after `step` steps; returns once the state is staged (async) or written."""
         self.wait()
-        path = self.run.checkpoint(step)
+        path = self.run.checkpoint_folder(step, self.incarnation)
         state = _state(model, optimizer, step, samples)
         writer = DiskFull(path) if planned_disk_full(step) else None
         if self.group is None:
@@ -153,7 +153,7 @@ class Checkpointer:
         if cause is None:
             raise error
         if self.rank == 0:
-            shutil.rmtree(self.run.checkpoint(step), ignore_errors=True)
+            shutil.rmtree(self.run.checkpoint_folder(step, self.incarnation), ignore_errors=True)
         newest = (self.run.checkpoint_steps() or [0])[-1]
         message = (
             f"checkpoint of step {step} not written ({cause.strerror or cause}); training goes on, the newest "
@@ -174,6 +174,8 @@ class Checkpointer:
             # Older incomplete folders are leftovers of a dead incarnation (the in-flight
             # save is always newer than the newest complete one).
             if step not in kept and step < complete[-1]:
+                for folder in self.run.checkpoints.glob(f"step-{step}.incarnation-*"):
+                    shutil.rmtree(folder, ignore_errors=True)
                 shutil.rmtree(self.run.checkpoint(step), ignore_errors=True)
 
 

@@ -172,8 +172,9 @@ class TrainingSession:
         return init_device_mesh(device_type, self.layout.shape, mesh_dim_names=MESH_DIMENSIONS)
 
     def checkpoint_dir(self, step: int) -> Path:
-        """The folder for the checkpoint of `step` (created); every rank writes into the same one."""
-        folder = self.run.checkpoint(step)
+        """The folder for the checkpoint of `step` (created): every rank of this incarnation writes
+        into the same one, and no other incarnation does (`checkpoints/step-N.incarnation-K/`)."""
+        folder = self.run.checkpoint_folder(step, self.incarnation)
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 

@@ -139,13 +139,14 @@ def test_a_checkpoint_in_flight_gets_its_grace_and_partial_ones_are_removed(back
     every_rank_training(backend, "r1")
     run = backend.cluster.run_dir("r1")
     for step in (10, 20):
-        run.checkpoint(step).mkdir(parents=True)
-        (run.checkpoint(step) / "shard").write_text("x")
+        run.checkpoint_folder(step, 0).mkdir(parents=True)
+        (run.checkpoint_folder(step, 0) / "shard").write_text("x")
     assert commit_checkpoint(run, 10, incarnation=0)
     assert backend.cluster.await_checkpoint_in_flight("r1", 0, grace=0.2) == (20, False)
     backend.cluster.stop_incarnation("r1", 0)
     assert backend.cluster.remove_partial_checkpoints("r1") == [20]
-    assert run.checkpoint_steps() == [10]
+    assert run.checkpoint_steps() == [10]  # committed before drain ended its incarnation: it counts
+    assert not run.checkpoint_folder(20, 0).exists()
 
 
 def test_survivors_get_their_grace_and_what_they_saved_is_read(backend):
