@@ -209,14 +209,22 @@ def write_survivor(run: RunDir, incarnation: int, rank: int, manifest: SurvivorM
 
 
 def read_survivor(run: RunDir, incarnation: int, rank: int) -> SurvivorManifest | None:
-    """What survivor `rank` of the incarnation saved; None if it saved nothing that counts."""
+    """What survivor `rank` of the incarnation saved; None if it saved nothing that counts (no
+    manifest, or one written after the controller ended the incarnation: RunDir.survivor_counts)."""
+    counted = run.counted_survivors(incarnation)
+    return _survivor(run, incarnation, rank) if counted is None or rank in counted else None
+
+
+def _survivor(run: RunDir, incarnation: int, rank: int) -> SurvivorManifest | None:
     path = run.survivor_manifest(incarnation, rank)
     return _parsed(SurvivorManifest, read_text(path), path)
 
 
 def read_survivors(run: RunDir, incarnation: int, world_size: int) -> dict[int, SurvivorManifest]:
-    """The survivors of an incarnation that saved their state: rank -> its manifest."""
-    found = {rank: read_survivor(run, incarnation, rank) for rank in range(world_size)}
+    """The survivors of an incarnation that saved their state (and count: read_survivor): rank -> its manifest."""
+    counted = run.counted_survivors(incarnation)
+    ranks = range(world_size) if counted is None else sorted(r for r in counted if r < world_size)
+    found = {rank: _survivor(run, incarnation, rank) for rank in ranks}
     return {rank: manifest for rank, manifest in found.items() if manifest is not None}
 
 

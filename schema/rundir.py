@@ -120,8 +120,9 @@ class RunDir:
         return self.incarnation(k) / "ended"
 
     def end(self, k: int) -> None:
-        """Mark incarnation `k` ended, once, naming the checkpoints it had committed by then: those
-        alone of its checkpoints ever count (`committed`). A retried drain leaves the first mark."""
+        """Mark incarnation `k` ended, once, naming the checkpoints it had committed and the
+        survivors that had saved by then: those alone of its checkpoints and survivors' states ever
+        count (`committed`, `counted_survivors`). A retried drain leaves the first mark."""
         path = self.ended_file(k)
         if path.exists():
             return
@@ -132,14 +133,24 @@ class RunDir:
             for incarnation, folder in found
             if incarnation == k and (folder / COMMIT_MARKER).is_file()
         )
+        saved = self.survivors(k)
+        ranks = sorted(int(p.stem) for p in saved.glob("*.json") if p.stem.isdigit()) if saved.is_dir() else []
         temporary = path.with_name(f"ended.{os.getpid()}.{threading.get_ident()}")
-        temporary.write_text(json.dumps({"committed_steps": steps, "time": time.time()}))
+        temporary.write_text(json.dumps({"committed_steps": steps, "survivor_ranks": ranks, "time": time.time()}))
         try:
             os.link(temporary, path)  # whole, and only if no other end came first
         except FileExistsError:
             pass
         finally:
             temporary.unlink()
+
+    def counted_survivors(self, k: int) -> set[int] | None:
+        """The survivors of incarnation k whose manifests may count: None while it is not ended
+        (any), else those its end (`end`) found written, so that a save whose check raced the
+        end does not count. None too for an empty mark, one from before ends named survivors."""
+        ended = read_text(self.ended_file(k))
+        ranks = json.loads(ended).get("survivor_ranks") if ended else None
+        return set(ranks) if ranks is not None else None
 
     def standby(self, node: str) -> Path:
         """The warm standby of a node: `orders` (a FIFO), `lock` (held while it lives), `pid`, `ready`, `log`.

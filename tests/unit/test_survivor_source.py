@@ -10,8 +10,8 @@ import time
 
 from lazarus.infra.runfiles import survivor_holders, survivor_source
 from lazarus.infra.standbys import order_prefetch
-from lazarus.schema.contract import SurvivorManifest, write_survivor
-from lazarus.schema.files import file_sha256, take_lock
+from lazarus.schema.contract import SurvivorManifest, read_survivor, read_survivors, write_survivor
+from lazarus.schema.files import file_sha256, take_lock, write_json_atomic
 from lazarus.schema.layout import Layout
 from lazarus.schema.records import Assignment, Inventory, NodeRecord
 from lazarus.schema.rundir import RunDir
@@ -26,14 +26,21 @@ def failed_incarnation(run: RunDir, layout: Layout = DP2_PP2) -> None:
     run.assignment_file(0).write_text(assignment.model_dump_json())
 
 
-def survivor(run: RunDir, rank: int, step: int, layout: Layout = DP2_PP2, corrupt: bool = False) -> None:
+def survivor(
+    run: RunDir, rank: int, step: int, layout: Layout = DP2_PP2, corrupt: bool = False, late: bool = False
+) -> None:
+    """Survivor `rank`'s state and manifest; `late`: written past write_survivor's check (its
+    check passed just before the controller ended the incarnation)."""
     path = run.survivor_state(0, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(bytes([rank, step]) * 100)
     manifest = SurvivorManifest(
         step=step, coordinates=layout.coordinates(rank), size=200, sha256=file_sha256(path), time=time.time()
     )
-    assert write_survivor(run, 0, rank, manifest)
+    if late:
+        write_json_atomic(run.survivor_manifest(0, rank), manifest.model_dump_json())
+    else:
+        assert write_survivor(run, 0, rank, manifest)
     if corrupt:
         path.write_bytes(bytes([255, step]) * 100)
 
@@ -85,6 +92,20 @@ def test_an_ended_incarnation_records_no_survivor(tmp_path):
     manifest = SurvivorManifest(step=7, coordinates=DP2_PP2.coordinates(0), size=0, sha256="", time=0.0)
     assert write_survivor(run, 0, 0, manifest) is False
     assert survivor_source(run, 0, DP2_PP2, after_step=0) is None
+
+
+def test_a_survivor_save_that_raced_the_end_does_not_count(tmp_path):
+    """The end names the survivors that had saved; a manifest written after it (its writer's
+    check passed just before the end) is not read, and those named still are."""
+    run = RunDir(tmp_path)
+    failed_incarnation(run)
+    survivor(run, 0, 7)  # stage 0 of replica 0
+    run.end(0)
+    survivor(run, 1, 7, late=True)  # stage 1 of replica 0
+    assert read_survivors(run, 0, 4).keys() == {0} and read_survivor(run, 0, 1) is None
+    assert read_survivor(run, 0, 0).step == 7
+    # Counted, rank 1 would make replica 0 whole; without it stage 1 has no state: the checkpoint.
+    assert survivor_source(run, 0, DP2_PP2, after_step=5) is None
 
 
 def test_each_standby_is_told_to_read_the_states_its_node_may_load(tmp_path):
