@@ -233,7 +233,7 @@ class RunFiles:
         complete = set(run.checkpoint_steps())
         partial = [s for s in run.checkpoint_steps(complete_only=False) if s not in complete]
         for step in partial:
-            for folder in [run.checkpoints / f"step-{step}", *run.checkpoints.glob(f"step-{step}.incarnation-*")]:
+            for folder in run.checkpoint_folders(step):
                 shutil.rmtree(folder, ignore_errors=True)
         return partial
 

@@ -210,7 +210,7 @@ def write_survivor(run: RunDir, incarnation: int, rank: int, manifest: SurvivorM
 
 def read_survivor(run: RunDir, incarnation: int, rank: int) -> SurvivorManifest | None:
     """What survivor `rank` of the incarnation saved; None if it saved nothing that counts (no
-    manifest, or one written after the controller ended the incarnation: RunDir.survivor_counts)."""
+    manifest, or one written after the controller ended the incarnation: RunDir.counted_survivors)."""
     counted = run.counted_survivors(incarnation)
     return _survivor(run, incarnation, rank) if counted is None or rank in counted else None
 

@@ -188,6 +188,10 @@ class RunDir:
                 folders.setdefault(int(match.group(1)), []).append((incarnation, entry))
         return {step: sorted(found) for step, found in folders.items()}
 
+    def checkpoint_folders(self, step: int) -> list[Path]:
+        """Every folder of the checkpoint of `step`, whichever incarnation wrote it."""
+        return [folder for _, folder in self._step_folders().get(step, [])]
+
     def committed(self, folder: Path) -> bool:
         """Whether a checkpoint folder counts as committed: it has its commit marker, and the
         incarnation that wrote it had committed it when the controller ended that incarnation

@@ -174,9 +174,8 @@ class Checkpointer:
             # Older incomplete folders are leftovers of a dead incarnation (the in-flight
             # save is always newer than the newest complete one).
             if step not in kept and step < complete[-1]:
-                for folder in self.run.checkpoints.glob(f"step-{step}.incarnation-*"):
+                for folder in self.run.checkpoint_folders(step):
                     shutil.rmtree(folder, ignore_errors=True)
-                shutil.rmtree(self.run.checkpoint(step), ignore_errors=True)
 
 
 def load(run: RunDir, model, optimizer, step: int) -> dict:
