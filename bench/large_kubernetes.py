@@ -48,6 +48,7 @@ def emulated_pool(home: Path, nodes: int, qps: float, burst: int, say) -> dict:
             # No kubelet confirms a graceful delete: the drain deletes with grace 0, as for a dead node.
             {
                 "backend": "kubernetes",
+                "warm_standby": False,  # the cost of creating and deleting the rank pods themselves
                 "kubernetes": {"namespace": "lz", "pool": "large", "mount_path": str(home), "delete_grace_seconds": 0},
             },
         )

@@ -1,12 +1,13 @@
-"""The Kubernetes backend: nodes of a labelled pool are the unit of failure, one pod per node and
-incarnation runs the node's launcher (trainer/launcher.py), and quarantine is cordon + taint.
+"""The Kubernetes backend: nodes of a labelled pool are the unit of failure, each node's launcher
+(trainer/launcher.py) runs in the node's warm standby pod (infra/kubernetes_pods.py) or,
+cold, in a rank pod per node and incarnation, and quarantine is cordon + taint.
 
 It implements infra/backend.py's ClusterBackend, as the local backend does. What lives where:
 - the API server: which nodes belong to the pool (`lazarus.dev/pool=<pool>`), which run holds
   a node (`lazarus.dev/run=<run id>`), which nodes are hot spares (`lazarus.dev/spare=true`),
   quarantine (spec.unschedulable, a `lazarus.dev/quarantined` NoSchedule taint, a label naming
-  the run and an annotation with the reason), node health (the Ready condition), the rank pods
-  and an Event per recovery stage on the run's ConfigMap; node and pod changes reach the runs
+  the run and an annotation with the reason), node health (the Ready condition), the pods and
+  an Event per recovery stage on the run's ConfigMap; node and pod changes reach the runs
   through two watch streams per worker (infra/kubernetes_watch.py);
 - the shared volume (a ReadWriteMany claim the pods and the worker mount): the run directory
   (schema/rundir.py) with its assignments, launch records, heartbeats, exits and checkpoints.
@@ -28,25 +29,27 @@ from kubernetes.client.rest import ApiException
 
 from lazarus.infra.backend import ClusterError, Observation
 from lazarus.infra.kubernetes_objects import (
-    INCARNATION_LABEL,
-    NODE_INDEX_LABEL,
     POOL_LABEL,
     QUARANTINE_LABEL,
-    REASON_ANNOTATION,
     RUN_LABEL,
-    SPARE_LABEL,
     node_address,
-    node_free,
     node_ready,
-    other_taints,
-    pod_running,
     rank_pod,
     run_label,
     run_object_name,
     stage_event,
 )
-from lazarus.infra.kubernetes_pool import PoolWants, claim_node, node_records, quarantine_patch, release_node
+from lazarus.infra.kubernetes_pool import (
+    PoolWants,
+    claim_free_nodes,
+    claim_node,
+    node_records,
+    quarantine_patch,
+    release_node,
+    return_patch,
+)
 from lazarus.infra.kubernetes_rate import CLIENT_BURST, CLIENT_QPS, fan_out, throttle
+from lazarus.infra.kubernetes_pods import NodePods
 from lazarus.infra.kubernetes_watch import RunWatches
 from lazarus.infra.runfiles import RunFiles
 from lazarus.schema.contract import LaunchRecord, SurvivorSource
@@ -87,6 +90,7 @@ class KubernetesCluster(RunFiles):
         throttle(api, qps, burst)  # every request of this client, the watches' too
         self.core = k8s.CoreV1Api(api)
         self.watches = RunWatches(self.core)
+        self.node_pods = NodePods(self.core, self.watches)
         self.wants = PoolWants(self.core)
 
     def close(self) -> None:
@@ -141,18 +145,9 @@ class KubernetesCluster(RunFiles):
         )
         _ignoring_conflict(lambda: self.core.create_namespaced_config_map(settings.namespace, config_map))
         pool = self._pool(settings)
-        mine = [n for n in pool if (n.metadata.labels or {}).get(RUN_LABEL) == run_label(run_id)]
-        # Spares last: a run takes ordinary free nodes first and leaves the hot spares for recoveries.
-        candidates = sorted(
-            (n for n in pool if node_free(n)),
-            key=lambda n: ((n.metadata.labels or {}).get(SPARE_LABEL) == "true", n.metadata.name),
+        mine = claim_free_nodes(
+            pool, run_label(run_id), spec.cluster.active_nodes, lambda n: self._claim(n, run_id, spare_only=False)
         )
-        while candidates and len(mine) < spec.cluster.active_nodes:
-            # As many claims at once as nodes are missing; another run's claim can refuse some.
-            wanted = spec.cluster.active_nodes - len(mine)
-            batch, candidates = candidates[:wanted], candidates[wanted:]
-            claimed = fan_out([lambda n=n: self._claim(n.metadata.name, run_id, spare_only=False) for n in batch])
-            mine += [n for n, took in zip(batch, claimed, strict=True) if took]
         if len(mine) < spec.cluster.active_nodes:
             fan_out([lambda n=n: self._release(n.metadata.name, run_id) for n in mine])
             raise ClusterError(
@@ -185,14 +180,7 @@ class KubernetesCluster(RunFiles):
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node goes back to the pool as a hot spare: uncordoned, untainted, unlabelled."""
-        patch = {
-            "spec": {"unschedulable": False, "taints": other_taints(self._read_node(node)) or None},
-            "metadata": {
-                "labels": {QUARANTINE_LABEL: None, SPARE_LABEL: "true"},
-                "annotations": {REASON_ANNOTATION: None},
-            },
-        }
-        self.core.patch_node(node, patch)
+        self.core.patch_node(node, return_patch(self._read_node(node)))
         message = f"{node} is back in the pool as a hot spare"
         self._event(run_id, "Returned", message, kind="Node", name=node, namespace="")
         return self.inventory(run_id)
@@ -242,14 +230,16 @@ class KubernetesCluster(RunFiles):
     ) -> LaunchRecord:
         """Create the incarnation's pods (one per node) unless they exist; returns the launch record
         in force. The pods tolerate a not-ready node as `policy` (the one in force) says."""
-        _, assignment = self._incarnation(run_id, incarnation)
+        run, assignment = self._incarnation(run_id, incarnation)
         record = self.record_launch(run_id, incarnation, resume_step, skipped, survivors)
         spec = self.spec(run_id)
         namespace = spec.cluster.kubernetes.namespace
-        pods = [
-            rank_pod(run_id, spec, assignment, i, record.resume_step, policy or spec.recovery)
-            for i in range(len(assignment.nodes))
-        ]
+        existing = self.node_pods.rank_pods(run_id, namespace, incarnation)
+        cold = [i for i in range(len(assignment.nodes)) if i not in existing]
+        if spec.cluster.warm_standby and cold:
+            self.ensure_standbys(run_id, policy)
+            cold = self.node_pods.launch(run, namespace, assignment, cold, record.resume_step)
+        pods = [rank_pod(run_id, spec, assignment, i, record.resume_step, policy or spec.recovery) for i in cold]
         fan_out(
             [
                 lambda pod=pod: _ignoring_conflict(lambda: self.core.create_namespaced_pod(namespace, pod))
@@ -257,19 +247,6 @@ class KubernetesCluster(RunFiles):
             ]
         )
         return record
-
-    def _pods(self, run_id: str, incarnation: int, watched: bool = False) -> dict[int, k8s.V1Pod]:
-        """The incarnation's pods by node index: from the watch if `watched` and it is synced, else
-        from a list (drain's deletions and its wait for them use a list: the API server's word)."""
-        namespace = self._settings(run_id).namespace
-        mine = {RUN_LABEL: run_label(run_id), INCARNATION_LABEL: str(incarnation)}
-        cached = self.watches.cached("pods", namespace) if watched else None
-        if cached is not None:
-            pods = [p for p in cached.values() if all(p.metadata.labels.get(k) == v for k, v in mine.items())]
-        else:
-            selector = ",".join(f"{k}={v}" for k, v in mine.items())
-            pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
-        return {int(p.metadata.labels[NODE_INDEX_LABEL]): p for p in pods}
 
     def observe(self, run_id: str, incarnation: int) -> Observation:
         """Pods, node Ready conditions and the ranks' heartbeat and exit files of an incarnation."""
@@ -283,12 +260,11 @@ class KubernetesCluster(RunFiles):
             if name in nodes and (address := node_address(nodes[name])):
                 addresses[name] = address
         observation = self._observation(run, incarnation, dead, addresses)
-        pods = self._pods(run_id, incarnation, watched=True)
-        observation.launchers_alive = sum(pod_running(p) for p in pods.values())
+        running, launched = self.node_pods.launchers(run, self._settings(run_id).namespace, assignment)
+        observation.launchers_alive = sum(running)
         # A pod runs a node's ranks together: the backend sees the pod, its launcher each rank's process.
-        running = [pod_running(pods.get(index)) for index in range(len(assignment.nodes))]
         per_node = assignment.layout.ranks_per_node
-        observation.nodes = self._nodes(run, assignment, running, launched=lambda rank: rank // per_node in pods)
+        observation.nodes = self._nodes(run, assignment, running, launched=lambda rank: rank // per_node in launched)
         return observation
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
@@ -300,36 +276,29 @@ class KubernetesCluster(RunFiles):
         return await self.watches.wait(run_id, timeout)
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
-        """Delete the incarnation's pods and wait until the API server has none left; returns the
-        ranks whose pods were running.
+        """End the incarnation's launchers and ranks and wait until none is left; returns the ranks
+        that were running.
 
-        Pods get the spec's grace, but none on a node that is not ready or that this run
-        quarantined: their kubelet is dead or suspect and would never confirm, and the node is
-        cordoned and out of the run either way.
+        Survivors' standbys kill their launchers in place, and the pods stay warm for the next
+        incarnation; rank pods are deleted, with the spec's grace. A node that is not ready or
+        that this run quarantined loses its pods at once (grace 0): its kubelet is dead or
+        suspect and would never confirm, and the node is cordoned and out of the run either way.
+        A standby that does not answer has its pod deleted, as a rank pod would be.
         """
         run, assignment = self._incarnation(run_id, incarnation)
         run.end(incarnation)
         settings = self._settings(run_id)
         observation = self.observe(run_id, incarnation)
-        # A fresh list, not the watch: the quarantine drain wrote a moment ago must be seen.
-        quarantined = {
-            n.metadata.name
-            for n in self._pool(settings)
-            if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == run_label(run_id)
-        }
-        lost = set(observation.dead_nodes) | quarantined
-
-        def delete(index: int, pod: k8s.V1Pod) -> None:
-            grace = 0 if assignment.nodes[index] in lost else settings.delete_grace_seconds
-            try:
-                self.core.delete_namespaced_pod(pod.metadata.name, settings.namespace, grace_period_seconds=grace)
-            except ApiException as error:
-                if error.status != 404:  # gone already
-                    raise
-
-        fan_out([lambda i=i, pod=pod: delete(i, pod) for i, pod in self._pods(run_id, incarnation).items()])
+        lost = set(observation.dead_nodes) | self._lost(run_id)
+        doomed = self.node_pods.stop(run, settings, assignment, lost)
+        pods = self.node_pods.rank_pods(run_id, settings.namespace, incarnation)
+        for grace, lost_node in ((0, True), (settings.delete_grace_seconds, False)):
+            names = [pod.metadata.name for i, pod in pods.items() if (assignment.nodes[i] in lost) == lost_node]
+            self.node_pods.delete(names, settings.namespace, grace)
         deadline = time.monotonic() + PODS_GONE_SECONDS
-        while self._pods(run_id, incarnation):
+        while self.node_pods.rank_pods(run_id, settings.namespace, incarnation) or doomed & set(
+            self.node_pods.pods(run_id, settings.namespace, watched=False)
+        ):
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"pods of incarnation {incarnation} of run {run_id!r} still exist "
@@ -338,21 +307,43 @@ class KubernetesCluster(RunFiles):
             time.sleep(PODS_POLL_SECONDS)
         return sorted(r.rank for r in observation.ranks if r.alive)
 
-    def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
-        """Give a checkpoint being written `grace` seconds to commit while the incarnation's pods run."""
+    def _lost(self, run_id: str) -> set[str]:
+        """The pool's nodes that this run quarantined or that are not ready. A fresh list, not the
+        watch: the quarantine drain wrote a moment ago must be seen."""
+        label = run_label(run_id)
+        return {
+            n.metadata.name
+            for n in self._pool(self._settings(run_id))
+            if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == label or not node_ready(n)[0]
+        }
+
+    def _survivors_run(self, run_id: str, incarnation: int):
+        """A check whether a launcher of the incarnation runs on a node that is not lost: a lost
+        node's pod may still look running (the API server may not know it died yet), and waiting
+        for it would only cost the whole grace."""
+        run, assignment = self._incarnation(run_id, incarnation)
+        lost = self._lost(run_id)
 
         def alive() -> bool:
-            return any(pod_running(p) for p in self._pods(run_id, incarnation, watched=True).values())
+            running, _ = self.node_pods.launchers(run, self._settings(run_id).namespace, assignment)
+            return any(up and node not in lost for up, node in zip(running, assignment.nodes, strict=True))
 
-        return self.wait_for_commit(run_id, grace, alive)
+        return alive
+
+    def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
+        """Give a checkpoint being written `grace` seconds to commit while a launcher of the
+        incarnation runs on a node that is not lost."""
+        return self.wait_for_commit(run_id, grace, self._survivors_run(run_id, incarnation))
 
     def await_survivors(self, run_id: str, incarnation: int, grace: float) -> dict[int, int]:
-        """Give the surviving ranks `grace` seconds to save their state while the incarnation's pods run."""
-
-        def alive() -> bool:
-            return any(pod_running(p) for p in self._pods(run_id, incarnation, watched=True).values())
-
-        return self.wait_for_survivors(run_id, incarnation, grace, alive)
+        """Give the surviving ranks `grace` seconds to save their state while a launcher of the
+        incarnation runs on a node that is not lost; then the warm standbys read what their
+        nodes' next ranks will load."""
+        saved = self.wait_for_survivors(run_id, incarnation, grace, self._survivors_run(run_id, incarnation))
+        run, assignment = self._incarnation(run_id, incarnation)
+        if saved and self.spec(run_id).cluster.warm_standby:
+            self.node_pods.prefetch(run, self._settings(run_id).namespace, assignment, self.inventory(run_id))
+        return saved
 
     def release_nodes(self, run_id: str) -> list[str]:
         """The run ended: unlabel its nodes, which go back to the pool as hot spares; returns them."""
@@ -366,8 +357,22 @@ class KubernetesCluster(RunFiles):
         self.drop_want(run_id)
         return mine
 
+    def ensure_standbys(self, run_id: str, policy: RecoveryPolicy | None = None) -> None:
+        """A standby pod on each healthy node of the run and each free spare of its pool, if the spec asks for them."""
+        spec = self.spec(run_id)
+        if not spec.cluster.warm_standby:
+            return
+        nodes = self._pool_nodes(spec.cluster.kubernetes)
+        healthy = {
+            n.name: node_address(nodes[n.name]) or n.name
+            for n in self.inventory(run_id).nodes
+            if n.healthy and n.role != "quarantined" and n.name in nodes
+        }
+        self.node_pods.ensure(self.run_dir(run_id), spec, healthy, policy or spec.recovery)
+
     def release_standbys(self, run_id: str) -> None:
-        """No warm standbys on Kubernetes (yet): each pod starts its interpreter."""
+        """The run ended: delete its standby pods (they would only wait for their idle exit)."""
+        self.node_pods.release(run_id, self._settings(run_id))
 
     # --- audit ------------------------------------------------------------------------------
 

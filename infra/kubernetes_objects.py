@@ -13,7 +13,14 @@ from datetime import UTC, datetime
 
 from kubernetes import client as k8s
 
-from lazarus.schema.contract import ENV_INCARNATION, ENV_NODE, ENV_NODE_INDEX, ENV_RESUME_STEP, ENV_RUN_DIR
+from lazarus.schema.contract import (
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_NODE_INDEX,
+    ENV_RESUME_STEP,
+    ENV_RUN_DIR,
+    ENV_STANDBY_ADDRESS,
+)
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
@@ -26,6 +33,8 @@ QUARANTINE_TAINT = "lazarus.dev/quarantined"
 REASON_ANNOTATION = "lazarus.dev/quarantine-reason"
 INCARNATION_LABEL = "lazarus.dev/incarnation"
 NODE_INDEX_LABEL = "lazarus.dev/node-index"
+ROLE_LABEL = "lazarus.dev/role"
+"""`standby` on a node's warm standby pod; rank pods have none."""
 
 WARNING_REASONS = ("FaultDetected", "Quarantined")
 """Event reasons shown as warnings (`kubectl get events --field-selector type=Warning`)."""
@@ -76,6 +85,11 @@ def run_label(run_id: str) -> str:
 def pod_name(run_id: str, incarnation: int, index: int) -> str:
     """The rank pod of node `index` in an incarnation."""
     return object_name("lz", run_id, incarnation, index)
+
+
+def standby_pod_name(run_id: str, node: str) -> str:
+    """The warm standby pod of a node of the run."""
+    return object_name("lzs", run_id, node)
 
 
 def run_object_name(run_id: str) -> str:
@@ -134,17 +148,37 @@ def rank_pod(
 ) -> k8s.V1Pod:
     """The pod of node `index`: its launcher with the contract's environment, pinned to the node,
     tolerating a not-ready node for `policy.not_ready_toleration_seconds` (the policy in force)."""
-    settings = spec.cluster.kubernetes
-    resources = {"cpu": settings.cpu, "memory": settings.memory}
-    if settings.gpus:
-        resources["nvidia.com/gpu"] = str(settings.gpus)
     env = {
-        ENV_RUN_DIR: f"{settings.mount_path.rstrip('/')}/runs/{run_id}",
         ENV_INCARNATION: str(assignment.incarnation),
         ENV_NODE: assignment.nodes[index],
         ENV_NODE_INDEX: str(index),
         ENV_RESUME_STEP: str(resume_step),
     }
+    labels = {INCARNATION_LABEL: str(assignment.incarnation), NODE_INDEX_LABEL: str(index)}
+    name = pod_name(run_id, assignment.incarnation, index)
+    return _node_pod(run_id, spec, name, assignment.nodes[index], "launcher", env, labels, policy)
+
+
+def standby_pod(run_id: str, spec: RunSpec, node: str, address: str, policy: RecoveryPolicy) -> k8s.V1Pod:
+    """The warm standby pod of a node of the run (trainer/standby_port.py): it holds what a rank pod
+    would (the node's GPUs, the volume), and its ranks run in it. It listens for orders on a port
+    of `address`, the node's address, on the host network."""
+    # The trainer's environment as its ranks will see it, since the standby imports what they
+    # use; one OpenMP thread, as the launcher gives ranks: a pool started by the imports would
+    # make forking unsafe (the ranks would then be exec'd, cold).
+    env = {"OMP_NUM_THREADS": "1", **spec.trainer.env, ENV_NODE: node, ENV_STANDBY_ADDRESS: address}
+    labels = {ROLE_LABEL: "standby"}
+    return _node_pod(run_id, spec, standby_pod_name(run_id, node), node, "standby", env, labels, policy)
+
+
+def _node_pod(
+    run_id: str, spec: RunSpec, name: str, node: str, role: str, env: dict, labels: dict, policy: RecoveryPolicy
+) -> k8s.V1Pod:
+    settings = spec.cluster.kubernetes
+    resources = {"cpu": settings.cpu, "memory": settings.memory}
+    if settings.gpus:
+        resources["nvidia.com/gpu"] = str(settings.gpus)
+    env = {ENV_RUN_DIR: f"{settings.mount_path.rstrip('/')}/runs/{run_id}", **env}
     tolerations = [
         k8s.V1Toleration(
             key=key, operator="Exists", effect="NoExecute", toleration_seconds=policy.not_ready_toleration_seconds
@@ -152,24 +186,19 @@ def rank_pod(
         for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
     ]
     container = k8s.V1Container(
-        name="launcher",
+        name=role,
         image=settings.image,
-        command=["python", "-m", "lazarus.trainer.launcher"],
+        command=["python", "-m", f"lazarus.trainer.{role}"],
         env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
         resources=k8s.V1ResourceRequirements(requests=resources, limits=resources),
         volume_mounts=[k8s.V1VolumeMount(name="runs", mount_path=settings.mount_path)],
     )
-    labels = {
-        RUN_LABEL: run_label(run_id),
-        INCARNATION_LABEL: str(assignment.incarnation),
-        NODE_INDEX_LABEL: str(index),
-    }
     return k8s.V1Pod(
         metadata=k8s.V1ObjectMeta(
-            name=pod_name(run_id, assignment.incarnation, index), namespace=settings.namespace, labels=labels
+            name=name, namespace=settings.namespace, labels={RUN_LABEL: run_label(run_id), **labels}
         ),
         spec=k8s.V1PodSpec(
-            node_name=assignment.nodes[index],
+            node_name=node,
             restart_policy="Never",
             host_network=True,
             dns_policy="ClusterFirstWithHostNet",

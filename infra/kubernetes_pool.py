@@ -24,6 +24,7 @@ from lazarus.infra.kubernetes_objects import (
     other_taints,
     run_object_name,
 )
+from lazarus.infra.kubernetes_rate import fan_out
 from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import NodeRecord
 
@@ -86,6 +87,15 @@ def quarantine_patch(node: k8s.V1Node, label: str, reason: str) -> dict:
     }
 
 
+def return_patch(node: k8s.V1Node) -> dict:
+    """The patch that returns a repaired node to the pool as a hot spare: uncordoned, untainted
+    (its other taints kept), no longer labelled or annotated as quarantined."""
+    return {
+        "spec": {"unschedulable": False, "taints": other_taints(node) or None},
+        "metadata": {"labels": {QUARANTINE_LABEL: None, SPARE_LABEL: "true"}, "annotations": {REASON_ANNOTATION: None}},
+    }
+
+
 def release_node(core: k8s.CoreV1Api, node_name: str, label: str) -> bool:
     """Give a node the run labelled `label` holds back to the pool as a hot spare; False if it held none."""
     node = core.read_node(node_name)
@@ -140,3 +150,20 @@ class PoolWants:
                 if want.run_id != run_id:
                     wants.append(want)
         return sorted(wants, key=lambda w: w.run_id)
+
+
+def claim_free_nodes(pool: list[k8s.V1Node], label: str, count: int, claim) -> list[k8s.V1Node]:
+    """The nodes of `pool` held by the run labelled `label`, with free ones claimed (`claim(name)`:
+    True if taken) until it holds `count`; fewer if the pool has not that many free."""
+    mine = [n for n in pool if (n.metadata.labels or {}).get(RUN_LABEL) == label]
+    # Spares last: a run takes ordinary free nodes first and leaves the hot spares for recoveries.
+    candidates = sorted(
+        (n for n in pool if node_free(n)),
+        key=lambda n: ((n.metadata.labels or {}).get(SPARE_LABEL) == "true", n.metadata.name),
+    )
+    while candidates and len(mine) < count:
+        # As many claims at once as nodes are missing; another run's claim can refuse some.
+        batch, candidates = candidates[: count - len(mine)], candidates[count - len(mine) :]
+        claimed = fan_out([lambda n=n: claim(n.metadata.name) for n in batch])
+        mine += [n for n, took in zip(batch, claimed, strict=True) if took]
+    return mine

@@ -15,6 +15,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
+from functools import partial
 
 from lazarus.infra.processes import KILL_WAIT_SECONDS, kill_group, wait_released
 from lazarus.infra.runfiles import Place, place_of
@@ -117,10 +118,17 @@ def order_launchers(run: RunDir, assignment: Assignment, resume_step: int, start
             os.close(fd)
 
 
-def order_prefetch(run: RunDir, assignment: Assignment, inventory: Inventory, holders: dict[Place, int]) -> None:
+def order_prefetch(
+    run: RunDir,
+    assignment: Assignment,
+    inventory: Inventory,
+    holders: dict[Place, int],
+    send: Callable[[str, dict], object] | None = None,
+) -> None:
     """Tell each healthy node's standby which survivors' states to read now, before any rank of
     the next incarnation exists: those of the places its node holds, or, for a spare, of the
-    places the dead nodes held (the one it may take).
+    places the dead nodes held (the one it may take). `send(node, order)` delivers an order
+    (default: a line in the node's FIFO).
 
     A replica fills whole nodes, so a node keeps its places when a reshard renumbers it: the
     guess is right for a hot spare and for a reshard alike; a wrong one only costs the rank a
@@ -139,12 +147,17 @@ def order_prefetch(run: RunDir, assignment: Assignment, inventory: Inventory, ho
         wanted = places(assignment.nodes.index(node.name)) if node.name in assignment.nodes else lost
         ranks = sorted({holders[place] for place in wanted if holders.get(place) is not None})
         if ranks:
-            order = {"prefetch": {"incarnation": assignment.incarnation, "ranks": ranks}}
-            fd = os.open(run.standby(node.name) / "orders", os.O_RDWR | os.O_NONBLOCK)
-            try:
-                os.write(fd, json.dumps(order).encode() + b"\n")
-            finally:
-                os.close(fd)
+            (send or partial(_write_order, run))(
+                node.name, {"prefetch": {"incarnation": assignment.incarnation, "ranks": ranks}}
+            )
+
+
+def _write_order(run: RunDir, node: str, order: dict) -> None:
+    fd = os.open(run.standby(node) / "orders", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        os.write(fd, json.dumps(order).encode() + b"\n")
+    finally:
+        os.close(fd)
 
 
 def kill_standbys(run: RunDir, nodes: list[str] | None = None, wait: bool = True) -> None:

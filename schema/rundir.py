@@ -98,6 +98,11 @@ class RunDir:
     def node_pid_file(self, k: int, node_index: int) -> Path:
         return self.incarnation(k) / "nodes" / f"{node_index}.pid"
 
+    def launcher_exit_file(self, k: int, node_index: int) -> Path:
+        """Written by a node's standby on Kubernetes when the launcher it forked ended: what a pod's
+        phase says of a launcher that runs as its pod."""
+        return self.incarnation(k) / "nodes" / f"{node_index}.exit"
+
     def node_report_file(self, k: int, node_index: int) -> Path:
         """The launcher's report of its node's ranks (schema/node_reports.py)."""
         return self.incarnation(k) / "nodes" / f"{node_index}.report.json"
@@ -156,6 +161,11 @@ class RunDir:
         """The warm standby of a node: `orders` (a FIFO), `lock` (held while it lives), `pid`, `ready`, `log`.
         ValueError for a name that is no node's: it would lead out of standby/."""
         return self.root / "standby" / check_node_name(node)
+
+    @property
+    def standby_token_file(self) -> Path:
+        """The secret a Kubernetes standby wants with each order on its port (written by the backend, mode 0600)."""
+        return self.root / "standby" / "token"
 
     def standbys(self) -> list[Path]:
         """The standby folders of every node the run has kept one on."""

@@ -42,6 +42,7 @@ from lazarus.schema.contract import (
     ENV_NODE_INDEX,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
+    ENV_STANDBY_ADDRESS,
     ENV_STANDBY_LOCK_FDS,
     ENV_STANDBY_NODES,
 )
@@ -196,14 +197,17 @@ def fork_starter(private_fds: list[int]):
     return start_rank
 
 
-def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -> None:
-    """Fork a launcher (own session) that starts this node's ranks of the ordered incarnation."""
+def launch_order(run: RunDir, node: str, order: dict, private_fds: list[int], checks_pool: bool = True) -> int:
+    """Fork a launcher (own session) that starts this node's ranks of the ordered incarnation;
+    returns its pid. `checks_pool`: refuse where the local backend's pool file says the node is
+    dead (a Kubernetes standby has none: its pod is deleted with its node)."""
     # Everything the standby holds (torch's modules, the prepared model, prefetched states)
     # moves to the permanent generation: a collection in a rank would otherwise touch every
     # inherited object and copy its page (copy-on-write) on the rank's critical path.
     gc.freeze()
-    if os.fork():
-        return
+    pid = os.fork()
+    if pid:
+        return pid
     code = 1
     try:
         os.setsid()
@@ -226,7 +230,7 @@ def _launch_order(run: RunDir, node: str, order: dict, private_fds: list[int]) -
         # The backend marks an incarnation ended, or the node dead, before it kills their
         # processes; this launcher took its lock first, so either it sees the mark here or the
         # backend sees the lock and kills it.
-        pool = read_json(run.pool_file) or {}
+        pool = (read_json(run.pool_file) or {}) if checks_pool else {"nodes": [{"name": node}]}
         usable = {n["name"]: n.get("healthy", True) and n.get("role") != "quarantined" for n in pool.get("nodes", [])}
         if run.ended_file(incarnation).exists() or not usable.get(node, False):
             print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
@@ -263,14 +267,15 @@ def _follow(run: RunDir, node: str, order: dict, private_fds: list[int], prepare
                 flush=True,
             )
         return
-    _launch_order(run, node, order, private_fds)
+    launch_order(run, node, order, private_fds)
     if prepares:
         from lazarus.trainer import prepared
 
         prepared.forget_states()  # the launcher's ranks have them; the next fault brings new ones
 
 
-def _launcher_alive(run: RunDir) -> bool:
+def launcher_alive(run: RunDir) -> bool:
+    """Whether a launcher of the run's newest incarnation lives (its node lock is held)."""
     incarnations = run.incarnations()
     if not incarnations:
         return False
@@ -297,7 +302,28 @@ class Warmth:
         self.seconds = time.time() - began
 
 
-def _record(home) -> None:
+def say_warm(node: str, warmth: Warmth) -> dict:
+    """Log how warming up went; returns it as the `ready` file records it."""
+    print(
+        f"lazarus standby {node}: "
+        + (
+            f"warm after {warmth.seconds:.2f} s"
+            if _fork_safe
+            else f"{warmth.threads} threads after the imports (OMP_NUM_THREADS > 1?): ranks will be exec'd, cold"
+        )
+        + (f" (could not import {', '.join(warmth.failed)})" if warmth.failed else ""),
+        flush=True,
+    )
+    return {
+        "import_seconds": warmth.seconds,
+        "failed_imports": warmth.failed,
+        "threads": warmth.threads,
+        "warm": _fork_safe,
+    }
+
+
+def record_pid(home) -> None:
+    """Record this process as the standby in `home` (its pid file, which a kill reads)."""
     write_json_atomic(
         home / "pid", {"pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid())}
     )
@@ -312,31 +338,13 @@ def serve(run: RunDir, node: str, lock: int | None = None, orders: int | None = 
         lock = take_lock(home / "lock")
         if lock is None:
             return 0  # this node has a live standby
-    _record(home)
+    record_pid(home)
     # O_RDWR: the open neither blocks for a writer nor sees end-of-file when one leaves, and an
     # order written while the imports below run waits in the pipe.
     if orders is None:
         orders = os.open(home / "orders", os.O_RDWR)
     warmth = warmth or Warmth(run)
-    write_json_atomic(
-        home / "ready",
-        {
-            "import_seconds": warmth.seconds,
-            "failed_imports": warmth.failed,
-            "threads": warmth.threads,
-            "warm": _fork_safe,
-        },
-    )
-    print(
-        f"lazarus standby {node}: "
-        + (
-            f"warm after {warmth.seconds:.2f} s"
-            if _fork_safe
-            else f"{warmth.threads} threads after the imports (OMP_NUM_THREADS > 1?): ranks will be exec'd, cold"
-        )
-        + (f" (could not import {', '.join(warmth.failed)})" if warmth.failed else ""),
-        flush=True,
-    )
+    write_json_atomic(home / "ready", say_warm(node, warmth))
     built_in = warmth.built_in
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers are reaped by the kernel
     pending = b""
@@ -350,7 +358,7 @@ def serve(run: RunDir, node: str, lock: int | None = None, orders: int | None = 
                 if line.strip():
                     _follow(run, node, json.loads(line), [orders, lock], built_in and _fork_safe)
             idle_since = time.monotonic()
-        elif _launcher_alive(run):
+        elif launcher_alive(run):
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since > IDLE_EXIT_SECONDS:
             print(f"lazarus standby {node}: no launcher alive for {IDLE_EXIT_SECONDS:g} s; exiting", flush=True)
@@ -369,7 +377,13 @@ def main() -> None:
     missing = [name for name in (ENV_RUN_DIR, ENV_NODE) if name not in os.environ]
     if missing:
         raise SystemExit(f"lazarus standby: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")
-    sys.exit(serve(RunDir(os.environ[ENV_RUN_DIR]), os.environ[ENV_NODE]))
+    run, node = RunDir(os.environ[ENV_RUN_DIR]), os.environ[ENV_NODE]
+    if ENV_STANDBY_ADDRESS in os.environ:
+        from lazarus.trainer.standby_port import serve_port
+
+        lock = take_lock(run.standby(node) / "lock")
+        sys.exit(0 if lock is None else serve_port(run, node, os.environ[ENV_STANDBY_ADDRESS], lock))
+    sys.exit(serve(run, node))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def serve_nodes(run: RunDir, nodes: list[str], locks: list[int]) -> int:
         (read_json(home / "pid") or {}).get("pid") == os.getpid() for home in homes
     ):
         time.sleep(0.01)  # a fork's own record must come after the backend's
-    gc.freeze()  # what every fork shares stays shared: see _launch_order
+    gc.freeze()  # what every fork shares stays shared: see launch_order
     for node, home, lock, fifo in zip(nodes, homes, locks, fifos, strict=True):
         if os.fork():
             continue

@@ -1,9 +1,12 @@
 """The kubelets of the emulated nodes, played on this machine, so that rank pods really run.
 
-Each pod bound to a live node runs as a local process group: its container's command
-(`python` is this interpreter) with its environment. The kubelet reports the pod's phase to
-the API; when a pod turns terminating (the emulator's graceful deletion), it kills the
-process group and confirms with a delete of grace 0, as a real kubelet does. A node that
+Each pod bound to a live node runs as local processes: its container's command (`python` is
+this interpreter) with its environment, plus a marker naming the pod. The marker plays the
+container's cgroup: every process the container starts carries it, whatever session it makes
+(a warm standby forks launchers that lead their own), and killing the pod kills them all. The
+kubelet reports the pod's phase to the API; when a pod turns terminating (the emulator's
+graceful deletion), it kills the pod's processes and confirms with a delete of grace 0, as a
+real kubelet does. A node that
 dies takes its processes with it; a dead node's kubelet confirms nothing, so its pods stay
 until the API server learns of the death (their phase turns Failed) or they are deleted
 with grace 0.
@@ -22,6 +25,30 @@ from pathlib import Path
 
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
+
+POD_MARKER = "FAKE_KUBELET_POD"
+"""The environment variable that names the pod a process belongs to (the module docstring)."""
+
+
+def container_processes(pod: str) -> list[int]:
+    """The live processes started in the pod's container (they carry its marker); zombies are
+    over and not counted."""
+    marker = f"{POD_MARKER}={pod}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as environ:
+                if marker not in environ.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        found.append(int(entry.name))
+    return found
 
 
 class FakeKubelet:
@@ -77,6 +104,12 @@ class FakeKubelet:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+            # The rest of the container: processes in sessions of their own. Killed until none
+            # is left, since one may fork while the scan runs.
+            while pids := container_processes(name):
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
 
     def _sync(self) -> None:
         pods = {p.metadata.name: p for p in self.admin.list_namespaced_pod(self.namespace).items}
@@ -101,7 +134,7 @@ class FakeKubelet:
         command = [sys.executable if part == "python" else part for part in container.command[:1]] + container.command[
             1:
         ]
-        env = {**os.environ, **{e.name: e.value for e in container.env or []}}
+        env = {**os.environ, **{e.name: e.value for e in container.env or []}, POD_MARKER: pod.metadata.name}
         with open(self.logs / f"{pod.metadata.name}.log", "ab") as log:
             self.processes[pod.metadata.name] = subprocess.Popen(
                 command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -32,6 +32,7 @@ def k8s_spec(home, active: int = 2, spares: int = 1, pool: str = "test"):
                 "backend": "kubernetes",
                 "active_nodes": active,
                 "spare_nodes": spares,
+                "warm_standby": False,  # the rank pods themselves (no kubelet runs standbys here)
                 "kubernetes": {"namespace": "lz", "pool": pool, "mount_path": str(home), "image": "trainer:test"},
             },
         }

@@ -12,8 +12,9 @@ import pytest
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.infra.kubernetes import KubernetesCluster
-from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL, run_object_name
+from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL, run_object_name, standby_pod_name
 from lazarus.schema import RunState, load_spec, parse_spec
+from lazarus.schema.files import read_json
 from lazarus.worker import build_worker
 from tests.support.runs import SMALL_SPEC, assert_restored_from_survivors, losses, trained_step
 
@@ -90,9 +91,7 @@ async def test_a_node_lost_on_kubernetes_is_replaced_by_the_spare(
     for name in ("spare-0", "worker-0", "worker-1", "worker-3"):
         labels = admin.read_node(name).metadata.labels
         assert RUN_LABEL not in labels and labels["lazarus.dev/spare"] == "true", (name, labels)
-    # The next incarnation's pods landed on the spare and the survivors, one per node.
-    pods = admin.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}={run_id},lazarus.dev/incarnation=1").items
-    assert sorted(p.spec.node_name for p in pods) == ["spare-0", "worker-0", "worker-1", "worker-3"]
+    assert_ran_in_place(kubelet, admin, cluster.run_dir(run_id), incident)
     # An Event for each recovery stage on the run's ConfigMap, and one on the quarantined node.
     events = admin.list_namespaced_event("lz").items
     on_run = {e.reason for e in events if e.involved_object.name == run_object_name(run_id)}
@@ -166,15 +165,30 @@ async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and
     claimed = claims_of(admin, run_id)
     assert set(claimed) == set(incident.old_assignment.nodes) | set(incident.new_assignment.nodes)
     assert len({"spare-0", "spare-1"} & set(claimed)) == 1
-    # No duplicate pods: each node of incarnation 1 ran its pod once, and each rank started once.
-    second_round = [name for name in kubelet.started if f"-{run_id}-1-" in name]
-    assert sorted(second_round) == sorted(set(second_round)) and len(second_round) == 4
+    # No duplicate pods or processes: incarnation 1 ran in the standby pods, each started once
+    # (the retried launch ordered them again), and each rank started once.
+    assert_ran_in_place(kubelet, admin, run, incident)
     for rank in range(spec.layout.world_size):
         starts = [
             line for line in run.log_file(1, rank).read_text().splitlines() if line.startswith("lazarus trainer: rank")
         ]
         assert len(starts) == 1, f"rank {rank} of incarnation 1 was started {len(starts)} times"
     assert losses(run) == reference_losses
+
+
+def assert_ran_in_place(kubelet, admin, run, incident) -> None:
+    """The incarnation after the fault ran in the nodes' warm standby pods: no rank pod was
+    created, each standby pod of its nodes (the survivors' and the spare's) started once, and
+    each of their launchers ended with code 0 as its standby recorded; the lost node's standby
+    pod was deleted with it and not recreated."""
+    run_id, k = run.root.name, incident.new_assignment.incarnation
+    rank_pods = admin.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}={run_id},lazarus.dev/incarnation={k}")
+    assert rank_pods.items == []
+    for index, node in enumerate(incident.new_assignment.nodes):
+        assert kubelet.started.count(standby_pod_name(run_id, node)) == 1, (node, kubelet.started)
+        assert read_json(run.launcher_exit_file(k, index))["code"] == 0, node
+    for node in incident.fault.nodes:
+        assert kubelet.started.count(standby_pod_name(run_id, node)) == 1, (node, kubelet.started)
 
 
 def claims_of(admin, run_id: str) -> list[str]:

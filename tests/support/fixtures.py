@@ -150,8 +150,11 @@ def kubernetes_backend(admin, clusters, tmp_path):
         add_node(admin, name, address=f"10.0.0.{index + 1}")
     add_node(admin, "spare-0", spare=True, address="10.0.1.1")
     kubelet = FakeKubelet(admin, "lz", tmp_path / "kubelet").start()
+    # Rank pods (cold): the warm standby pods are tests/k8s/test_recovery.py's concern, and
+    # these nodes' addresses are not this machine's for a standby to listen on.
     section = {
         "backend": "kubernetes",
+        "warm_standby": False,
         "kubernetes": {"namespace": "lz", "pool": "test", "mount_path": str(tmp_path), "image": "trainer:test"},
     }
 
