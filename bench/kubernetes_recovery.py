@@ -13,9 +13,11 @@ fake kubelet runs every pod's launcher as a local process (tests/k8s/). Two scen
                           (Kubernetes' default 40 s grace): blame comes from the survivors'
                           lost-peer errors and the dead node's silence, after a 2 s settle
 
-Stage times are those the workflow records (as in bench/recovery.py). Pods start cold (no
-warm standby on Kubernetes: each pod imports torch), and the emulator's API calls are HTTP
-round trips on this machine, so resume is the figure that differs most from the local backend.
+Stage times are those the workflow records (as in bench/recovery.py). Each node runs a warm
+standby pod (torch imported when the run starts) that forks the node's launcher on an order,
+so a recovery restarts the survivors in place and orders the spare's standby; the emulator's
+API calls are HTTP round trips on this machine. A second table says where drain, replace and
+resume spend their seconds: each backend call the stages made after the fault, timed.
 """
 
 from __future__ import annotations
@@ -46,6 +48,40 @@ from tests.support.kubernetes import add_node, api_client
 
 SCENARIOS = {"api-learns-first": True, "survivors-report-first": False}
 
+# The backend calls of drain (to stop_incarnation), replace_or_reshard (commit_assignment) and
+# resume (start_ranks), in the order the stages make them.
+CALLS = [
+    "quarantine",
+    "await_survivors",
+    "await_checkpoint_in_flight",
+    "stop_incarnation",
+    "remove_partial_checkpoints",
+    "commit_assignment",
+    "start_ranks",
+]
+
+
+class CallClock:
+    """The backend with the seconds of each call in CALLS recorded once `since` is set (the fault)."""
+
+    def __init__(self, cluster):
+        self.cluster, self.since, self.seconds = cluster, None, {}
+
+    def __getattr__(self, name):
+        method = getattr(self.cluster, name)
+        if name not in CALLS:
+            return method
+
+        def timed(*args, **kwargs):
+            began = time.monotonic()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if self.since is not None:
+                    self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - began
+
+        return timed
+
 
 def kubernetes_spec(home: Path):
     """The demo spec on the kubernetes backend (pool `bench`, namespace lz, volume at `home`)."""
@@ -73,7 +109,7 @@ async def one_kill(client, home: Path, run_id: str, api_learns: bool, say) -> di
             add_node(admin, f"worker-{i}", pool="bench")
         add_node(admin, "spare-0", pool="bench", spare=True)
         kubelet = FakeKubelet(admin, "lz", home / "kubelet" / run_id).start()
-        cluster = KubernetesCluster(home, api_client(emulator.url, BACKEND_USER_AGENT))
+        cluster = CallClock(KubernetesCluster(home, api_client(emulator.url, BACKEND_USER_AGENT)))
         spec = kubernetes_spec(home)
         settings = Settings(address=client.service_client.config.target_host, home=home, task_queue=f"k8s-{run_id}")
 
@@ -83,6 +119,7 @@ async def one_kill(client, home: Path, run_id: str, api_learns: bool, say) -> di
                 for name, p in kubelet.processes.items()
                 if admin.read_namespaced_pod(name, "lz").spec.node_name == node
             ]
+            cluster.since = time.monotonic()
             await asyncio.to_thread(kubelet.kill_node, node, api_learns)
             return pids
 
@@ -95,7 +132,8 @@ async def one_kill(client, home: Path, run_id: str, api_learns: bool, say) -> di
                 f"bench: {run_id} ended {final.state.value} with {len(final.incidents)} incident(s): {final.reason}"
             )
         incident = final.incidents[0]
-        return {**row(incident), "blamed": ",".join(incident.fault.nodes), "kind": incident.fault.kind}
+        calls = {name: cluster.seconds.get(name, 0.0) for name in CALLS}
+        return {**row(incident), "blamed": ",".join(incident.fault.nodes), "kind": incident.fault.kind, "calls": calls}
     finally:
         if cluster is not None:
             cluster.close()
@@ -143,6 +181,9 @@ def main() -> None:
         for i, r in enumerate(runs, 1):
             print(f"{i:<8}" + "".join(f"{r[c]:>{widths[c]}.2f}" for c in COLUMNS) + f"  {r['blamed']} ({r['kind']})")
         print("median  " + "".join(f"{medians[name][c]:>{widths[c]}.2f}" for c in COLUMNS))
+        print(f"backend calls after the fault, {name}, median seconds:")
+        for call in CALLS:
+            print(f"  {call:<28}{statistics.median(r['calls'][call] for r in runs):>6.2f}")
 
 
 if __name__ == "__main__":

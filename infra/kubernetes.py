@@ -39,6 +39,7 @@ from lazarus.infra.kubernetes_objects import (
     run_object_name,
     stage_event,
 )
+from lazarus.infra.kubernetes_pods import NodePods
 from lazarus.infra.kubernetes_pool import (
     PoolWants,
     claim_free_nodes,
@@ -49,7 +50,6 @@ from lazarus.infra.kubernetes_pool import (
     return_patch,
 )
 from lazarus.infra.kubernetes_rate import CLIENT_BURST, CLIENT_QPS, fan_out, throttle
-from lazarus.infra.kubernetes_pods import NodePods
 from lazarus.infra.kubernetes_watch import RunWatches
 from lazarus.infra.runfiles import RunFiles
 from lazarus.schema.contract import LaunchRecord, SurvivorSource
@@ -362,13 +362,14 @@ class KubernetesCluster(RunFiles):
         spec = self.spec(run_id)
         if not spec.cluster.warm_standby:
             return
-        nodes = self._pool_nodes(spec.cluster.kubernetes)
+        nodes, inventory = self._pool_nodes(spec.cluster.kubernetes), self.inventory(run_id)
         healthy = {
             n.name: node_address(nodes[n.name]) or n.name
-            for n in self.inventory(run_id).nodes
+            for n in inventory.nodes
             if n.healthy and n.role != "quarantined" and n.name in nodes
         }
-        self.node_pods.ensure(self.run_dir(run_id), spec, healthy, policy or spec.recovery)
+        held = {n.name for n in inventory.nodes if n.role == "active"}
+        self.node_pods.ensure(self.run_dir(run_id), spec, healthy, held, policy or spec.recovery)
 
     def release_standbys(self, run_id: str) -> None:
         """The run ended: delete its standby pods (they would only wait for their idle exit)."""

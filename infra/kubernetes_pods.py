@@ -69,15 +69,22 @@ class NodePods:
         mine = {RUN_LABEL: run_label(run_id), ROLE_LABEL: "standby"}
         return {p.spec.node_name: p for p in self._listed(mine, namespace, watched)}
 
-    def ensure(self, run: RunDir, spec: RunSpec, nodes: dict[str, str], policy: RecoveryPolicy) -> None:
+    def ensure(self, run: RunDir, spec: RunSpec, nodes: dict[str, str], held: set[str], policy: RecoveryPolicy) -> None:
         """Give each of `nodes` (name: address) a running standby pod, and delete the run's
         standby pods elsewhere (nodes released, quarantined or claimed by another run) and those
-        that ended (a standby leaves when its run idles), so that they can be created anew."""
+        that ended (a standby leaves when its run idles), so that they can be created anew.
+        Other runs' standby pods on the nodes the run `held` go: they kept a free spare warm
+        for their runs, and would hold the resources this run's pods need there."""
         run_id, namespace = run.root.name, spec.cluster.kubernetes.namespace
         _write_secret(run)
         existing = self.pods(run_id, namespace, watched=False)
         stale = [p for node, p in existing.items() if node not in nodes or not pod_running(p)]
-        self.delete([p.metadata.name for p in stale], namespace, grace=0)
+        foreign = [
+            p
+            for p in self._listed({ROLE_LABEL: "standby"}, namespace, watched=False)
+            if p.spec.node_name in held and (p.metadata.labels or {}).get(RUN_LABEL) != run_label(run_id)
+        ]
+        self.delete([p.metadata.name for p in stale + foreign], namespace, grace=0)
         wanted = [node for node in nodes if node not in existing or not pod_running(existing[node])]
         if not wanted:
             return

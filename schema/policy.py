@@ -26,6 +26,16 @@ class StagePolicy(Strict):
     retry_backoff: float = Field(2.0, ge=1, description="Factor by which each retry's wait grows (dimensionless).")
     max_retry_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS, description="Longest wait between retries (seconds).")
 
+    @model_validator(mode="after")
+    def _retries_grow_to_their_longest(self) -> StagePolicy:
+        # Temporal refuses a retry policy whose longest wait is shorter than its first.
+        if self.max_retry_seconds < self.initial_retry_seconds:
+            raise ValueError(
+                f"max_retry_seconds ({self.max_retry_seconds:g}) is less than initial_retry_seconds "
+                f"({self.initial_retry_seconds:g}): the longest wait between retries cannot be shorter than the first"
+            )
+        return self
+
 
 def _stage(timeout: float, heartbeat: float, attempts: int = 5) -> StagePolicy:
     return StagePolicy(timeout_seconds=timeout, heartbeat_timeout_seconds=heartbeat, max_attempts=attempts)

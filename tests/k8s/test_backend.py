@@ -17,8 +17,10 @@ from lazarus.infra.kubernetes_objects import (
     rank_pod,
     run_label,
     run_object_name,
+    standby_pod_name,
 )
 from lazarus.schema import Assignment, parse_spec
+from lazarus.schema.contract import ENV_NODE, ENV_STANDBY_ADDRESS
 from tests.support.kubernetes import add_node, set_ready
 
 
@@ -235,3 +237,41 @@ def test_a_run_id_that_is_no_kubernetes_name_still_claims_runs_and_quarantines(
     assert [t.value for t in pool.read_node("worker-1").spec.taints] == [label]
     cluster.stop_incarnation(run_id, 0)
     assert pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}={label}").items == []
+
+
+def warm(spec):
+    """The spec with warm standby pods (the default)."""
+    return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"warm_standby": True})})
+
+
+def standby_pods(admin) -> dict[str, list[str]]:
+    """Standby pods of every run, as run label: sorted node names."""
+    found: dict[str, list[str]] = {}
+    for pod in admin.list_namespaced_pod("lz", label_selector="lazarus.dev/role=standby").items:
+        found.setdefault(pod.metadata.labels[RUN_LABEL], []).append(pod.spec.node_name)
+    return {run: sorted(nodes) for run, nodes in found.items()}
+
+
+def test_standby_pods_keep_each_healthy_node_warm_and_a_claimed_spare_drops_other_runs(pool, backend_api, tmp_path):
+    """Standby pods go on a run's active nodes and the pool's free spare, listening on the node's
+    address; the run that takes the spare deletes the other run's standby pod there, and the
+    other run's next launch no longer keeps one on it."""
+    add_node(pool, "worker-3", address="10.0.0.4")
+    first, second = KubernetesCluster(tmp_path, backend_api), KubernetesCluster(tmp_path, backend_api)
+    first.create("r1", warm(k8s_spec(tmp_path, active=2)))
+    second.create("r2", warm(k8s_spec(tmp_path, active=2)))
+    first.ensure_standbys("r1")
+    second.ensure_standbys("r2")
+    assert standby_pods(pool) == {"r1": ["spare-0", "worker-0", "worker-1"], "r2": ["spare-0", "worker-2", "worker-3"]}
+    pod = pool.read_namespaced_pod(standby_pod_name("r1", "worker-1"), "lz")
+    env = {e.name: e.value for e in pod.spec.containers[0].env}
+    assert pod.spec.host_network and pod.spec.containers[0].command == ["python", "-m", "lazarus.trainer.standby"]
+    assert env[ENV_NODE] == "worker-1" and env[ENV_STANDBY_ADDRESS] == "10.0.0.2" and env["OMP_NUM_THREADS"] == "1"
+
+    layout = k8s_spec(tmp_path).layout
+    first.commit_assignment(
+        "r1", Assignment(incarnation=1, nodes=["worker-0", "spare-0"], layout=layout, master_port=1), claims=["spare-0"]
+    )
+    first.ensure_standbys("r1")
+    second.ensure_standbys("r2")
+    assert standby_pods(pool) == {"r1": ["spare-0", "worker-0", "worker-1"], "r2": ["worker-2", "worker-3"]}

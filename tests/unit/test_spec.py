@@ -41,6 +41,17 @@ def test_negative_stage_timeout_names_the_stage():
     assert message.startswith("recovery.stages.drain.timeout_seconds: must be greater than 0")
 
 
+def test_a_stage_whose_longest_retry_wait_is_below_its_first_is_refused():
+    drain = {
+        "timeout_seconds": 60,
+        "heartbeat_timeout_seconds": 5,
+        "initial_retry_seconds": 20,
+        "max_retry_seconds": 10,
+    }
+    message = refuse({"recovery": {"stages": {"drain": drain}}})
+    assert message.startswith("recovery.stages.drain: max_retry_seconds (10) is less than initial_retry_seconds (20)")
+
+
 def test_unknown_backend_is_refused():
     assert (
         refuse({"cluster": {"backend": "slurm"}})
