@@ -125,10 +125,12 @@ class NodePods:
         fan_out([lambda name=name: delete(name) for name in names])
 
     def _running(self, run_id: str, namespace: str, node: str) -> bool:
-        """Whether the node's standby pod runs: the watch's word, else (a pod created a moment ago
-        that the watch has not brought yet) the API server's."""
-        pod = self.pods(run_id, namespace).get(node) or self.pods(run_id, namespace, watched=False).get(node)
-        return pod_running(pod)
+        """Whether the node's standby pod runs: the watch's word, checked with the API server's
+        where the watch says no (it may not have brought a pod created a moment ago, in place of
+        one that ended under the same name)."""
+        if pod_running(self.pods(run_id, namespace).get(node)):
+            return True
+        return pod_running(self.pods(run_id, namespace, watched=False).get(node))
 
     def rank_pods(self, run_id: str, namespace: str, incarnation: int, watched: bool = False) -> dict[int, k8s.V1Pod]:
         """The incarnation's rank pods by node index: from the watch if `watched` and it is synced,
