@@ -228,8 +228,9 @@ class KubernetesCluster(RunFiles):
         policy: RecoveryPolicy | None = None,
         survivors: SurvivorSource | None = None,
     ) -> LaunchRecord:
-        """Create the incarnation's pods (one per node) unless they exist; returns the launch record
-        in force. The pods tolerate a not-ready node as `policy` (the one in force) says."""
+        """Start each node's launcher of the incarnation unless its rank pod exists: ordered from the
+        node's standby pod, else (no standby, or one that did not answer) in a rank pod of its own;
+        returns the launch record in force. Pods tolerate a not-ready node as `policy` says."""
         run, assignment = self._incarnation(run_id, incarnation)
         record = self.record_launch(run_id, incarnation, resume_step, skipped, survivors)
         spec = self.spec(run_id)

@@ -33,7 +33,7 @@ import time
 
 from lazarus.schema.files import read_json, write_json_atomic
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.standby import IDLE_EXIT_SECONDS, Warmth, launch_order, launcher_alive, record_pid, say_warm
+from lazarus.trainer.standby import IDLE_EXIT_SECONDS, Warmth, launch_order, launcher_alive, say_warm
 
 ORDER_READ_SECONDS = 5.0
 """How long the standby waits for an order's line once its connection is accepted (seconds)."""
@@ -160,7 +160,6 @@ def answer(connection: socket.socket, reply: dict) -> None:
 def serve_port(run: RunDir, node: str, address: str, lock: int) -> int:
     """Serve the node's orders on a port of `address` until the run goes idle (see the module docstring)."""
     home = run.standby(node)
-    record_pid(home)
     try:
         port = OrderPort(run, node, address)
     except OSError as error:
@@ -203,3 +202,7 @@ def _follow_order(run: RunDir, node: str, order: dict, connection, launchers: La
         # The launcher closes the connection's descriptor in its fork (with the listening socket
         # and the lock): only this process answers, and a launcher never holds the controller's end.
         answer(connection, launchers.start(order, node, [*private, connection.fileno()]))
+        if prepares:
+            from lazarus.trainer import prepared
+
+            prepared.forget_states()  # the launcher's ranks have them; the next fault brings new ones
