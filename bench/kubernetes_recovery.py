@@ -38,6 +38,7 @@ from kubernetes import client as k8s
 from bench.recovery import COLUMNS, row
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
+from lazarus.infra.backend import free_port
 from lazarus.infra.kubernetes import KubernetesCluster
 from lazarus.infra.temporal_server import local_environment
 from lazarus.schema import RunState, load_spec, parse_spec
@@ -95,6 +96,8 @@ def kubernetes_spec(home: Path):
             "mount_path": str(home),
             "image": "trainer:bench",
             "delete_grace_seconds": 1,
+            # Every emulated node is this host: a port of its own, free of other runs' rendezvous.
+            "master_port": free_port(),
         },
     }
     return parse_spec(data)

@@ -11,6 +11,7 @@ import pytest
 
 from lazarus.client import start_run
 from lazarus.config import Settings
+from lazarus.infra.backend import free_port
 from lazarus.infra.kubernetes import KubernetesCluster
 from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL, run_object_name, standby_pod_name
 from lazarus.schema import RunState, load_spec, parse_spec
@@ -34,6 +35,8 @@ def kubernetes_spec(home):
             "mount_path": str(home),
             "image": "trainer:test",
             "delete_grace_seconds": 1,
+            # Every emulated node is this host: a port of its own, free of other runs' rendezvous.
+            "master_port": free_port(),
         },
     }
     return parse_spec(data)
