@@ -21,8 +21,10 @@ from tests.support.waiting import wait_until
 RANK = """
 import json, os, sys, time
 rank = int(os.environ["RANK"])
-with open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w") as out:
+report = os.path.join(os.environ["REPORT_DIR"], f"{rank}.json")
+with open(report + ".part", "w") as out:  # renamed when whole: the test reads it while the rank runs
     json.dump({"torch": "torch" in sys.modules, "pid": os.getpid()}, out)
+os.replace(report + ".part", report)
 if sys.argv[1] == "forever":
     time.sleep(600)
 """
