@@ -6,49 +6,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
 
+from lazarus.activities.exits import judge_exits, judge_lingering
 from lazarus.infra.backend import Observation, RankObservation
-from lazarus.schema.contract import RankExit
 from lazarus.schema.node_reports import NodeReading, NodeSummary
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import FaultReport, StepSource
-
-PROGRAM_ERROR_SETTLE_SECONDS = 2.0
-"""How long after the first rank of a fresh run fails before its first step the others get to
-fail the same way (then it is the program's fault); past it, the first one's node is blamed."""
-
-PEER_LOSS_SETTLE_SECONDS = 2.0
-"""How long after the first rank reports a lost peer the silent ranks get to report how they
-ended (a live launcher writes its ranks' records within milliseconds) before their node is
-blamed as dead, though the backend does not know it yet."""
-
-PEER_LOST_ERRORS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "remote process exited",
-    "ncclremoteerror",
-    "connection refused",
-    "socket closed",
-)
-"""Parts of the errors gloo and NCCL raise in a rank whose peer went away: the rank that
-raised one is a witness of a fault elsewhere, not its cause."""
-
-
-PEER_WAIT_ERRORS = ("wait timeout", "timed out", "timeout")
-"""Parts of the errors of a rank that gave up waiting for its peers (a rendezvous, a store key):
-a witness too, of a peer that never came."""
-
-
-def waited_in_vain(ended: RankExit) -> bool:
-    """Whether a rank's exit record says it gave up waiting for a peer, or lost one."""
-    error = ended.error.lower()
-    return lost_a_peer(ended) or any(part in error for part in PEER_WAIT_ERRORS)
-
-
-def lost_a_peer(ended: RankExit) -> bool:
-    """Whether a rank's exit record says it ended because a peer went away."""
-    error = ended.error.lower()
-    return any(part in error for part in PEER_LOST_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -62,6 +24,7 @@ class Verdict:
     source: StepSource | None = None  # who reports the step
     up: bool = False  # every rank is launched and its process runs
     warnings: list[str] = field(default_factory=list)  # what the ranks' heartbeats ask the operator to know
+    lingering: list[int] = field(default_factory=list)  # ranks still running past the exit grace, to be ended
 
 
 ALIVE_GRACE_SECONDS = 1.0
@@ -72,15 +35,6 @@ interval, and a loaded node may delay it by some."""
 
 def _at(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, UTC)
-
-
-def _ended(rank: RankObservation) -> str:
-    if rank.exit is None:
-        return f"rank {rank.rank} on {rank.node} ended without an exit record (killed with its node)"
-    if rank.exit.signal:
-        return f"rank {rank.rank} on {rank.node} was killed by {rank.exit.signal}"
-    error = f": {rank.exit.error}" if rank.exit.error else ""
-    return f"rank {rank.rank} on {rank.node} exited with code {rank.exit.code}{error}"
 
 
 @dataclass(frozen=True)
@@ -214,14 +168,15 @@ class _Look:
         return Verdict(outcome.pop("step", self.step), source=self.source, up=up, warnings=warnings, **outcome)
 
     def fault(self, kind: str, blamed: list[RankObservation], occurred: float, reason: str, nodes=None) -> Verdict:
-        """A verdict of fault `kind`, blaming `blamed` (their nodes, unless `nodes` is given)."""
+        """A verdict of fault `kind`, blaming `blamed` (their nodes, unless `nodes` is given: [] blames
+        no node)."""
         beats = [r.heartbeat.time for r in blamed if r.heartbeat]
         first = blamed[0] if blamed else None
         ended = first.exit if first else None
         return self.verdict(
             fault=FaultReport(
                 kind=kind,
-                nodes=sorted(set(nodes or (r.node for r in blamed))),
+                nodes=sorted(set(nodes if nodes is not None else (r.node for r in blamed))),
                 incarnation=self.observation.incarnation,
                 occurred_at=_at(occurred),
                 detected_at=_at(self.now),
@@ -229,6 +184,7 @@ class _Look:
                 last_heartbeat_at=_at(max(beats)) if beats else None,
                 reason=reason,
                 rank=first.rank if first else None,
+                node=first.node if first else None,
                 exit_code=ended.code if ended and not ended.signal else None,
                 signal=ended.signal if ended else None,
                 error=ended.error if ended else "",
@@ -241,16 +197,20 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
 
     `last_poll` is when the incarnation was last seen healthy: a rank found dead now
     died after it, so that is the fault's time (MTTR errs long by at most one interval).
-    Blame, in order: nodes the backend saw die; ranks gone without an exit record (a
-    kill); nodes gone silent while every rank that failed lost a peer (a node whose death
-    the backend has not learnt yet: its ranks cannot report, the survivors can; of several
-    silent nodes, those whose address the errors name); the earliest rank that exited with
-    an error (its peers fail after it); the rank with the oldest heartbeat once heartbeats
-    are stale. Every rank gone with code 0 is completion at the last step, and a stop (on
-    request) before it; of a script whose ranks report no steps themselves, it is completion.
+    Blame needs evidence (DESIGN.md). A node is blamed only on evidence about the node: the
+    backend saw it die; its ranks vanished (killed, no exit record); it went silent while every
+    rank that failed lost a peer (a node whose death the backend has not learnt yet: its ranks
+    cannot report, the survivors can; of several silent nodes, those whose address the errors
+    name); its ranks stopped heartbeating (a hang). A rank that exits with a code or an exception
+    on a healthy node is the program's failure (rank_error): no node is blamed, and the rank that
+    failed for a reason of its own is named, even when a peer's follow-on connection error came a
+    few milliseconds before it. Every rank gone with code 0 is completion at the last step, and a
+    stop (on request) before it; of a script whose ranks report no steps themselves, it is
+    completion. Ranks still running `exit_grace_seconds` after another exited 0 are stuck in their
+    teardown: completion too, with a warning that names them (`lingering`, to be ended).
     """
     look = _Look(observation, policy, now, last_poll, total_steps)
-    for check in (_dead_nodes, _exits, _all_ended_cleanly, _hangs):
+    for check in (_dead_nodes, judge_exits, _all_ended_cleanly, judge_lingering, _hangs):
         verdict = check(look)
         if verdict is not None:
             return verdict
@@ -264,65 +224,6 @@ def _dead_nodes(look: _Look) -> Verdict | None:
     blamed = [r for r in look.ranks if r.node in dead]
     died = min(dead.values()).timestamp()
     return look.fault("node_down", blamed, died, f"backend reports node {', '.join(sorted(dead))} dead", sorted(dead))
-
-
-def _exits(look: _Look) -> Verdict | None:
-    """Ranks that ended before the last step: killed, failed on their own, or lost a peer."""
-    # A rank gone without an exit record while its launcher lives: the launcher is about to
-    # write one. Judge it on the next look, when the record says how it ended.
-    gone = [r for r in look.ranks if r.launched and not r.alive and (r.exit is not None or not r.launcher_alive)]
-    killed = [r for r in gone if r.exit is None or r.exit.signal]
-    if killed:
-        return look.fault("rank_exit", killed, look.last_poll, "; ".join(_ended(r) for r in killed))
-    failed = sorted((r for r in gone if r.exit.code != 0), key=lambda r: r.exit.time)
-    if not failed:
-        return None
-    first = failed[0]
-    never_started = [r for r in look.ranks if not r.launched]
-    if never_started and all(waited_in_vain(r.exit) for r in failed):
-        # Ranks give up on a rendezvous whose peers never came: the node that did not start its
-        # ranks (its standby or launcher hung) is the one at fault, not those that waited for it.
-        reason = f"rank(s) {', '.join(str(r.rank) for r in never_started)} never started; then {_ended(first)}"
-        return look.fault("rank_exit", never_started, first.exit.time, reason)
-    if look.fresh_and_untrained:
-        # The run's first launch failing before a step: if every rank ends on its own within
-        # a moment of the first, it is the program (a bad flag, a missing file), not a node.
-        if not look.steady and all(r.exit is not None and not r.alive for r in look.ranks):
-            reason = f"every rank ended before training a step; first: {_ended(first)}"
-            return look.fault("program_error", [first], first.exit.time, reason)
-        if look.now - first.exit.time < PROGRAM_ERROR_SETTLE_SECONDS:
-            return look.verdict()
-    if all(lost_a_peer(r.exit) for r in failed):
-        verdict = _silent_peer(look, failed)
-        if verdict is not None:
-            return verdict
-    return look.fault("rank_exit", [first], first.exit.time, _ended(first))
-
-
-def _silent_peer(look: _Look, failed: list[RankObservation]) -> Verdict | None:
-    """Every rank that failed lost a peer: blame the nodes gone silent (once their ranks had time
-    to report), those the errors name where they name any; None when no node is silent."""
-    first = failed[0]
-    silent_nodes = look.silent_nodes(since=first.exit.time)
-    # Where the errors name the lost peer's address (gloo does), a silent node they name is the
-    # dead one; one they do not name is a survivor slow to notice.
-    named = {
-        node
-        for node, address in look.observation.node_addresses.items()
-        if any(f"[{address}]" in r.exit.error for r in failed)
-    }
-    if silent_nodes & named:
-        silent_nodes &= named
-    if not silent_nodes:
-        return None
-    if look.now - first.exit.time < PEER_LOSS_SETTLE_SECONDS:
-        return look.verdict()
-    silent = look.ranks_on(silent_nodes)
-    reason = (
-        f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
-        f"while its peers lost their connections to it; first: {_ended(first)}"
-    )
-    return look.fault("node_down", silent, first.exit.time, reason, sorted(silent_nodes))
 
 
 def _all_ended_cleanly(look: _Look) -> Verdict | None:

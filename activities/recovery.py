@@ -284,7 +284,7 @@ class RecoveryActivities:
         if request.steps_from != "trainer" and not resumed_from:
             # No checkpoint of Lazarus's was restored: the script restored its own snapshot, the
             # step before the first it reported (unknown when it reports none).
-            resumed_from = min(first_steps) - 1 if first_steps else None
+            resumed_from = max(0, min(first_steps) - 1) if first_steps else None  # step 0 may be printed
             restored_from = None
         # Every reporting rank records when it finished its first step; the step is done when the
         # last of them has, whatever the poll interval was.

@@ -45,6 +45,8 @@ async def watch(
         if verdict.fault is not None and verdict.fault.rank is not None:
             verdict.fault.log_tail = await in_thread(cluster.log_tail, run_id, incarnation, verdict.fault.rank)
         if verdict.completed:
+            if verdict.lingering:  # stuck in their teardown past the exit grace: the run is done without them
+                await in_thread(cluster.stop_incarnation, run_id, incarnation)
             await in_thread(cluster.release_standbys, run_id)
         if verdict.fault or verdict.completed or verdict.stopped:
             return verdict, now

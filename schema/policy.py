@@ -3,7 +3,7 @@ stage's timeouts and retries (the spec's `recovery` section)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -176,6 +176,25 @@ class RecoveryPolicy(Strict):
         description=(
             "Recoveries after which the run fails instead of recovering again (incidents); 0: the first fault fails "
             "it. The ranks see it as TORCHELASTIC_MAX_RESTARTS."
+        ),
+    )
+    crash_loop: Literal["fail", "pause"] = Field(
+        "fail",
+        description=(
+            "What a crash loop does to the run: the program failed again after a restart in place, the same way "
+            "(the same exception type and message, or the same exit code) or before a step was trained between "
+            "the two. fail: the run ends FAILED with the rank's exception; pause: it is PAUSED with its nodes, for "
+            "an operator to fix and `lazarus run resume`. Either way no node is quarantined for it."
+        ),
+    )
+    exit_grace_seconds: float = Field(
+        20.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "Once a rank of the incarnation has exited with code 0, how long the others get to exit too (seconds); "
+            "those still running then are ended and the run completes with a warning naming them (a rank stuck in "
+            "its teardown)."
         ),
     )
     save_grace_seconds: float = Field(

@@ -90,7 +90,7 @@ RestoreSource = Literal["survivors", "checkpoint", "scratch"]
 """Who reports the step: trainer (the built-in trainer or a lazarus.session script, which train to
 trainer.steps), output (trainer.progress_pattern on the ranks' output; the script decides its end)."""
 
-FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator", "program_error"]
+FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator", "program_error", "rank_error"]
 
 
 class FaultReport(Record):
@@ -99,11 +99,15 @@ class FaultReport(Record):
     kind: FaultKind = Field(
         description=(
             "node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; "
-            "external: reported by signal; operator: drained by an operator; program_error: every rank ended on its "
-            "own before training a step (no node to blame)."
+            "external: reported by signal; operator: drained by an operator; rank_error: a rank failed on its own "
+            "(an exception or an exit code) on a healthy node, the program's failure: restarted in place, no node "
+            "blamed; program_error: the program fails every time (every rank ended before training a step, or a "
+            "crash loop), no node to blame: the run ends."
         )
     )
-    nodes: NodeList = Field(description="Nodes blamed for the fault; they are quarantined.")
+    nodes: NodeList = Field(
+        description="Nodes blamed for the fault; they are quarantined (none for the program's own failure)."
+    )
     incarnation: int = Field(ge=0, description="Incarnation that was running.")
     occurred_at: datetime = Field(
         description="Best known time of the fault (UTC): the backend's death time, else when it was first seen."
@@ -123,10 +127,23 @@ class FaultReport(Record):
     reason: str = Field(
         "", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words."
     )
-    rank: int | None = Field(None, description="The first rank blamed.")
+    rank: int | None = Field(
+        None,
+        description=(
+            "The first rank blamed: of a failure, the rank that failed first for a reason of its own (an exception "
+            "or exit code beats a peer's follow-on connection error)."
+        ),
+    )
+    node: str | None = Field(None, description="The node that rank ran on.")
     exit_code: int | None = Field(None, description="That rank's exit code, when it exited on its own.")
     signal: str | None = Field(None, description="The signal that ended that rank, e.g. SIGKILL.")
-    error: str = Field("", description="The exception torch's @record wrote for that rank, if any.")
+    error: str = Field(
+        "",
+        description=(
+            "That rank's exception: what torch's @record wrote (TORCHELASTIC_ERROR_FILE), else the last line of "
+            "the traceback in its log."
+        ),
+    )
     log_tail: str = Field("", description="The last lines of that rank's log.")
 
 

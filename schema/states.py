@@ -35,7 +35,8 @@ _MOVES: dict[RunState, set[RunState]] = {
     # A fault (detected, signalled or an operator's drain_node) drains at once: the fault
     # report is the detect stage's result, so there is no state between.
     RunState.TRAINING: {RunState.DRAINING, RunState.STOPPING, RunState.COMPLETED},
-    RunState.DRAINING: {RunState.RESCHEDULING},
+    # PAUSED: a crash loop, where the policy asks an operator to fix the program (recovery.crash_loop).
+    RunState.DRAINING: {RunState.RESCHEDULING, RunState.PAUSED},
     RunState.RESCHEDULING: {RunState.WAITING_FOR_CAPACITY, RunState.REPLACING, RunState.RESHARDING},
     # While waiting, each new read of the inventory stays in WAITING_FOR_CAPACITY.
     RunState.WAITING_FOR_CAPACITY: {RunState.WAITING_FOR_APPROVAL, RunState.REPLACING, RunState.RESHARDING},

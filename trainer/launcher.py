@@ -109,6 +109,30 @@ def _error_summary(path: Path) -> str:
     return str(message).strip().splitlines()[-1] if str(message).strip() else ""
 
 
+LOG_TAIL_BYTES = 16384
+"""How much of the end of a rank's log is searched for the traceback that ended it (bytes)."""
+
+
+def _traceback_summary(log: Path) -> str:
+    """The last line of the last Python traceback at the end of a rank's log ("ValueError: bad
+    input"), for a script that does not use @record; "" when the log ends without one. A chained
+    exception prints the one that ended the process last."""
+    try:
+        with open(log, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            lines = file.read().decode(errors="replace").replace("\r", "\n").splitlines()
+    except OSError:
+        return ""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return ""
+    # The frames are indented; the exception is the first line after them that is not.
+    for line in lines[starts[-1] + 1 :]:
+        if line.strip() and not line[0].isspace():
+            return line.strip()[:500]
+    return ""
+
+
 def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> None:
     """Record how a rank's process ended, unless the rank recorded it itself."""
     beat = read_heartbeat(run, incarnation, rank)
@@ -120,7 +144,8 @@ def record_exit(run: RunDir, incarnation: int, rank: int, returncode: int) -> No
             code=returncode,
             step=beat.step if beat else None,
             time=time.time(),
-            error=_error_summary(run.error_file(incarnation, rank)),
+            error=_error_summary(run.error_file(incarnation, rank))
+            or (_traceback_summary(run.log_file(incarnation, rank)) if returncode > 0 else ""),
             signal=signal.Signals(-returncode).name if returncode < 0 else None,
             by="launcher",
         ),

@@ -4,6 +4,8 @@ stays small (schema/tally.py). A mixin of TrainingRun."""
 
 from __future__ import annotations
 
+import re
+
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
@@ -18,6 +20,40 @@ from lazarus.workflows.stage_calls import RunFailed, call_stage
 ARCHIVE_PATCH = "bounded-status"
 """workflow.patched id: the status holds the newest incidents and a tally of the older ones, whose
 records are archived in the run directory (before: every incident, in full)."""
+
+
+CRASH_LOOP_PATCH = "program-errors-in-place"
+"""workflow.patched id: a rank's own failure (rank_error) restarts the run in place, no node blamed,
+and the same failure again is a crash loop that ends the run (before: its node was quarantined)."""
+
+
+def failure_signature(fault: FaultReport) -> str:
+    """What makes two program failures the same: the exception's type and message (addresses
+    masked), else the exit code or signal; which rank failed does not matter."""
+    if fault.error:
+        return re.sub(r"0x[0-9a-fA-F]+", "0x…", fault.error.strip())
+    if fault.signal:
+        return f"killed by {fault.signal}"
+    return f"exit code {fault.exit_code}"
+
+
+def crash_loop(incidents: list[Incident], fault: FaultReport) -> str | None:
+    """Why `fault` makes a crash loop, or None. A loop: the program failed on its own (rank_error)
+    right after a restart in place for its own failure, and either the same way (failure_signature)
+    or before a step was trained between the two (the restart never trained)."""
+    if fault.kind != "rank_error" or not incidents:
+        return None
+    last = incidents[-1]
+    if last.fault.kind != "rank_error":
+        return None
+    if failure_signature(last.fault) == failure_signature(fault):
+        return f"the same failure again after a restart in place (incident {last.number}): {fault.reason}"
+    if last.outcome == "interrupted":
+        return (
+            f"failed again before training a step after a restart in place (incident {last.number}: "
+            f"{failure_signature(last.fault)}): {fault.reason}"
+        )
+    return None
 
 
 class Incidents:

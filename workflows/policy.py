@@ -108,6 +108,15 @@ def plan_recovery(
 def _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp, allow_reshard) -> Decision:
     """plan_recovery's rule, on the spares the run may take."""
     layout = assignment.layout
+    if not lost_here:
+        # The program's own failure (no node blamed): torchrun's restart, on the same nodes.
+        return Decision(
+            action="replace",
+            layout=layout,
+            nodes=list(assignment.nodes),
+            below_target_dp=layout.dp < target_dp,
+            reason=f"restart in place on the same nodes: no node is blamed, world size {layout.world_size} kept",
+        )
     if len(spares) >= len(lost_here):
         return _replace_in_place(assignment, lost_here, spares, broken, target_dp)
 

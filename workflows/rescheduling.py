@@ -93,6 +93,10 @@ class Rescheduling:
             decision = plan_recovery(
                 inventory, assignment, fault.nodes, target_dp=target, min_dp=min_dp, allow_reshard=False
             )
+        if decision.action == "reshard" and self._status.steps_from != "trainer":
+            # Only the built-in trainer and lazarus.session scripts take the accumulation Lazarus sets.
+            kept = "the script's own arithmetic decides its global batch"
+            decision = decision.model_copy(update={"reason": decision.reason.replace("global batch kept", kept)})
         return decision
 
     async def _wait_for_capacity(self, seconds: float) -> None:

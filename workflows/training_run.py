@@ -38,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.schema.states import may_move
 
 from lazarus.workflows.controls import OperatorControls
-from lazarus.workflows.incidents import Incidents
+from lazarus.workflows.incidents import CRASH_LOOP_PATCH, Incidents, crash_loop
 from lazarus.workflows.inputs import INVALID_INPUT, RunStartPayload, own_run_id
 from lazarus.workflows.progress import expected_source, take_completion, take_progress, take_recovery, take_resume
 from lazarus.workflows.regrow import Regrowing
@@ -273,8 +273,12 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         """One incident. Detect is done (`fault` is its result); then drain, reschedule,
         replace-or-reshard and resume. A fault in the result hit the new incarnation before its
         first step: it is the next incident."""
+        program = fault.kind == "rank_error" and workflow.patched(CRASH_LOOP_PATCH)
+        looping = crash_loop(self._status.incidents, fault) if program else None
         incident = self._open_incident(fault)
         drained = await self._drain(incident, fault)
+        if looping is not None:
+            return self._end_crash_loop(incident, looping)
         survivors_of = fault.incarnation if drained.survivors else None
         while True:
             decision = await self._reschedule(incident, fault)
@@ -291,6 +295,20 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         self._show()
         await self._archive_old_incidents()
         return resumed
+
+    def _end_crash_loop(self, incident: Incident, looping: str) -> ResumeResult:
+        """The program fails the same way on every restart: no recovery can help and no node is to
+        blame. FAILED with the rank's exception, or PAUSED on its nodes for an operator to fix the
+        program and resume (recovery.crash_loop)."""
+        fault, status = incident.fault, self._status
+        status.failure = fault
+        tail = f"; last lines of rank {fault.rank}'s log:\n{fault.log_tail}" if fault.log_tail else ""
+        if self._policy.crash_loop == "fail":
+            raise RunFailed(f"crash loop: {looping}{tail}")
+        incident.outcome = "failed"
+        status.reason = f"crash loop, paused for an operator (recovery.crash_loop: pause): {looping}"
+        self._enter(RunState.PAUSED)
+        return ResumeResult(resumed_from_step=None)
 
     async def _drain(self, incident: Incident, fault: FaultReport) -> DrainResult:
         """Quarantine the blamed nodes and stop every rank of the failed incarnation."""

@@ -63,14 +63,46 @@ def test_killed_rank_is_blamed_not_the_peers_that_failed_after_it():
     assert verdict.fault.occurred_at.timestamp() == NOW - 0.1
 
 
-def test_earliest_error_exit_is_blamed():
+def test_a_rank_that_failed_on_its_own_is_the_programs_failure_and_blames_no_node():
     first = {"code": 3, "time": NOW - 2, "step": 7, "error": "ValueError: bad batch"}
     later = {"code": 1, "time": NOW - 1, "step": 7, "error": "Connection reset by peer"}
     verdict = judge(
         observe(rank(0, alive=False, exit=later), rank(1, alive=False, exit=first)), POLICY, NOW, NOW - 0.1, 40
     )
-    assert verdict.fault.nodes == ["node-1"] and "code 3: ValueError: bad batch" in verdict.fault.reason
-    assert verdict.fault.occurred_at.timestamp() == NOW - 2
+    fault = verdict.fault
+    assert fault.kind == "rank_error" and fault.nodes == [] and (fault.rank, fault.node) == (1, "node-1")
+    assert "code 3: ValueError: bad batch" in fault.reason and fault.error == "ValueError: bad batch"
+    assert fault.occurred_at.timestamp() == NOW - 2
+
+
+def test_the_root_cause_beats_a_peers_follow_on_error_that_came_first():
+    # Rank 2's broken collective is recorded 0.4 ms before rank 3's own exception.
+    follow_on = {"code": 1, "time": NOW - 1.0004, "step": 7, "error": "RuntimeError: Connection closed by peer"}
+    cause = {"code": 1, "time": NOW - 1, "step": 7, "error": "EOFError: Ran out of input"}
+    while_raising = observe(rank(0), rank(1), rank(2, alive=False, exit=follow_on), rank(3, beat_age=1.5))
+    assert judge(while_raising, POLICY, NOW, NOW - 0.1, 40).fault is None  # rank 3 may be about to record
+    recorded = observe(rank(0), rank(1), rank(2, alive=False, exit=follow_on), rank(3, alive=False, exit=cause))
+    fault = judge(recorded, POLICY, NOW, NOW - 0.1, 40).fault
+    assert fault.kind == "rank_error" and fault.rank == 3 and fault.error == "EOFError: Ran out of input"
+    assert fault.nodes == [] and "then 1 other rank(s) failed" in fault.reason
+
+
+def test_ranks_still_running_past_the_exit_grace_after_another_exited_0_are_ended_and_the_run_completes():
+    done = {"code": 0, "time": NOW - 1, "step": 40, "error": ""}
+    stuck = rank(1, step=40, beat_age=1)
+    within = judge(observe(rank(0, alive=False, exit=done), stuck), POLICY, NOW, NOW - 0.1, 40)
+    assert within.fault is None and not within.completed and within.lingering == []
+    past = NOW - 1 + POLICY.exit_grace_seconds + 0.1
+    verdict = judge(observe(rank(0, alive=False, exit=done), rank(1, step=40, beat_age=1)), POLICY, past, past, 40)
+    assert verdict.completed and verdict.fault is None and verdict.lingering == [1] and verdict.step == 40
+    assert any("rank(s) 1 on node-1 did not exit" in warning for warning in verdict.warnings)
+    # A trainer's rank that exited before the last step is not the end of training.
+    early = {"code": 0, "time": NOW - 30, "step": 12, "error": ""}
+    assert not judge(observe(rank(0, alive=False, exit=early), rank(1)), POLICY, NOW, NOW, 40).completed
+    # A script that reports no steps decides its own end.
+    quiet_done = {"code": 0, "time": NOW - 30}
+    verdict = judge(observe(silent(0, False, quiet_done), silent(1)), POLICY, NOW, NOW, 40)
+    assert verdict.completed and verdict.lingering == [1] and verdict.step is None
 
 
 def test_clean_exits_of_every_rank_are_completion():
@@ -140,7 +172,8 @@ def test_ranks_that_gave_up_on_a_peer_that_never_started_blame_its_node():
     assert "rank(s) 2 never started" in verdict.fault.reason
     # A rank that failed on its own is blamed, whoever has not started yet.
     own = [rank(0, step=35, alive=False, exit={"code": 1, "time": NOW - 1, "step": 35, "error": "ValueError: bad"})]
-    assert judge(observe(*own, missing, incarnation=3), POLICY, NOW, NOW - 0.1, 40).fault.nodes == ["node-0"]
+    fault = judge(observe(*own, missing, incarnation=3), POLICY, NOW, NOW - 0.1, 40).fault
+    assert fault.kind == "rank_error" and fault.nodes == [] and fault.rank == 0
 
 
 def test_starting_ranks_get_the_startup_grace():
@@ -182,8 +215,8 @@ def test_every_rank_failing_before_its_first_step_is_a_program_error():
     # One rank failed a second ago and the other still runs: give it a moment to fail too...
     one = observe(rank(0, alive=False, exit=failed, **starting), rank(1, **starting), **first_launch)
     assert judge(one, POLICY, NOW, NOW - 0.1, 40).fault is None
-    # ...past that, it is that rank's node, recovered as usual.
-    assert judge(one, POLICY, NOW + 5, NOW + 4.9, 40).fault.kind == "rank_exit"
+    # ...past that, it is that rank's own failure: restarted in place, no node blamed.
+    assert judge(one, POLICY, NOW + 5, NOW + 4.9, 40).fault.kind == "rank_error"
 
 
 def test_a_node_gone_silent_while_its_peers_lost_it_is_blamed_once_they_had_time_to_report():
@@ -220,7 +253,7 @@ def test_a_rank_that_failed_on_its_own_is_blamed_though_its_peers_are_silent():
         NOW - 0.1,
         40,
     )
-    assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-0"]
+    assert verdict.fault.kind == "rank_error" and verdict.fault.nodes == [] and verdict.fault.rank == 0
 
 
 def test_a_peer_that_reports_after_the_first_loss_is_not_silent():
@@ -229,7 +262,8 @@ def test_a_peer_that_reports_after_the_first_loss_is_not_silent():
     verdict = judge(
         observe(rank(0, alive=False, exit=lost), rank(1, alive=False, exit=later)), POLICY, NOW, NOW - 0.1, 40
     )
-    assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-0"]
+    # No rank failed on its own and no node went silent: no evidence against a node.
+    assert verdict.fault.kind == "rank_error" and verdict.fault.nodes == [] and verdict.fault.rank == 0
 
 
 def test_of_two_silent_nodes_the_one_the_errors_name_is_blamed():
@@ -295,4 +329,4 @@ def test_a_script_that_reports_nothing_fails_as_a_program_only_while_young():
     assert judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault.kind == "program_error"
     # An hour in, every rank ending is a fault of the run to recover from, not a broken program.
     everyone.launched_at = NOW - 3600
-    assert judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault.kind == "rank_exit"
+    assert judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault.kind == "rank_error"

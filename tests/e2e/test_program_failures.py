@@ -1,0 +1,133 @@
+"""Faults of the program, not of a node, with a script that knows nothing of Lazarus
+(tests/user_script/inplace_checkpoints.py), on real ranks of the local backend: a crash loop ends
+the run with the script's own exception and costs no healthy node; the root cause is the rank
+that failed on its own; a rank that never leaves its teardown does not hold the run."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import pytest
+from temporalio.client import WorkflowFailureError
+
+from lazarus.client import run_status, start_run
+from lazarus.config import Settings
+from lazarus.infra.local import LocalCluster
+from lazarus.schema import RunState, parse_spec
+from lazarus.worker import build_worker
+from tests.support.runs import REPO
+
+SCRIPT = REPO / "tests" / "user_script" / "inplace_checkpoints.py"
+STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+def script_spec(name: str, workdir, nodes: int = 4, spares: int = 1, args=(), **more):
+    """A run of the script, every rank on a node of its own, steps read from its output."""
+    return parse_spec(
+        {
+            "name": name,
+            "trainer": {
+                "command": ["python", str(SCRIPT), *args],
+                "workdir": str(workdir),
+                "progress_pattern": r"^step (?P<step>\d+) loss",
+            },
+            "layout": {"dp": nodes, "ranks_per_node": 1},
+            "cluster": {"active_nodes": nodes, "spare_nodes": spares},
+            "recovery": {"heartbeat_interval_seconds": 0.05, "progress_every_seconds": 2, **more.pop("recovery", {})},
+            **more,
+        }
+    )
+
+
+async def run_to_end(dev_env, home, spec):
+    """Start the run on a worker of its own; its final status, failed or not, and its run directory."""
+    queue, run_id = f"prog-{uuid.uuid4().hex[:8]}", f"{spec.name}-{uuid.uuid4().hex[:6]}"
+    cluster = LocalCluster(home)
+    async with build_worker(dev_env.client, queue, cluster):
+        handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
+        try:
+            await handle.result()
+        except WorkflowFailureError:
+            pass
+        status = await run_status(dev_env.client, run_id)
+    return status, cluster.run_dir(run_id)
+
+
+async def test_a_half_written_checkpoint_folder_is_a_crash_loop_not_a_string_of_bad_nodes(dev_env, home, tmp_path):
+    """node-0 (rank 0, the one that saves) dies in the middle of writing checkpoint-10; every
+    later start crashes on the folder's missing state file, the same way."""
+    spec = script_spec(
+        "half-saved",
+        tmp_path,
+        args=["--steps", "40", "--save-every", "10", "--slow-save", "3"],
+        faults=[{"node": "node-0", "step": 11}],
+    )
+    status, run = await run_to_end(dev_env, home, spec)
+
+    assert status.state == RunState.FAILED
+    assert status.reason.startswith("crash loop: the same failure again after a restart in place")
+    assert "FileNotFoundError" in status.reason and "trainer_state.json" in status.failure.error
+    # The killed node alone is quarantined; the healthy ones that crashed on the folder are not.
+    assert status.quarantined_nodes == ["node-0"]
+    first, restart, loop = status.incidents
+    assert first.fault.kind == "rank_exit" and first.decision.replacements == {"node-0": "node-4"}
+    assert restart.fault.kind == loop.fault.kind == "rank_error" and restart.fault.nodes == loop.fault.nodes == []
+    assert restart.decision.action == "replace" and restart.decision.replacements == {}
+    # Never resharded: every incarnation ran the full world.
+    assert all(i.new_assignment is None or i.new_assignment.layout.dp == 4 for i in status.incidents)
+    assert status.layout.dp == 4
+    # What the ranks did: incarnation 0 trained past step 10 and left the folder half-written;
+    # incarnations 1 and 2 trained nothing and died on it.
+    assert (tmp_path / "out" / "checkpoint-10" / "model.pt").is_file()
+    assert not (tmp_path / "out" / "checkpoint-10" / "trainer_state.json").exists()
+    assert max(int(s) for s, _ in STEP_LINE.findall(run.log_file(0, 1).read_text())) >= 10
+    for incarnation in (1, 2):
+        assert not STEP_LINE.findall(run.log_file(incarnation, 1).read_text())
+        assert "FileNotFoundError" in run.log_file(incarnation, 1).read_text()
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["log", "record"])
+async def test_the_failure_names_the_rank_that_raised_not_the_peer_that_lost_it(dev_env, home, tmp_path, record):
+    """Rank 3 raises a ValueError at step 6; rank 2 (and the others) then fail on the broken
+    collective. With torch's @record the exception comes from TORCHELASTIC_ERROR_FILE, else from
+    the traceback in the rank's log."""
+    args = ["--steps", "30", "--raise-at", "3:6"] + (["--record"] if record else [])
+    status, run = await run_to_end(dev_env, home, script_spec("raises", tmp_path, spares=0, args=args))
+
+    assert status.state == RunState.FAILED and status.quarantined_nodes == []
+    failure = status.failure
+    assert (failure.kind, failure.rank, failure.node) == ("rank_error", 3, "node-3")
+    assert failure.error == "ValueError: rank 3 found a bad batch at step 6"
+    assert "rank 3 on node-3 exited with code 1: ValueError: rank 3 found a bad batch at step 6" in status.reason
+    assert run.error_file(0, 3).is_file() == record
+    # Restarted once in place, on the same nodes, and it trained the same steps again.
+    [restart, _loop] = status.incidents
+    assert restart.new_assignment.nodes == ["node-0", "node-1", "node-2", "node-3"]
+    for incarnation in (0, 1):
+        steps = [int(s) for s, _ in STEP_LINE.findall(run.log_file(incarnation, 0).read_text())]
+        assert steps == list(range(1, 6))
+
+
+async def test_a_rank_that_never_leaves_its_teardown_does_not_hold_the_run(dev_env, home, tmp_path):
+    """Rank 1 never returns after the last step: the run completes once the exit grace has passed,
+    with a warning that names it, and the rank is ended."""
+    spec = script_spec(
+        "teardown",
+        tmp_path,
+        nodes=2,
+        spares=0,
+        args=["--steps", "8", "--hang-at-exit", "1"],
+        recovery={"exit_grace_seconds": 2},
+    )
+    status, run = await run_to_end(dev_env, home, spec)
+
+    assert status.state == RunState.COMPLETED and status.incidents == [] and status.step == 8
+    [warning] = [w for w in status.warnings if "did not exit" in w]
+    assert "rank(s) 1 on node-1 did not exit 2 s after rank 0 exited with code 0" in warning
+    for rank in (0, 1):
+        steps = [int(s) for s, _ in STEP_LINE.findall(run.log_file(0, rank).read_text())]
+        assert steps == list(range(1, 9))
+    assert not LocalCluster(home).observe(status.run_id, 0).ranks[1].alive

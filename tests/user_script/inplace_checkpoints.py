@@ -1,0 +1,91 @@
+"""A training script in the style of a Trainer that saves checkpoint folders in place, and nothing of
+Lazarus: every `--save-every` steps rank 0 writes `OUTPUT/checkpoint-N/` (the weights first, then
+`trainer_state.json`, straight into the folder, no temp-and-rename), and at start every rank
+resumes from the newest `checkpoint-*` folder it finds. A node killed in the middle of a save
+leaves a folder without its state file, and every later start crashes on it the same way.
+
+    torchrun --nproc-per-node 4 inplace_checkpoints.py --steps 40 --save-every 10
+
+Faults of the program itself, on purpose: `--raise-at RANK:STEP` raises a ValueError in that
+rank before that step (its peers then fail on the broken collective); `--hang-at-exit RANK`
+keeps that rank from ever exiting after the last step, as a rank stuck in its teardown does.
+`--record` wraps main in torch's @record, which writes the exception to TORCHELASTIC_ERROR_FILE.
+Every rank prints `step N loss L` per step.
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def newest_checkpoint(output: Path) -> Path | None:
+    """The newest checkpoint folder, by its step, as such Trainers find it (complete or not)."""
+    folders = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return folders[-1] if folders else None
+
+
+def save(output: Path, step: int, weights: torch.Tensor, slow_save: float) -> None:
+    """Write checkpoint-STEP in place: the weights, a slow moment (a large file), then the state."""
+    folder = output / f"checkpoint-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, folder / "model.pt")
+    print(f"saving checkpoint-{step}", flush=True)
+    time.sleep(slow_save)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--slow-save", type=float, default=0.0, help="seconds between the weights and the state")
+    parser.add_argument("--step-seconds", type=float, default=0.05)
+    parser.add_argument("--output-dir", default="out")
+    parser.add_argument("--raise-at", default="", help="RANK:STEP")
+    parser.add_argument("--hang-at-exit", type=int, default=-1, help="RANK")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    output = Path(args.output_dir)
+    weights, start = torch.zeros(8), 0
+    found = newest_checkpoint(output)
+    if found is not None:
+        state = json.loads((found / "trainer_state.json").read_text())  # a half-written folder: FileNotFoundError
+        weights, start = torch.load(found / "model.pt"), state["global_step"]
+        print(f"resumed from {found}", flush=True)
+    fail_rank, _, fail_step = args.raise_at.partition(":")
+    for step in range(start + 1, args.steps + 1):
+        if fail_rank and int(fail_rank) == rank and int(fail_step) == step:
+            raise ValueError(f"rank {rank} found a bad batch at step {step}")
+        grad = torch.full((8,), float(step + rank))
+        dist.all_reduce(grad)
+        weights -= 0.001 * grad
+        print(f"step {step} loss {float(weights.pow(2).sum()):.6f}", flush=True)
+        if rank == 0 and step % args.save_every == 0:
+            save(output, step, weights, args.slow_save)
+        dist.barrier()
+        time.sleep(args.step_seconds)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    if rank == args.hang_at_exit:
+        threading.Event().wait()  # never returns, as a teardown that deadlocked
+
+
+if __name__ == "__main__":
+    if "--record" in sys.argv:
+        sys.argv.remove("--record")
+        record(main)()
+    else:
+        main()
+    sys.stdout.flush()
+    os._exit(0)  # gloo on this CPU build can abort at interpreter exit (FIELD-NOTES)
