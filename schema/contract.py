@@ -56,7 +56,12 @@ class Heartbeat(Record):
         None, description="When this process completed its first step (seconds since the epoch); None before."
     )
     first_step: int | None = Field(
-        None, ge=1, description="The first step this process completed (so it restored the step before); None before."
+        None,
+        ge=0,
+        description=(
+            "The first step this process completed (so it restored the step before; 0 from a script that counts "
+            "from 0, such as a progress bar's 0/N); None before."
+        ),
     )
     by: Literal["rank", "launcher"] = Field(
         "rank",

@@ -124,15 +124,20 @@ class TrainerSettings(Strict):
         return self.output_is_heartbeat or self.progress_pattern is not None
 
     def step_in(self, line: str) -> int | None:
-        """The step `progress_pattern` finds in one line of output, or None."""
+        """The step `progress_pattern` finds in one line of output (0 is a step), or None. Of several
+        matches (a progress bar redrawn within the line) the last that names a step wins: the newest."""
         if self.progress_pattern is None:
             return None
-        found = re.search(self.progress_pattern, line)
-        if found is None:
-            return None
-        text = found.group("step") if "step" in found.re.groupindex else found.group(1)
-        # isdigit alone takes '²' and other digits int() refuses, from any line a rank prints.
-        return int(text) if text is not None and text.isascii() and text.isdigit() else None
+        pattern = re.compile(self.progress_pattern)  # re caches it: compiled once per process
+        group = "step" if "step" in pattern.groupindex else 1
+        step = None
+        for found in pattern.finditer(line):
+            text = found.group(group)
+            # isdigit alone takes '²' and other digits int() refuses, from any line a rank prints;
+            # past 18 digits (int64) it is no step counter, and int() refuses past 4300.
+            if text is not None and text.isascii() and text.isdigit() and len(text) <= 18:
+                step = int(text)
+        return step
 
     @model_validator(mode="after")
     def _can_be_executed(self) -> TrainerSettings:
