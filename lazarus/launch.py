@@ -15,13 +15,12 @@ import dataclasses
 import os
 import re
 import shutil
-import signal
-import sys
 import uuid
 from datetime import datetime
 from pathlib import Path
 
 from lazarus.commands.common import OneLineParser, UserError, connect_client
+from lazarus.launch_follow import Interruption
 
 # The torchrun flags that mean nothing under Lazarus, each with the reason said once for its group.
 IGNORED_FLAGS = {
@@ -46,7 +45,7 @@ IGNORED_FLAGS = {
         "duplicate-stderr-filters",
     ),
     "the workflow history is the event log": ("event-log-handler",),
-    "Ctrl-C ends the run and stops its ranks": ("signals-to-handle", "shutdown-timeout"),
+    "Ctrl-C, SIGTERM and SIGHUP end the run and stop its processes": ("signals-to-handle", "shutdown-timeout"),
     "not supported: the ranks run as torchrun's defaults run them": ("numa-binding", "virtual-local-rank", "role"),
 }
 SHORT_FLAGS = {"redirects": "-r", "tee": "-t"}
@@ -86,7 +85,8 @@ def build_parser() -> LaunchParser:
         torchrun,
         "nnodes",
         metavar="N|MIN:MAX",
-        help="nodes that train (default 1); with MIN:MAX the run may shrink to MIN nodes when no spare is left",
+        help="nodes that train (default 1); with MIN:MAX the run may shrink to MIN nodes when no spare is left, "
+        "with N it never shrinks (without a spare it waits for one)",
     )
     _flag(torchrun, "nproc-per-node", metavar="N", help="ranks per node (default 1)")
     _flag(
@@ -113,7 +113,8 @@ def build_parser() -> LaunchParser:
     own.add_argument(
         "--workdir",
         metavar="DIR",
-        help="the ranks' working directory (default: a folder of the run's own: two runs never share a snapshot)",
+        help="the ranks' working directory (default: the folder lazarus launch is typed in, as under torchrun; "
+        "a --spec's trainer.workdir is kept)",
     )
     own.add_argument(
         "--progress-pattern",
@@ -202,6 +203,10 @@ def build_spec(args: argparse.Namespace, folder: Path):
     for key in ("workdir", "progress_pattern", "steps"):
         if getattr(args, key) is not None:
             trainer[key] = getattr(args, key)
+    if not trainer.get("workdir"):
+        # As under torchrun, the ranks run where the command was typed: `--train_file data/train.txt`
+        # reads this folder's data and `--output_dir out` writes here, not inside LAZARUS_HOME.
+        trainer["workdir"] = str(folder.resolve())
     if args.output_is_heartbeat:
         trainer["output_is_heartbeat"] = True
     if base is None or args.nnodes or args.nproc_per_node:
@@ -211,7 +216,9 @@ def build_spec(args: argparse.Namespace, folder: Path):
     if args.spares is not None:
         cluster["spare_nodes"] = args.spares
     recovery = data.setdefault("recovery", {})
-    if low != high:
+    if args.nnodes or base is None:
+        # MIN:MAX may shrink to MIN nodes; a fixed N never reshards (min_dp is then the whole layout's
+        # dp): without a spare the run waits for capacity, then fails, as the policy says.
         recovery["min_dp"] = low * per_node
     if args.max_restarts is not None:
         recovery["max_incidents"] = args.max_restarts
@@ -239,92 +246,10 @@ def run_id_for(args: argparse.Namespace, name: str) -> str:
         raise UserError(f"--rdzv-id: {error}") from None
 
 
-class Follower:
-    """Shows a run as torchrun would show its job: rank 0's output on stdout, as it is written,
-    across incarnations; and, on stderr, each incident when it opens and when it ends."""
-
-    def __init__(self, run, say):
-        self.run, self.say = run, say
-        self.incarnation, self.offset = 0, 0
-        self.told: dict[int, str] = {}  # incident number -> the outcome last said
-
-    def output(self, incarnation: int) -> None:
-        """Copy what rank 0 wrote since the last look; on a new incarnation, finish the old log first."""
-        while True:
-            self._copy()
-            if incarnation <= self.incarnation:
-                return
-            self.incarnation, self.offset = self.incarnation + 1, 0
-
-    def _copy(self) -> None:
-        try:
-            with open(self.run.log_file(self.incarnation, 0), "rb") as log:
-                log.seek(self.offset)
-                data = log.read()
-        except FileNotFoundError:
-            return
-        # Whole lines only: a line being written is shown once it is complete.
-        data = data[: data.rfind(b"\n") + 1]
-        if data:
-            self.offset += len(data)
-            sys.stdout.buffer.write(data)
-            sys.stdout.flush()
-
-    def incidents(self, status) -> None:
-        """Say each incident as it opens and when its outcome is known."""
-        for incident in status.incidents:
-            fault = incident.fault
-            if incident.number not in self.told:
-                self.say(f"incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)}: {fault.reason}")
-                self.told[incident.number] = "recovering"
-            if incident.outcome != self.told[incident.number]:
-                self.told[incident.number] = incident.outcome
-                self.say(f"incident {incident.number}: {incident.outcome}{_recovery_words(incident)}")
-
-
-def _recovery_words(incident) -> str:
-    decision = incident.decision
-    words = []
-    if decision and decision.replacements:
-        words.append(
-            "replaced " + ", ".join(f"{lost} by spare {spare}" for lost, spare in decision.replacements.items())
-        )
-    elif decision and decision.action == "reshard" and incident.new_assignment:
-        words.append(f"resharded to dp={incident.new_assignment.layout.dp}")
-    if incident.mttr_seconds is not None:
-        words.append(f"MTTR {incident.mttr_seconds:.2f} s")
-    elif "resume" in incident.stages and incident.stages["resume"].ended_at:
-        up = (incident.stages["resume"].ended_at - incident.fault.occurred_at).total_seconds()
-        words.append(f"ranks up again {up:.2f} s after the fault (the script reports no steps)")
-    return f" ({'; '.join(words)})" if words else ""
-
-
-def exit_status(status) -> int:
-    """The script's exit status, as torchrun would give it: 0 when the run completed; the failing
-    rank's code when a rank's failure failed the run (128 + N for signal N); 1 otherwise."""
-    from lazarus.schema.records import RunState
-
-    if status.state == RunState.COMPLETED:
-        return 0
-    failure = status.failure
-    if failure is not None and failure.exit_code:
-        return failure.exit_code
-    if failure is not None and failure.signal:
-        return 128 + signal.Signals[failure.signal].value
-    return 1
-
-
 async def launch(args: argparse.Namespace, settings) -> int:
     """Build the run, start or reuse the server, serve it with a worker of this process, follow
-    it to its end; returns the exit status."""
-    from temporalio.client import WorkflowFailureError
-
+    it to its end; returns the exit status (128 + N when signal N ended it)."""
     from lazarus import console
-    from lazarus.client import run_status, start_run
-    from lazarus.demo import DemoError, ensure_server
-    from lazarus.infra.local import LocalCluster
-    from lazarus.schema.states import TERMINAL_STATES
-    from lazarus.worker import build_worker
 
     def say(message: str) -> None:
         console.stderr.print(f"lazarus: {message}", highlight=False, markup=False)
@@ -334,60 +259,95 @@ async def launch(args: argparse.Namespace, settings) -> int:
     if note:
         say(note)
     run_id = run_id_for(args, spec.name)
+    settings = dataclasses.replace(settings, task_queue=f"{settings.task_queue}-launch-{uuid.uuid4().hex[:8]}")
+    _say_start(spec, run_id, settings, say)
+    interruption = Interruption(say)
+    with interruption.installed():
+        try:
+            return await _serve(spec, run_id, settings, say)
+        except asyncio.CancelledError:
+            if interruption.received is None:
+                raise
+            asyncio.current_task().uncancel()
+            code = 128 + interruption.received.value
+            say(f"ended by {interruption.received.name} (exit status {code})")
+            return code
+
+
+def _say_start(spec, run_id: str, settings, say) -> None:
+    """The first lines: the nodes, where the ranks run, where the run is seen."""
+    cluster, dp, min_dp = spec.cluster, spec.layout.dp, spec.recovery.min_dp
+    shrink = f"it may shrink to dp={min_dp}" if min_dp < dp else "it never shrinks: without a spare it waits for one"
+    say(
+        f"run {run_id}: {cluster.active_nodes} node(s) x {spec.layout.ranks_per_node} rank(s) + "
+        f"{cluster.spare_nodes} hot spare(s); {shrink}"
+    )
+    say(f"working directory: {spec.trainer.workdir}")
+    say(f"web UI: {settings.workflow_url(run_id)}")
+
+
+async def _serve(spec, run_id: str, settings, say):
+    """Start or reuse the server, serve the run with a worker of this process and follow it; on
+    cancellation (a signal), end the run and every process of it before the cancellation goes on."""
+    from lazarus.demo import DemoError, ensure_server
+    from lazarus.infra.local import LocalCluster
+    from lazarus.launch_follow import say_end, stop_processes, terminate
+    from lazarus.worker import build_worker
+
     try:
         await ensure_server(settings, say)
     except DemoError as error:
         raise UserError(str(error)) from None
     client = await connect_client(settings)
     cluster = LocalCluster(settings.home)
-    settings = dataclasses.replace(settings, task_queue=f"{settings.task_queue}-launch-{uuid.uuid4().hex[:8]}")
-    say(
-        f"run {run_id}: {spec.cluster.active_nodes} node(s) x {spec.layout.ranks_per_node} rank(s) + "
-        f"{spec.cluster.spare_nodes} hot spare(s); web UI {settings.workflow_url(run_id)}"
-    )
-    follower = Follower(cluster.run_dir(run_id), say)
-    async with build_worker(client, settings.task_queue, cluster):
-        handle = await start_run(client, settings, spec, run_id)
-        result = asyncio.ensure_future(handle.result())
-        try:
-            while not result.done():
-                status = await run_status(client, run_id)
-                follower.output(status.assignment.incarnation if status.assignment else 0)
-                follower.incidents(status)
-                if status.state in TERMINAL_STATES:
-                    break
-                await asyncio.wait([result], timeout=0.1)
-        except asyncio.CancelledError:
-            await _end_interrupted(handle, cluster, run_id, say)
-            raise
-        try:
-            final = await result
-        except WorkflowFailureError:
-            final = await run_status(client, run_id)
+    started = False
+    try:
+        async with build_worker(client, settings.task_queue, cluster):
+            started = True
+            try:
+                final = await _follow(client, settings, spec, run_id, cluster, say)
+            except asyncio.CancelledError:
+                await terminate(client, run_id, say)
+                raise
+    except asyncio.CancelledError:
+        if started:
+            # Once the worker is gone, so that none of its activities can start a process after this.
+            await asyncio.to_thread(stop_processes, cluster, run_id)
+        raise
+    return say_end(final, say)
+
+
+async def _follow(client, settings, spec, run_id: str, cluster, say):
+    """Start the run and show it (rank 0's output, incidents, waits) until it ends; its final status."""
+    from temporalio.client import WorkflowFailureError
+
+    from lazarus.client import run_status, start_run
+    from lazarus.launch_follow import Follower, WaitingNotice
+    from lazarus.schema.states import TERMINAL_STATES
+
+    follower, clock = Follower(cluster.run_dir(run_id), say), asyncio.get_running_loop()
+    notice = WaitingNotice(node_limit=spec.cluster.active_nodes + spec.cluster.spare_nodes)
+    handle = await start_run(client, settings, spec, run_id)
+    result = asyncio.ensure_future(handle.result())
+    try:
+        while not result.done():
+            status = await run_status(client, run_id)
+            follower.output(status.assignment.incarnation if status.assignment else 0)
+            follower.incidents(status)
+            waiting = notice.line(status, clock.time())
+            if waiting:
+                say(waiting)
+            if status.state in TERMINAL_STATES:
+                break
+            await asyncio.wait([result], timeout=0.1)
+        final = await result
+    except WorkflowFailureError:
+        final = await run_status(client, run_id)
+    finally:
+        # Interrupted: the wait for the result goes too, else its failure (the run terminated) is
+        # logged at exit as an exception nobody retrieved.
+        if not result.cancel() and not result.cancelled():
+            result.exception()
     follower.output(final.assignment.incarnation if final.assignment else 0)
     follower.incidents(final)
-    return _say_end(final, say)
-
-
-async def _end_interrupted(handle, cluster, run_id: str, say) -> None:
-    """Ctrl-C: end the workflow and every process of the run, as torchrun ends its workers."""
-    say(f"interrupted: terminating run {run_id} and stopping its ranks")
-    try:
-        await handle.terminate("lazarus launch was interrupted (Ctrl-C)")
-    except Exception:  # noqa: BLE001 - the run may have ended meanwhile; the ranks are stopped anyway
-        pass
-    await asyncio.to_thread(cluster.stop_run, run_id)
-
-
-def _say_end(final, say) -> int:
-    code = exit_status(final)
-    if code == 0:  # completed
-        say(f"run {final.run_id} COMPLETED at step {final.progress} after {len(final.incidents)} incident(s)")
-        return code
-    failure = final.failure
-    reason = final.reason.split("; last lines of")[0].splitlines()[0] if final.reason else ""
-    say(f"run {final.run_id} {final.state.value}: {reason}")
-    if failure is not None and failure.log_tail:
-        say(f"last lines of rank {failure.rank}'s log ({failure.nodes[0] if failure.nodes else ''}):")
-        sys.stderr.write(failure.log_tail.rstrip("\n") + "\n")
-    return code
+    return final

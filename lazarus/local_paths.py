@@ -1,9 +1,10 @@
 """Paths in a spec, as a user means them: relative to the folder they start the run from.
 
-The ranks run in their own working directory (trainer.workdir, by default the run's own folder),
-not where `lazarus run start` or `lazarus launch` was typed, so that two runs never share a
-snapshot file by accident. What the user named relative to that folder (the script, a module of
-the project, a workdir) is made absolute here, before the spec is submitted: the spec in the
+The ranks run in trainer.workdir. A spec without one runs them in the run's own folder, not where
+`lazarus run start` was typed, so that two runs never share a snapshot file by accident;
+`lazarus launch` sets it to the folder it was typed in, as torchrun runs its workers there. What
+the user named relative to the folder they typed the command in (the script, a module of the
+project, a workdir) is made absolute here, before the spec is submitted: the spec in the
 workflow's history then says exactly what ran.
 """
 

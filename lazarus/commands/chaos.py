@@ -27,12 +27,23 @@ def kill_node(args: argparse.Namespace, settings: Settings) -> int:
     from lazarus.infra.backend import ClusterError
     from lazarus.infra.local import LocalCluster
 
+    cluster = LocalCluster(settings.home)
     try:
-        pids = LocalCluster(settings.home).kill_node(args.run_id, args.node)
+        _check_node_of_run(cluster, args.run_id, args.node)
+        pids = cluster.kill_node(args.run_id, args.node)
     except ClusterError as error:
         raise UserError(str(error)) from None
     print(f"killed {args.node} of run {args.run_id} (pids: {', '.join(map(str, pids)) or 'none alive'})")
     return 0
+
+
+def _check_node_of_run(cluster, run_id: str, node: str) -> None:
+    """UserError naming the run's nodes when `node` is none of them (its active nodes, what it
+    quarantined, the pool's free spares): killing a stranger would mark a node dead for nothing."""
+    nodes = cluster.inventory(run_id).nodes
+    if node not in {n.name for n in nodes}:
+        listed = ", ".join(f"{n.name} ({n.role})" for n in nodes) or "none"
+        raise UserError(f"{node} is not a node of run {run_id}; its nodes: {listed}")
 
 
 def return_node(args: argparse.Namespace, settings: Settings) -> int:

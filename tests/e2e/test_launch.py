@@ -3,10 +3,14 @@ a killed node, a failing script's exit status and log come back, and a user's mi
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
+import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +45,7 @@ def launched(tmp_path):
             process.wait(timeout=30)
 
 
-def test_launch_completes_a_run_and_recovers_a_killed_node(dev_env, home, launched):
+def test_launch_completes_a_run_and_recovers_a_killed_node(dev_env, home, launched, tmp_path):
     run_id = f"launch-{uuid.uuid4().hex[:6]}"
     env = lazarus_env(dev_env, home, f"launch-{uuid.uuid4().hex[:6]}")
     args = ["--nnodes", "4", "--nproc-per-node", "1", "--spares", "1", "--rdzv-backend", "c10d", "--rdzv-id", run_id]
@@ -53,6 +57,11 @@ def test_launch_completes_a_run_and_recovers_a_killed_node(dev_env, home, launch
 
     shown, said = out.read_text(), err.read_text()
     assert said.startswith("lazarus: ignoring --rdzv-backend (Lazarus assigns the ranks and runs the rendezvous")
+    first = said.splitlines()[1:4]
+    nodes = f"run {run_id}: 4 node(s) x 1 rank(s) + 1 hot spare(s); it never shrinks: without a spare it waits for one"
+    assert first[0] == f"lazarus: {nodes}"
+    assert first[1] == f"lazarus: working directory: {tmp_path}"
+    assert first[2].startswith("lazarus: web UI: http://") and first[2].endswith(f"/workflows/{run_id}")
     assert "incident 1: node_down on node-2" in said
     assert "incident 1: recovered (replaced node-2 by spare node-4" in said
     assert f"run {run_id} COMPLETED" in said and "Traceback" not in said
@@ -60,6 +69,8 @@ def test_launch_completes_a_run_and_recovers_a_killed_node(dev_env, home, launch
     assert shown.startswith("[rank 0] No snapshot at snapshot.pt: training from scratch")
     assert "[rank 0] Resuming training from snapshot at epoch" in shown
     assert shown.count("epoch 30 loss") == 1
+    # The ranks ran where launch was typed, as torchrun's do: the script's relative snapshot.pt is there.
+    assert (tmp_path / "snapshot.pt").is_file()
 
 
 def test_a_script_that_fails_on_every_rank_gives_its_exit_status_and_log(dev_env, home, launched, tmp_path):
@@ -75,6 +86,106 @@ def test_a_script_that_fails_on_every_rank_gives_its_exit_status_and_log(dev_env
     assert re.search(r"last lines of rank (\d)'s log \(node-\1\):\nrank \1: no dataset at /data/x\n$", said), said
     assert out.read_text() == "rank 0: no dataset at /data/x\n"
     assert "Traceback" not in said
+
+
+RUNS_UNTIL_STOPPED = """import os, time
+os.makedirs("out", exist_ok=True)
+with open(f"out/rank{os.environ['RANK']}.txt", "w") as mark:
+    mark.write(str(os.getpid()))
+print("up", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def recorded_processes(run) -> list[dict]:
+    """The pid records of every launcher, rank and standby of the run (each with pid, and pgid or start time)."""
+    files = [*run.root.glob("incarnations/*/ranks/*.pid"), *run.root.glob("incarnations/*/nodes/*.pid")]
+    files += run.root.glob("standby/*/pid")
+    return [json.loads(path.read_text()) for path in files]
+
+
+def alive(pid: int, start_time: int | None = None) -> bool:
+    """Whether `pid` is a live process (not a zombie), and the same one when its start time is known."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[0] != "Z" and (start_time is None or int(stat[19]) == start_time)
+
+
+def left_of(records: list[dict]) -> list[int]:
+    """Live processes of the recorded ones, and any live member of their process groups."""
+    groups = {record["pgid"] for record in records if record.get("pgid")}
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) in groups and alive(int(entry.name)):
+                    members.append(int(entry.name))
+    return sorted({r["pid"] for r in records if alive(r["pid"], r.get("start_time"))} | set(members))
+
+
+def test_sigterm_ends_the_run_and_every_process_it_started(dev_env, home, launched, tmp_path):
+    """SIGINT and SIGHUP take the same path (tests/unit/test_launch.py sends each to the handler)."""
+    (tmp_path / "forever.py").write_text(RUNS_UNTIL_STOPPED)
+    run_id = f"signal-{uuid.uuid4().hex[:6]}"
+    run = LocalCluster(home).run_dir(run_id)
+    env = lazarus_env(dev_env, home, f"launch-{uuid.uuid4().hex[:6]}")
+    try:
+        process, _, err = launched(["--nnodes", "2", "--spares", "1", "--rdzv-id", run_id, "forever.py"], env)
+        # Both ranks run (in the folder launch was typed in) and every node, the spare too, has its standby.
+        marks = [tmp_path / "out" / f"rank{rank}.txt" for rank in (0, 1)]
+        wait_until(lambda: all(m.is_file() for m in marks), "both ranks to start", timeout=120)
+        wait_until(lambda: len(list(run.root.glob("standby/*/pid"))) == 3, "a standby on each of 3 nodes", timeout=60)
+        records = recorded_processes(run)
+        assert {int(m.read_text()) for m in marks} <= {r["pid"] for r in records}
+        assert left_of(records), "nothing of the run runs before the signal"
+
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 128 + signal.SIGTERM.value, err.read_text()
+        assert left_of(recorded_processes(run)) == []
+        said = err.read_text()
+        assert f"interrupted: terminating run {run_id} and stopping its processes" in said
+        assert said.endswith("lazarus: ended by SIGTERM (exit status 143)\n"), said
+        assert "Traceback" not in said, said
+    finally:
+        LocalCluster(home).stop_run(run_id)
+
+
+def test_a_fixed_nnodes_waits_for_its_node_says_so_and_recovers_on_it(dev_env, home, launched, tmp_path):
+    """--nnodes 2 with no spare: losing a node never reshards to one; the run waits, says how to move
+    it on, and recovers once `lazarus pool return` gives the node back."""
+    (tmp_path / "forever.py").write_text(RUNS_UNTIL_STOPPED)
+    run_id = f"wait-{uuid.uuid4().hex[:6]}"
+    env = lazarus_env(dev_env, home, f"launch-{uuid.uuid4().hex[:6]}")
+    try:
+        process, _, err = launched(["--nnodes", "2", "--spares", "0", "--rdzv-id", run_id, "forever.py"], env)
+        marks = [tmp_path / "out" / f"rank{rank}.txt" for rank in (0, 1)]
+        wait_until(lambda: all(m.is_file() for m in marks), "both ranks to start", timeout=120)
+        LocalCluster(home).kill_node(run_id, "node-1")
+        waiting = f"lazarus: run {run_id} is waiting for capacity ("
+        line = wait_until(
+            lambda: next((x for x in err.read_text().splitlines() if x.startswith(waiting)), None),
+            "the wait to be said",
+            timeout=60,
+        )
+        # It holds the two nodes its spec allows (cluster.active_nodes + spare_nodes): only node-1 can help.
+        assert "`lazarus pool return NODE` once a node it quarantined (node-1) is repaired (it holds the 2" in line
+        assert f"`lazarus run abort {run_id}` ends it" in line and "pool add" not in line
+
+        back = subprocess.run(
+            [*LAUNCH[:-1], "pool", "return", "node-1"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert back.returncode == 0, back.stderr
+        wait_until(lambda: "incident 1: recovered" in err.read_text(), "the recovery on node-1", timeout=60)
+        assert "resharded" not in err.read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 128 + signal.SIGTERM.value, err.read_text()
+        # The activities the termination cancelled are not the user's warnings.
+        assert "WARNING" not in err.read_text() and "Traceback" not in err.read_text()
+    finally:
+        LocalCluster(home).stop_run(run_id)
 
 
 @pytest.mark.parametrize(

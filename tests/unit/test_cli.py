@@ -35,6 +35,27 @@ def test_chaos_on_an_unknown_run(tmp_path):
     assert_one_line_error(done, "no run 'no-such-run' under")
 
 
+def test_chaos_refuses_a_node_that_is_not_the_runs(tmp_path):
+    from lazarus.infra.local import LocalCluster
+    from lazarus.infra.pool import LocalPool
+    from lazarus.schema import parse_spec
+
+    spec = {"name": "x", "trainer": {"command": ["python", "x.py"]}, "layout": {"dp": 2, "ranks_per_node": 1}}
+    LocalCluster(tmp_path).create("mine", parse_spec({**spec, "cluster": {"active_nodes": 2, "spare_nodes": 1}}))
+    LocalPool(tmp_path).quarantine("theirs", ["node-2"], "incident 1 of another run")
+    nodes = {n.name: n.role for n in LocalCluster(tmp_path).inventory("mine").nodes}
+    assert nodes == {"node-0": "active", "node-1": "active"}, nodes  # node-2 was the spare; now another run's
+
+    for stranger in ("node-2", "node-9"):
+        done = lazarus("chaos", "kill-node", "mine", stranger, env={"LAZARUS_HOME": str(tmp_path)})
+        assert_one_line_error(
+            done, f"{stranger} is not a node of run mine; its nodes: node-0 (active), node-1 (active)"
+        )
+        assert done.stdout == ""
+    # Nothing was marked dead.
+    assert all(n.healthy for n in LocalPool(tmp_path).read().nodes)
+
+
 def test_no_temporal_server():
     done = lazarus("run", "status", "some-run", env={"LAZARUS_TEMPORAL_ADDRESS": "127.0.0.1:1"})
     assert_one_line_error(done, "cannot reach Temporal at 127.0.0.1:1 (connection refused)")
