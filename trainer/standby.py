@@ -49,6 +49,7 @@ from lazarus.schema.contract import (
 from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
+from lazarus.trainer.teardown import keep_destroyed_groups
 
 IDLE_EXIT_SECONDS = 30.0
 """How long a standby waits with no live launcher in its run before it exits (seconds)."""
@@ -134,6 +135,7 @@ def _run_in_place(command: list[str], env: dict) -> int:
     if entry is None or not _fork_safe:
         os.execvpe(command[0], command, env)
     kind, target, argv = entry
+    keep_destroyed_groups()
     sys.argv = list(argv)
     # A new interpreter would have put the rank's PYTHONPATH on sys.path; this one started earlier.
     for folder in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):

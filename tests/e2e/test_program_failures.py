@@ -19,6 +19,7 @@ from lazarus.worker import build_worker
 from tests.support.runs import REPO
 
 SCRIPT = REPO / "tests" / "user_script" / "inplace_checkpoints.py"
+TUTORIAL = REPO / "tests" / "user_script" / "ddp_tutorial.py"
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -131,3 +132,24 @@ async def test_a_rank_that_never_leaves_its_teardown_does_not_hold_the_run(dev_e
         steps = [int(s) for s, _ in STEP_LINE.findall(run.log_file(0, rank).read_text())]
         assert steps == list(range(1, 9))
     assert not LocalCluster(home).observe(status.run_id, 0).ranks[1].alive
+
+
+async def test_the_ddp_tutorial_script_that_destroys_its_group_and_returns_ends_on_its_own(dev_env, home, tmp_path):
+    """pytorch/examples' DDP tutorial script calls destroy_process_group() and returns: every rank
+    exits by itself, with no exit grace used (it is set far beyond the test's time)."""
+    spec = parse_spec(
+        {
+            "name": "tutorial",
+            "trainer": {"command": ["python", str(TUTORIAL), "12", "5"], "workdir": str(tmp_path)},
+            "layout": {"dp": 4, "ranks_per_node": 1},
+            "cluster": {"active_nodes": 4, "spare_nodes": 0},
+            "recovery": {"heartbeat_interval_seconds": 0.05, "exit_grace_seconds": 3600},
+        }
+    )
+    status, run = await run_to_end(dev_env, home, spec)
+
+    assert status.state == RunState.COMPLETED and status.incidents == [] and status.warnings == []
+    for rank in range(4):
+        epochs = re.findall(rf"^\[GPU{rank}\] Epoch (\d+) \|", run.log_file(0, rank).read_text(), re.MULTILINE)
+        assert epochs == [str(e) for e in range(12)]
+    assert (tmp_path / "snapshot.pt").is_file()
