@@ -12,9 +12,10 @@ import inspect
 import logging
 import os
 import sys
+import traceback
 
 from lazarus.commands import chaos, controls, demo, pool, runs, server, simulate, worker
-from lazarus.commands.common import OneLineParser, UserError
+from lazarus.commands.common import OneLineParser, UserError, server_error
 from lazarus.config import HELP as ENV_HELP
 from lazarus.config import Settings
 
@@ -84,18 +85,36 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     code = 1
+    settings = Settings.from_environ()
     try:
-        code = _run(args, Settings.from_environ())
+        code = _run(args, settings)
     except UserError as error:
         print(f"{prog}: error: {one_line(str(error))}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130
+    except SystemExit as error:  # sys.exit in a command: its status (a text is said), the same explicit end
+        code = error.code if isinstance(error.code, int) else int(error.code is not None)
+        if isinstance(error.code, str):
+            print(error.code, file=sys.stderr)
+    except Exception as error:  # noqa: BLE001 - whatever it was, the process ends below, explicitly
+        code = _failed(prog, error, settings)
     sys.stdout.flush()
     sys.stderr.flush()
-    # End explicitly: Temporal's native client can crash at interpreter exit
-    # (sdk-python#300), which would turn a clean run into a failed exit status.
+    # End explicitly, after an error too: Temporal's native client can crash at interpreter exit
+    # (sdk-python#300), or hang there while its threads (a worker's) wind down.
     os._exit(code)
+
+
+def _failed(prog: str, error: Exception, settings: Settings) -> int:
+    """Say an error no command handled: what the Temporal server answered in one line; anything else
+    is a bug, shown with its traceback. Returns the exit status (1)."""
+    line = server_error(error, settings.address)
+    if line is None:
+        traceback.print_exception(error)
+    else:
+        print(f"{prog}: error: {one_line(line)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -100,13 +100,20 @@ async def _follow(client, cluster, spec, run, run_id, result, kill_at, say, kill
         return await run_status(client, run_id)
 
 
+ABANDON_SECONDS = 5.0
+"""How long the demo waits for the server to terminate the run it leaves (seconds): a server that
+cannot answer (the error that ended the demo) must not hold the demo's end up."""
+
+
 async def abandon(client, cluster: LocalCluster, run_id: str) -> None:
     """End a demo's run that the demo itself is leaving (Ctrl-C, a closed pipe, an error): the
     demo's worker goes with it, so the run would otherwise wait for a worker forever and its
-    ranks would train for no one. The workflow is terminated, then every process of the run ends."""
+    ranks would train for no one. The workflow is terminated (waited for ABANDON_SECONDS at most),
+    then every process of the run ends."""
+    terminate = client.get_workflow_handle(run_id).terminate(reason="the demo that drove this run was interrupted")
     try:
-        await client.get_workflow_handle(run_id).terminate(reason="the demo that drove this run was interrupted")
-    except Exception:  # noqa: BLE001 - the run may have ended, or never started
+        await asyncio.wait_for(terminate, ABANDON_SECONDS)
+    except Exception:  # noqa: BLE001 - the run may have ended, or never started, or the server is down
         pass
     await asyncio.to_thread(cluster.stop_run, run_id)
 
@@ -146,9 +153,12 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
     try:
         async with build_worker(client, settings.task_queue, cluster):
             final = await drive_run(client, settings, cluster, spec, run_id, kill_at, say)
-    except BaseException:
+    except BaseException as error:
         # After the worker's shutdown: an activity still at work (a launch) could start processes.
-        say("interrupted: terminating the run and ending its processes")
+        stopped = (
+            "interrupted" if isinstance(error, KeyboardInterrupt | asyncio.CancelledError) else "stopped by an error"
+        )
+        say(f"{stopped}: terminating the run and ending its processes")
         await abandon(client, cluster, run_id)
         if terminated:
             raise KeyboardInterrupt from None

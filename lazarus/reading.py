@@ -33,8 +33,11 @@ from lazarus.schema.rundir import RunDir
 from lazarus.workflows.progress import take_progress
 from lazarus.workflows.training_run import TrainingRun
 
-QUERY_SECONDS = 5.0
-"""How long the status query waits for a worker to answer before the history is replayed instead (seconds)."""
+QUERY_SECONDS = 3.0
+"""How long the status query waits for a worker to answer before the history is replayed instead
+(seconds). A live worker answers in milliseconds; a worker that died moments ago still counts as
+polling (POLLED_WITHIN_SECONDS), and this wait is what a status or a control costs then, out of the
+10 s an operator is promised an answer in."""
 
 POLLED_WITHIN_SECONDS = 90.0
 """A task queue counts as served when a worker polled it this recently (seconds): a worker's poll

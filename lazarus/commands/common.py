@@ -64,6 +64,20 @@ def load_run_spec(path: str):
         raise UserError(str(error)) from None
 
 
+def server_error(error: BaseException, address: str) -> str | None:
+    """An error the Temporal server at `address` answered (temporalio's RPCError), or a call to it
+    that timed out, as one line naming the server and its answer; None for any other error."""
+    from temporalio.client import RPCTimeoutOrCancelledError
+    from temporalio.service import RPCError
+
+    if isinstance(error, RPCError):
+        message = " ".join(error.message.split()) or "no message"
+        return f"Temporal at {address} answered {error.status.name}: {message}"
+    if isinstance(error, RPCTimeoutOrCancelledError):
+        return f"Temporal at {address} did not answer in time ({error})"
+    return None
+
+
 async def connect_client(settings: Settings):
     """A Temporal client; an unreachable server, a bad TLS setting or a failed TLS handshake is said
     in one line, with what to do about it."""

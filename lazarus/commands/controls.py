@@ -1,7 +1,8 @@
 """`lazarus run pause|resume|abort|drain-node|return-node|reshard|approve|set-policy`: steer a run.
 
 Each command sends one workflow update with its own request model from lazarus.schema.controls,
-and prints the workflow's answer.
+and prints the workflow's answer. The run's worker carries the update out; when no worker serves
+the run, a control says so in one line instead of waiting (lazarus/commands/unserved.py).
 """
 
 from __future__ import annotations
@@ -44,9 +45,28 @@ def _set_policy(args, controls):
     return controls.SetPolicyRequest(changes=policy_changes(args.changes))
 
 
+NEEDS_A_WORKER = (
+    "The run's worker carries this out: when no worker serves the run (its `lazarus launch` or `lazarus worker` "
+    "is gone), the command says so within seconds, with how to start one, and exits non-zero."
+)
+
+ABORT_WITHOUT_A_WORKER = (
+    "Stop the run cleanly: its worker checkpoints, stops the ranks, and the run ends ABORTED; the newest "
+    "checkpoint is kept. When no worker serves the run (its `lazarus launch` or `lazarus worker` is gone), "
+    "abort does not wait for one: it terminates the run's workflow and SIGKILLs every process of the run "
+    "through the local backend (the run directory under LAZARUS_HOME), so no rank outlives the abort; the "
+    "run's nodes go back to the pool, its complete checkpoints stay, and the run reads as terminated. A "
+    "Kubernetes run, or a local run whose directory is not on this machine, is refused with how to start "
+    "a worker."
+)
+
+
 def _control(run_commands: argparse._SubParsersAction, name: str, update: str, request, helptext: str):
     """A subcommand that sends the update named `update` (a TrainingRun method) with `request(args, controls)`."""
-    command = run_commands.add_parser(name, help=helptext)
+    description = (
+        ABORT_WITHOUT_A_WORKER if update == "abort" else f"{helptext[0].upper()}{helptext[1:]}. {NEEDS_A_WORKER}"
+    )
+    command = run_commands.add_parser(name, help=helptext, description=description)
     command.add_argument("run_id", metavar="RUN", type=run_id)
     command.set_defaults(handler=send_update, update=update, request=request)
     return command
@@ -128,11 +148,20 @@ def policy_changes(pairs: list[str]) -> dict:
 
 
 async def send_update(args: argparse.Namespace, settings: Settings) -> int:
-    """Send the command's update to the run and print its answer; a refusal is said in one line."""
+    """Send the command's update to the run and print its answer; a refusal is said in one line.
+
+    Never waits on a worker that is not there (lazarus/commands/unserved.py): with none serving the
+    run, an abort ends it here and any other control is refused with how to start a worker.
+    """
     from pydantic import ValidationError
-    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.client import (
+        WorkflowUpdateFailedError,
+        WorkflowUpdateRPCTimeoutOrCancelledError,
+        WorkflowUpdateStage,
+    )
     from temporalio.service import RPCError
 
+    from lazarus.commands import unserved
     from lazarus.schema import controls
     from lazarus.schema.load import validation_message
     from lazarus.workflows.training_run import TrainingRun
@@ -142,14 +171,43 @@ async def send_update(args: argparse.Namespace, settings: Settings) -> int:
     except ValidationError as error:
         raise UserError(f"{args.run_command}: {validation_message(error)}") from None
     client = await connect_client(settings)
+    handle = client.get_workflow_handle(args.run_id)
+    sent = ""
     try:
-        answer = await client.get_workflow_handle(args.run_id).execute_update(
-            getattr(TrainingRun, args.update), request
-        )
+        task_queue = await running_task_queue(handle, args)
+        why = await unserved.why_unserved(client, args.run_id, task_queue)
+        if why is None:
+            update = await handle.start_update(
+                getattr(TrainingRun, args.update),
+                request,
+                wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+                rpc_timeout=unserved.accept_timeout(),
+            )
+            answer, why = await unserved.carried_out(update, client, args.run_id, task_queue)
+            if answer is not None:
+                print(f"{answer.message} (state {answer.state})")
+                return 0
+            sent = ": it was accepted and is carried out once a worker serves the run again"
+    except WorkflowUpdateRPCTimeoutOrCancelledError:
+        why = f"no worker took the request within {unserved.ACCEPT_SECONDS:g} s"
+        sent = " (a worker that comes back soon may still carry it out)"
     except WorkflowUpdateFailedError as error:
         cause = error.cause
         raise UserError(f"{args.run_command} refused: {getattr(cause, 'message', None) or cause}") from None
     except RPCError as error:
         raise UserError(f"{args.run_command}: run {args.run_id}: {error.message}") from None
-    print(f"{answer.message} (state {answer.state})")
+    print(await unserved.without_worker(args, settings, client, task_queue, why, sent))
     return 0
+
+
+async def running_task_queue(handle, args: argparse.Namespace) -> str:
+    """The task queue of the run's workflow; a run that has ended is refused in one line."""
+    from temporalio.client import WorkflowExecutionStatus
+
+    description = await handle.describe()
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        raise UserError(
+            f"{args.run_command} refused: run {args.run_id} has ended (its workflow is "
+            f"{description.status.name.lower()}; `lazarus run status {args.run_id}` says how)"
+        )
+    return description.task_queue
