@@ -62,7 +62,8 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     ETTR = productive training time / wall time. Unproductive: every recovery from fault to the
     first new step, the time spent on steps that were lost and trained again (lost steps times
     the run's mean step time), and paused time. The launch (before the first step) counts as
-    training.
+    training. Where a recovery's lost work is unknown (a script that reports no steps), it cannot
+    be taken out: the ETTR is then an upper bound, and `ettr_upper_bound` says so.
     """
     now = now or datetime.now(UTC)
     if status.started_at is None:
@@ -96,6 +97,7 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
         "wall_seconds": wall,
         "productive_seconds": productive,
         "ettr": productive / wall if wall > 0 else None,
+        "ettr_upper_bound": lost_steps is None and status.incident_count > 0,
         "incidents": status.incident_count,
         "incidents_only_tallied": tally.count,
         "lost_steps": lost_steps,
@@ -135,7 +137,8 @@ def _incident_notes(incident: Incident) -> list[str]:
     if any(kept):
         notes.append("checkpoints: " + "; ".join(filter(None, kept)))
     if incident.resumed_from_step is None and incident.outcome == "recovered":
-        notes.append("resumed from the script's own snapshot (step unknown), lost steps unknown; outcome: recovered")
+        # The script reports no steps: whether it restored anything of its own was not seen.
+        notes.append("restart point unknown (the script reports no steps), lost work unknown; outcome: recovered")
     elif incident.resumed_from_step is None:
         notes.append(f"outcome: {incident.outcome}")
     else:
@@ -152,7 +155,8 @@ def incident_view(incident: Incident) -> Group:
     fault = incident.fault
     because = f" ({fault.reason})" if fault.reason else ""
     heading = Text(
-        f"Incident {incident.number}: {fault.kind} on {', '.join(fault.nodes)} at step {_or_unknown(fault.step)}"
+        f"Incident {incident.number}: {fault.kind}{' on ' + ', '.join(fault.nodes) if fault.nodes else ''} "
+        f"at step {_or_unknown(fault.step)}"
         f"{because}",
         style="bold",
     )
@@ -217,6 +221,8 @@ def _interventions_table(status: RunStatus) -> Table:
 def run_report(status: RunStatus, summary: dict) -> Group:
     """The bill (`run report`): ETTR, where the wall time went, each incident's stages, operators' interventions."""
     ettr = "-" if summary["ettr"] is None else f"{summary['ettr']:.1%}"
+    if summary["ettr"] is not None and summary["ettr_upper_bound"]:
+        ettr = f"at most {ettr} (the work lost at recoveries is unknown: the script reports no steps)"
     parts: list = [
         Text(
             f"Run {summary['run_id']}: {summary['state']}, step {summary['progress']}, ETTR {ettr}, mean step "

@@ -239,6 +239,20 @@ def test_report_shows_ettr_and_where_the_time_went():
     assert "recomputed steps (5)" in text and "Incident 1: node_down" in text
 
 
+def test_a_script_that_reports_no_steps_gets_no_made_up_restart_point_and_an_upper_bound_ettr():
+    status = recovered_run()
+    status.step = status.steps_from = None
+    incident = status.incidents[0]
+    incident.fault.step = incident.resumed_from_step = incident.lost_steps = None
+    summary = summarize(status)
+    text = render(run_report(status, summary))
+    assert summary["lost_steps"] is None and summary["ettr_upper_bound"]
+    assert f"ETTR at most {summary['ettr']:.1%} (the work lost at recoveries is unknown" in text
+    assert "restart point unknown (the script reports no steps), lost work unknown" in text
+    assert "own snapshot" not in text
+    assert not summarize(recovered_run())["ettr_upper_bound"]
+
+
 @pytest.mark.parametrize("end, code", [(RunState.COMPLETED, 0), (RunState.FAILED, 1)])
 def test_watch_follows_a_run_until_it_ends(end, code):
     done = recovered_run()
