@@ -18,6 +18,7 @@ from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.ownership import acting_for_owner, checked, owned, refused, take_over_run
 from lazarus.activities.preflight import missing_command
+from lazarus.activities.resuming import first_step_done_at, script_restore_point, shows_restored_count
 from lazarus.activities.running import in_thread, timed
 from lazarus.activities.watching import progress_of, watch, watch_until_reported
 from lazarus.infra.backend import ClusterBackend, ClusterError
@@ -263,9 +264,18 @@ class RecoveryActivities:
         restored_from = "survivors" if launch.survivors else "checkpoint" if resumed_from else "scratch"
         await self.failpoints.reach("resume.after_launch")
 
-        def up(verdict, _now) -> bool:
+        # A progress bar shows the restored count before it trains (activities/resuming.py).
+        shows_restored = request.steps_from == "output" and shows_restored_count(
+            await in_thread(self._heartbeats, run_id, 0)
+        )
+
+        async def up(verdict, _now) -> bool:
             if request.steps_from == "trainer":
                 return verdict.step is not None and verdict.step > resumed_from
+            if request.steps_from == "output" and verdict.step is not None and shows_restored:
+                beats = await in_thread(self._heartbeats, run_id, incarnation)
+                world = request.assignment.layout.world_size
+                return len(beats) == world and all(beat.advanced_at for beat in beats)  # as verdict.step: every rank
             if request.steps_from == "output":
                 return verdict.step is not None  # the script restored what it chose: any step it reports
             return verdict.up
@@ -280,21 +290,18 @@ class RecoveryActivities:
         if activity.info().attempt == 1:
             self._count_restore(restored_from, request.fault_step, resumed_from)
         beats = await in_thread(self._heartbeats, run_id, incarnation)
-        first_steps = [beat.first_step for beat in beats if beat.first_step is not None]
         if request.steps_from != "trainer" and not resumed_from:
-            # No checkpoint of Lazarus's was restored: the script restored its own snapshot, the
-            # step before the first it reported (unknown when it reports none).
-            resumed_from = max(0, min(first_steps) - 1) if first_steps else None  # step 0 may be printed
-            restored_from = None
+            # No checkpoint of Lazarus's was restored: the script restored its own snapshot.
+            resumed_from, restored_from = script_restore_point(beats, shows_restored), None
         # Every reporting rank records when it finished its first step; the step is done when the
         # last of them has, whatever the poll interval was.
-        firsts = [beat.first_step_at for beat in beats if beat.first_step_at]
+        done_at = first_step_done_at(beats, shows_restored)
         return ResumeResult(
             resumed_from_step=resumed_from,
             skipped_checkpoints=skipped,
             restored_from=restored_from,
             completed=verdict.completed,
-            first_step_at=datetime.fromtimestamp(max(firsts), UTC) if firsts else None,
+            first_step_at=datetime.fromtimestamp(done_at, UTC) if done_at else None,
             step=verdict.step,
         )
 

@@ -63,6 +63,14 @@ class Heartbeat(Record):
             "from 0, such as a progress bar's 0/N); None before."
         ),
     )
+    advanced_at: float | None = Field(
+        None,
+        description=(
+            "When the rank's output first named a step above its first (seconds since the epoch): for a script "
+            "whose output shows the restored count before it trains (a progress bar's 10/40 after a restore), "
+            "when the first step past the restore was done. None before, and where the rank reports for itself."
+        ),
+    )
     by: Literal["rank", "launcher"] = Field(
         "rank",
         description="Who wrote it: the rank (lazarus.session, the built-in trainer) or its launcher, from its output.",

@@ -5,8 +5,9 @@ cannot carry out itself.
 The ranks write their output straight to their log files (a pipe through the launcher would
 make a slow launcher stall its ranks); a thread of the launcher reads what they appended, every
 POLL_SECONDS. A line ends at `\n`, `\r\n` or a lone `\r` (a progress bar such as tqdm's
-redraws itself after a `\r`); a line not yet ended is not read, since a rank may be half way
-through writing it. A rank whose own heartbeat file shows up (lazarus.session, the built-in
+redraws itself after a `\r`); a line not yet ended is read only once it did not grow for a poll
+(a rank may be half way through writing it; a bar's newest redraw stays unended until the next),
+and never for a step below the newest. A rank whose own heartbeat file shows up (lazarus.session, the built-in
 trainer) reports for itself from then on: the launcher never overwrites what a rank wrote.
 
 Nothing a rank prints may end the watch: an error while reading one line or writing one
@@ -63,6 +64,8 @@ class RankOutput:
     step: int | None = None
     first_step: int | None = None
     first_step_at: float | None = None
+    advanced_at: float | None = None  # when a step above first_step was first read
+    partial_read: bytes = b""  # the unended line last read as it stood (a progress bar's newest redraw)
     phases: dict[str, float] = field(default_factory=dict)
     phase: str = "starting"  # the phase of the newest heartbeat the launcher wrote
     beat_at: float | None = None  # when the launcher last wrote the rank's heartbeat
@@ -167,25 +170,33 @@ class OutputWatch:
             if line:  # blank: a `\r\n` split across two reads, or an empty line
                 output.lines += 1
                 stepped = self._read_line(output, line, now) or stepped
+        if not data and output.partial and output.partial != output.partial_read:
+            # An unended line that did not grow for a poll is whole: a progress bar's newest redraw,
+            # which stays unended until the next one (a step later, or never after the last).
+            output.partial_read = output.partial
+            stepped = self._read_line(output, output.partial, now, unended=True) or stepped
         if stepped:
             output.warning = None  # the pattern fits after all
         if stepped or (lines and self.trainer.output_is_heartbeat):
             self._beat(output, "training", now)
         self._warn_of_no_match(output, now)
 
-    def _read_line(self, output: RankOutput, line: bytes, now: float) -> bool:
+    def _read_line(self, output: RankOutput, line: bytes, now: float, unended: bool = False) -> bool:
         """Take the step the line names, if any; True when it names one. A line the pattern cannot
-        read is said once and skipped."""
+        read is said once and skipped. Of an `unended` line, a step below the rank's newest is taken
+        for a line caught half written, and left."""
         try:
             step = self.trainer.step_in(line[-MAX_LINE_BYTES:].decode(errors="replace"))
         except Exception as error:  # noqa: BLE001 - a user's pattern on any line a rank prints
             self._complain(output.rank, "read a step from a line of its output", error)
             return False
-        if step is None:
+        if step is None or (unended and output.step is not None and step < output.step):
             return False
         output.step = step
         if output.first_step is None:
             output.first_step, output.first_step_at = step, now
+        elif step > output.first_step and output.advanced_at is None:
+            output.advanced_at = now
         return True
 
     def _warn_of_no_match(self, output: RankOutput, now: float) -> None:
@@ -230,6 +241,7 @@ class OutputWatch:
                 phases={**output.phases, phase: output.phases.get(phase, now)},
                 first_step_at=output.first_step_at,
                 first_step=output.first_step,
+                advanced_at=output.advanced_at,
                 by="launcher",
                 warning=output.warning,
             )

@@ -25,7 +25,9 @@ STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
-def script_spec(name: str, workdir, nodes: int = 4, spares: int = 1, args=(), **more):
+def script_spec(
+    name: str, workdir, nodes: int = 4, spares: int = 1, args=(), pattern=r"^step (?P<step>\d+) loss", **more
+):
     """A run of the script, every rank on a node of its own, steps read from its output."""
     return parse_spec(
         {
@@ -33,7 +35,7 @@ def script_spec(name: str, workdir, nodes: int = 4, spares: int = 1, args=(), **
             "trainer": {
                 "command": ["python", str(SCRIPT), *args],
                 "workdir": str(workdir),
-                "progress_pattern": r"^step (?P<step>\d+) loss",
+                "progress_pattern": pattern,
             },
             "layout": {"dp": nodes, "ranks_per_node": 1},
             "cluster": {"active_nodes": nodes, "spare_nodes": spares},
@@ -153,3 +155,32 @@ async def test_the_ddp_tutorial_script_that_destroys_its_group_and_returns_ends_
         epochs = re.findall(rf"^\[GPU{rank}\] Epoch (\d+) \|", run.log_file(0, rank).read_text(), re.MULTILINE)
         assert epochs == [str(e) for e in range(12)]
     assert (tmp_path / "snapshot.pt").is_file()
+
+
+async def test_a_progress_bar_read_with_the_natural_pattern_gives_exact_lost_steps_and_mttr(dev_env, home, tmp_path):
+    """A tqdm-style bar (`\\r 35%|███▌      | 14/40 [...`), read with the pattern a user writes for
+    it: node-1 is killed once its bar shows 14; the script restores its checkpoint-10 folder on
+    the spare, its bar showing 10/40 at once; the incident's restore point, lost steps and MTTR are
+    those of step 11, the first one trained again."""
+    spec = script_spec(
+        "bar",
+        tmp_path,
+        args=["--steps", "40", "--save-every", "10", "--bar", "--step-seconds", "0.1"],
+        faults=[{"node": "node-1", "step": 15}],
+        pattern=r"(?P<step>\d+)/40\s\[",
+    )
+    status, run = await run_to_end(dev_env, home, spec)
+
+    assert status.state == RunState.COMPLETED and status.steps_from == "output" and status.step == 40
+    [incident] = status.incidents
+    assert incident.fault.kind == "rank_exit" and incident.fault.nodes == ["node-1"]
+    shown = [int(n) for n in re.findall(r"\| (\d+)/40 \[", run.log_file(0, 1).read_text())]
+    assert incident.fault.step == max(shown) == 14  # the newest redraw, read though no line end follows it
+    assert "resumed from out/checkpoint-10" in run.log_file(1, 0).read_text()
+    assert incident.resumed_from_step == 10 and incident.lost_steps == 4
+    # MTTR ends when the bar first advanced past the restored count, not at its first redraw (10/40).
+    beats = [r.heartbeat for r in LocalCluster(home).observe(status.run_id, 1).ranks]
+    assert all(beat.first_step == 10 and beat.advanced_at > beat.first_step_at for beat in beats)
+    # (a datetime keeps microseconds)
+    assert incident.first_step_at.timestamp() == pytest.approx(max(beat.advanced_at for beat in beats), abs=1e-6)
+    assert incident.mttr_seconds == (incident.first_step_at - incident.fault.occurred_at).total_seconds() > 0

@@ -141,6 +141,9 @@ def test_a_tqdm_bar_redrawn_with_carriage_returns_gives_its_newest_step_from_ste
     watch.poll()  # bar(1) is not ended yet: it may be half written
     beat = read_heartbeat(run, 0, 0)
     assert (beat.step, beat.first_step, beat.phase, beat.by) == (0, 0, "training", "launcher")
+    watch.poll()  # it did not grow for a poll: the newest redraw, whole
+    beat = read_heartbeat(run, 0, 0)
+    assert (beat.step, beat.first_step) == (1, 0) and beat.advanced_at is not None
     printing(log, bar(2) + bar(3) + bar(4))
     watch.poll()
     assert read_heartbeat(run, 0, 0).step == 3
@@ -150,14 +153,25 @@ def test_a_tqdm_bar_redrawn_with_carriage_returns_gives_its_newest_step_from_ste
     assert (beat.step, beat.first_step) == (4, 0)
 
 
+def test_an_unended_line_caught_half_written_never_takes_the_step_back(tmp_path):
+    watch, run, log = reading(tmp_path, progress_pattern=r"step (?P<step>\d+)")
+    printing(log, "step 14 loss 0.1\nstep 1")  # "step 15 ..." half written
+    watch.poll()
+    watch.poll()
+    assert read_heartbeat(run, 0, 0).step == 14
+    printing(log, "5 loss 0.1\n")
+    watch.poll()
+    assert read_heartbeat(run, 0, 0).step == 15
+
+
 def test_the_watch_thread_reads_a_tqdm_bar_of_a_running_rank_from_step_0(tmp_path, rank_process):
-    redraws = "".join(bar(step) for step in range(7))  # 6/150, not ended by a `\r` yet, is not read
+    redraws = "".join(bar(step) for step in range(7))  # 6/150, not ended by a `\r`, is read once it stays
     process, log = rank_process(
         f"import sys, time\nsys.stderr.write({redraws!r})\nsys.stderr.flush()\ntime.sleep(60)\n"
     )
     watch, run = watching(tmp_path, process, log, progress_pattern=TQDM)
     try:
-        beat = wait_until(lambda: (b := read_heartbeat(run, 0, 0)) and b.step == 5 and b, "step 5 read", timeout=30)
+        beat = wait_until(lambda: (b := read_heartbeat(run, 0, 0)) and b.step == 6 and b, "step 6 read", timeout=30)
     finally:
         watch.stop()
     assert beat.first_step == 0 and beat.by == "launcher"

@@ -10,7 +10,8 @@ Faults of the program itself, on purpose: `--raise-at RANK:STEP` raises a ValueE
 rank before that step (its peers then fail on the broken collective); `--hang-at-exit RANK`
 keeps that rank from ever exiting after the last step, as a rank stuck in its teardown does.
 `--record` wraps main in torch's @record, which writes the exception to TORCHELASTIC_ERROR_FILE.
-Every rank prints `step N loss L` per step.
+Every rank prints `step N loss L` per step, or with `--bar` a progress bar as tqdm draws one:
+redrawn after a carriage return, showing the count done (`10/40 [` at once after a restore).
 """
 
 import argparse
@@ -42,6 +43,18 @@ def save(output: Path, step: int, weights: torch.Tensor, slow_save: float) -> No
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
 
 
+def bar(done: int, total: int, began: float) -> None:
+    """Redraw a tqdm-style bar: `\r 25%|██▌       | 10/40 [00:01<00:03,  9.87it/s]`, no line end."""
+    elapsed = time.time() - began
+    filled = done * 10 // total
+    rate = done / elapsed if elapsed > 0 else 0.0
+    bar_text = "█" * filled + " " * (10 - filled)
+    sys.stdout.write(
+        f"\r{done * 100 // total:3d}%|{bar_text}| {done}/{total} [00:{elapsed:02.0f}<00:00, {rate:5.2f}it/s]"
+    )
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
@@ -51,6 +64,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default="out")
     parser.add_argument("--raise-at", default="", help="RANK:STEP")
     parser.add_argument("--hang-at-exit", type=int, default=-1, help="RANK")
+    parser.add_argument("--bar", action="store_true", help="a tqdm-style progress bar instead of step lines")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -64,18 +78,26 @@ def main() -> None:
         weights, start = torch.load(found / "model.pt"), state["global_step"]
         print(f"resumed from {found}", flush=True)
     fail_rank, _, fail_step = args.raise_at.partition(":")
+    began = time.time()
+    if args.bar:
+        bar(start, args.steps, began)
     for step in range(start + 1, args.steps + 1):
         if fail_rank and int(fail_rank) == rank and int(fail_step) == step:
             raise ValueError(f"rank {rank} found a bad batch at step {step}")
         grad = torch.full((8,), float(step + rank))
         dist.all_reduce(grad)
         weights -= 0.001 * grad
-        print(f"step {step} loss {float(weights.pow(2).sum()):.6f}", flush=True)
+        if args.bar:
+            bar(step, args.steps, began)
+        else:
+            print(f"step {step} loss {float(weights.pow(2).sum()):.6f}", flush=True)
         if rank == 0 and step % args.save_every == 0:
             save(output, step, weights, args.slow_save)
         dist.barrier()
         time.sleep(args.step_seconds)
     dist.destroy_process_group()
+    if args.bar:
+        print()  # tqdm ends its bar with a line end
     sys.stdout.flush()
     if rank == args.hang_at_exit:
         threading.Event().wait()  # never returns, as a teardown that deadlocked

@@ -1,0 +1,35 @@
+"""What a new incarnation's first heartbeats tell resume: where a script that restores its own
+snapshot restarted, and when its first step past that was done (pure functions of heartbeats).
+
+A script read through trainer.progress_pattern names the steps it has done. Most print a step
+once it is done ("step 11 loss ..."): the first one read after a restart is the step after the
+restored one. A progress bar shows the count done before it trains ("10/40" at once after a
+restore, "0/40" when a run begins): the restored count is the first read, and the first step
+past it is its first advance. Which kind a script is shows when the run begins: its first
+reading there was 0.
+"""
+
+from __future__ import annotations
+
+from lazarus.schema.contract import Heartbeat
+
+
+def shows_restored_count(first_heartbeats: list[Heartbeat]) -> bool:
+    """Whether the ranks' output showed step 0 first when the run began (incarnation 0's heartbeats)."""
+    firsts = [beat.first_step for beat in first_heartbeats if beat.first_step is not None]
+    return bool(firsts) and min(firsts) == 0
+
+
+def script_restore_point(heartbeats: list[Heartbeat], shows_restored: bool) -> int | None:
+    """The step a script that restores its own snapshot restarted from; None when it reports no step."""
+    firsts = [beat.first_step for beat in heartbeats if beat.first_step is not None]
+    if not firsts:
+        return None
+    return max(0, min(firsts) - (0 if shows_restored else 1))
+
+
+def first_step_done_at(heartbeats: list[Heartbeat], shows_restored: bool) -> float | None:
+    """When the incarnation's first step past its restore was done: when the last rank to report it
+    did (seconds since the epoch); None before."""
+    done = [beat.advanced_at if shows_restored else beat.first_step_at for beat in heartbeats]
+    return max((at for at in done if at), default=None)
