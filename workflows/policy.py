@@ -186,6 +186,16 @@ def _reshard_pool(assignment: Assignment, lost: set[str], broken: list[int]) -> 
     return intact + orphans
 
 
+def batch_said(decision: Decision, lazarus_keeps_batch: bool) -> Decision:
+    """The decision with its reason true to the script: Lazarus keeps the global batch through a
+    reshard (gradient accumulation) only for the built-in trainer and lazarus.session scripts; any
+    other script's own arithmetic decides it."""
+    if lazarus_keeps_batch or "global batch kept" not in decision.reason:
+        return decision
+    kept = "the script's own arithmetic decides its global batch"
+    return decision.model_copy(update={"reason": decision.reason.replace("global batch kept", kept)})
+
+
 def plan_operator_reshard(inventory: Inventory, assignment: Assignment, dp: int, target_dp: int) -> Decision:
     """An operator's reshard to `dp` replicas: the current nodes first, then free spares.
 

@@ -17,7 +17,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.schema.policy import RecoveryPolicy
     from lazarus.schema.records import Decision, FaultReport, Incident, Regrowth, RunStart, RunStatus
     from lazarus.schema.stages import RescheduleInput, ResumeResult, StopResult
-    from lazarus.workflows.policy import plan_regrow, regrow_nodes
+    from lazarus.workflows.policy import batch_said, plan_regrow, regrow_nodes
 
 REGROW_PATCH = "regrow"
 """workflow.patched id: a run below its wanted dp grows back when the pool has the nodes (before: it stayed small)."""
@@ -70,7 +70,9 @@ class Regrowing:
         reading = RescheduleInput(run_id=status.run_id)
         inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, regrowth)
         wanted = status.wanted_dp or self._start.spec.layout.dp
-        decision = plan_regrow(inventory, status.assignment, wanted, self._node_limit())
+        decision = batch_said(
+            plan_regrow(inventory, status.assignment, wanted, self._node_limit()), status.steps_from == "trainer"
+        )
         regrowth.reason = decision.reason
         if decision.action == "wait":
             regrowth.outcome = "capacity gone"  # another run took the nodes between the two reads

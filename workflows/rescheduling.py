@@ -16,7 +16,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.schema.pool import SpareWant
     from lazarus.schema.records import Decision, FaultReport, Incident, Inventory, RunStart, RunState, RunStatus
     from lazarus.schema.stages import RescheduleInput
-    from lazarus.workflows.policy import plan_recovery, spare_want
+    from lazarus.workflows.policy import batch_said, plan_recovery, spare_want
 
 from lazarus.workflows.stage_calls import RunAborted, RunFailed
 
@@ -93,11 +93,7 @@ class Rescheduling:
             decision = plan_recovery(
                 inventory, assignment, fault.nodes, target_dp=target, min_dp=min_dp, allow_reshard=False
             )
-        if decision.action == "reshard" and self._status.steps_from != "trainer":
-            # Only the built-in trainer and lazarus.session scripts take the accumulation Lazarus sets.
-            kept = "the script's own arithmetic decides its global batch"
-            decision = decision.model_copy(update={"reason": decision.reason.replace("global batch kept", kept)})
-        return decision
+        return batch_said(decision, self._status.steps_from == "trainer")
 
     async def _wait_for_capacity(self, seconds: float) -> None:
         """Until the next read of the inventory: a returned node or an abort ends the wait early."""

@@ -132,3 +132,14 @@ def test_every_decision_keeps_the_invariants(layout, spares, dead, min_dp, data)
     assert decision.released_nodes == [n for n in healthy if n not in decision.nodes]
     # The largest that fits: no bigger dp below the old one fits the healthy nodes and spares.
     assert not [d for d in range(new.dp + 1, layout.dp) if fits(layout, d, len(healthy) + len(free))]
+
+
+def test_global_batch_kept_is_said_only_where_lazarus_keeps_it():
+    from lazarus.schema.layout import Layout
+    from lazarus.schema.records import Decision
+    from lazarus.workflows.policy import batch_said
+
+    reshard = Decision(action="reshard", layout=Layout(dp=2), reason="reshard dp 4 -> 2 (global batch kept)")
+    assert batch_said(reshard, lazarus_keeps_batch=True) == reshard
+    said = batch_said(reshard, lazarus_keeps_batch=False).reason
+    assert said == "reshard dp 4 -> 2 (the script's own arithmetic decides its global batch)"
