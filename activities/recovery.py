@@ -18,7 +18,7 @@ from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.ownership import acting_for_owner, checked, owned, refused, take_over_run
 from lazarus.activities.preflight import missing_command
-from lazarus.activities.resuming import first_step_done_at, script_restore_point, shows_restored_count
+from lazarus.activities.resuming import first_step_done_at, script_restore_point, shows_restored_count, up_when
 from lazarus.activities.running import in_thread, timed
 from lazarus.activities.watching import progress_of, watch, watch_until_reported
 from lazarus.infra.backend import ClusterBackend, ClusterError
@@ -268,18 +268,7 @@ class RecoveryActivities:
         shows_restored = request.steps_from == "output" and shows_restored_count(
             await in_thread(self._heartbeats, run_id, 0)
         )
-
-        async def up(verdict, _now) -> bool:
-            if request.steps_from == "trainer":
-                return verdict.step is not None and verdict.step > resumed_from
-            if request.steps_from == "output" and verdict.step is not None and shows_restored:
-                beats = await in_thread(self._heartbeats, run_id, incarnation)
-                world = request.assignment.layout.world_size
-                return len(beats) == world and all(beat.advanced_at for beat in beats)  # as verdict.step: every rank
-            if request.steps_from == "output":
-                return verdict.step is not None  # the script restored what it chose: any step it reports
-            return verdict.up
-
+        up = up_when(request, resumed_from, shows_restored, self._heartbeats)
         await self._note(
             run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from} from {restored_from}"
         )

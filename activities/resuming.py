@@ -1,5 +1,5 @@
-"""What a new incarnation's first heartbeats tell resume: where a script that restores its own
-snapshot restarted, and when its first step past that was done (pure functions of heartbeats).
+"""What a new incarnation's first heartbeats tell resume: when it is up, where a script that
+restores its own snapshot restarted, and when its first step past that was done.
 
 A script read through trainer.progress_pattern names the steps it has done. Most print a step
 once it is done ("step 11 loss ..."): the first one read after a restart is the step after the
@@ -11,7 +11,9 @@ reading there was 0.
 
 from __future__ import annotations
 
+from lazarus.activities.running import in_thread
 from lazarus.schema.contract import Heartbeat
+from lazarus.schema.stages import ResumeInput
 
 
 def shows_restored_count(first_heartbeats: list[Heartbeat]) -> bool:
@@ -33,3 +35,23 @@ def first_step_done_at(heartbeats: list[Heartbeat], shows_restored: bool) -> flo
     did (seconds since the epoch); None before."""
     done = [beat.advanced_at if shows_restored else beat.first_step_at for beat in heartbeats]
     return max((at for at in done if at), default=None)
+
+
+def up_when(request: ResumeInput, resumed_from: int, shows_restored: bool, heartbeats):
+    """When resume's new incarnation is up, as a watch's `until`: past the restored step where the
+    trainer reports steps; at the first step a script's output names (its first advance, where it
+    shows the restored count first); else once every rank runs. `heartbeats(run_id, incarnation)`
+    reads the ranks' heartbeats."""
+    world, incarnation = request.assignment.layout.world_size, request.assignment.incarnation
+
+    async def up(verdict, _now) -> bool:
+        if request.steps_from == "trainer":
+            return verdict.step is not None and verdict.step > resumed_from
+        if request.steps_from == "output" and verdict.step is not None and shows_restored:
+            beats = await in_thread(heartbeats, request.run_id, incarnation)
+            return len(beats) == world and all(beat.advanced_at for beat in beats)  # as verdict.step: every rank
+        if request.steps_from == "output":
+            return verdict.step is not None  # the script restored what it chose: any step it reports
+        return verdict.up
+
+    return up

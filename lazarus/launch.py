@@ -105,8 +105,16 @@ def build_parser() -> LaunchParser:
         for name in flags:
             _flag(torchrun, name, help=argparse.SUPPRESS)
     torchrun.add_argument("--local-rank", "--local_rank", dest="local_rank", help=argparse.SUPPRESS)
+    _own_flags(parser.add_argument_group("Lazarus's flags"))
+    parser.add_argument(
+        "script", metavar="SCRIPT", help="the training script (a module with -m, a program with --no-python)"
+    )
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
 
-    own = parser.add_argument_group("Lazarus's flags")
+
+def _own_flags(own) -> None:
+    """Lazarus's flags beside torchrun's: spares, a spec to start from, and how to read a script."""
     own.add_argument("--spares", type=int, metavar="N", help="hot spare nodes (default 1)")
     own.add_argument("--spec", metavar="FILE", help="start from this run spec (policy, faults, ...); flags override it")
     own.add_argument("--name", help="run name (default: from the script's name)")
@@ -125,11 +133,6 @@ def build_parser() -> LaunchParser:
         "--output-is-heartbeat", action="store_true", help="a rank that prints nothing for hang_after_seconds is hung"
     )
     own.add_argument("--steps", type=int, metavar="N", help="trainer.steps, for a script that uses lazarus.session")
-    parser.add_argument(
-        "script", metavar="SCRIPT", help="the training script (a module with -m, a program with --no-python)"
-    )
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return parser
 
 
 def ignored_flags(args: argparse.Namespace) -> str | None:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from lazarus.schema.base import Record
+from lazarus.schema.faults import FaultKind, FaultReport  # noqa: F401 - recorded here; imported from here
 from lazarus.schema.layout import Layout
 from lazarus.schema.names import RunId
 from lazarus.schema.nodelist import NodeGroups, NodeList, RankList, natural_key
@@ -89,62 +90,6 @@ RestoreSource = Literal["survivors", "checkpoint", "scratch"]
 """Where a new incarnation's state came from: the fault's survivors, a periodic checkpoint, nothing."""
 """Who reports the step: trainer (the built-in trainer or a lazarus.session script, which train to
 trainer.steps), output (trainer.progress_pattern on the ranks' output; the script decides its end)."""
-
-FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator", "program_error", "rank_error"]
-
-
-class FaultReport(Record):
-    """A fault: which nodes, what kind, when it happened and when it was seen."""
-
-    kind: FaultKind = Field(
-        description=(
-            "node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; "
-            "external: reported by signal; operator: drained by an operator; rank_error: a rank failed on its own "
-            "(an exception or an exit code) on a healthy node, the program's failure: restarted in place, no node "
-            "blamed; program_error: the program fails every time (every rank ended before training a step, or a "
-            "crash loop), no node to blame: the run ends."
-        )
-    )
-    nodes: NodeList = Field(
-        description="Nodes blamed for the fault; they are quarantined (none for the program's own failure)."
-    )
-    incarnation: int = Field(ge=0, description="Incarnation that was running.")
-    occurred_at: datetime = Field(
-        description="Best known time of the fault (UTC): the backend's death time, else when it was first seen."
-    )
-    detected_at: datetime = Field(description="When the detector reported it (UTC).")
-    step: int | None = Field(
-        ge=0,
-        description=(
-            "Newest step completed when the fault was detected: the highest any rank reported (in synchronous "
-            "training every rank got through that step's collectives; another's heartbeat may lag by milliseconds). "
-            "None when the script reports no steps."
-        ),
-    )
-    last_heartbeat_at: datetime | None = Field(
-        None, description="Newest heartbeat of the blamed ranks before the fault (UTC)."
-    )
-    reason: str = Field(
-        "", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words."
-    )
-    rank: int | None = Field(
-        None,
-        description=(
-            "The first rank blamed: of a failure, the rank that failed first for a reason of its own (an exception "
-            "or exit code beats a peer's follow-on connection error)."
-        ),
-    )
-    node: str | None = Field(None, description="The node that rank ran on.")
-    exit_code: int | None = Field(None, description="That rank's exit code, when it exited on its own.")
-    signal: str | None = Field(None, description="The signal that ended that rank, e.g. SIGKILL.")
-    error: str = Field(
-        "",
-        description=(
-            "That rank's exception: what torch's @record wrote (TORCHELASTIC_ERROR_FILE), else the last line of "
-            "the traceback in its log."
-        ),
-    )
-    log_tail: str = Field("", description="The last lines of that rank's log.")
 
 
 class RankProgress(Record):
