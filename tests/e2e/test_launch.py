@@ -49,7 +49,10 @@ def test_launch_completes_a_run_and_recovers_a_killed_node(dev_env, home, launch
     run_id = f"launch-{uuid.uuid4().hex[:6]}"
     env = lazarus_env(dev_env, home, f"launch-{uuid.uuid4().hex[:6]}")
     args = ["--nnodes", "4", "--nproc-per-node", "1", "--spares", "1", "--rdzv-backend", "c10d", "--rdzv-id", run_id]
-    process, out, err = launched([*args, str(SCRIPT), "--epochs", "30", "--save-every", "5"], env)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("a\nb\nc\n")
+    script = [str(SCRIPT), "--epochs", "30", "--save-every", "5", "--train-file", "data/train.txt"]
+    process, out, err = launched([*args, *script], env)
     wait_until(lambda: "epoch 12 loss" in out.read_text(), "epoch 12 on rank 0's output", timeout=120)
     killed = LocalCluster(home).kill_node(run_id, "node-2")
     assert killed
@@ -69,7 +72,9 @@ def test_launch_completes_a_run_and_recovers_a_killed_node(dev_env, home, launch
     assert shown.startswith("[rank 0] No snapshot at snapshot.pt: training from scratch")
     assert "[rank 0] Resuming training from snapshot at epoch" in shown
     assert shown.count("epoch 30 loss") == 1
-    # The ranks ran where launch was typed, as torchrun's do: the script's relative snapshot.pt is there.
+    # The ranks ran where launch was typed, as torchrun's do, before the fault and after it: they read
+    # the relative data/train.txt there, and the script's relative snapshot.pt is there.
+    assert shown.count("[rank 0] read 3 lines of data/train.txt") == 2
     assert (tmp_path / "snapshot.pt").is_file()
 
 

@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--snapshot-path", default="snapshot.pt")
+    parser.add_argument("--train-file", help="a text file every rank reads at start (relative: the working directory)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -57,6 +58,9 @@ def main() -> None:
         print(f"[rank {rank}] No snapshot at {args.snapshot_path}: training from scratch", flush=True)
     restarts, most = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("TORCHELASTIC_MAX_RESTARTS")
     print(f"[rank {rank}] world {world}, restart {restarts} of {most}", flush=True)
+    if args.train_file:
+        with open(args.train_file) as data:  # FileNotFoundError where the ranks run elsewhere
+            print(f"[rank {rank}] read {len(data.readlines())} lines of {args.train_file}", flush=True)
 
     for epoch in range(epochs_run, args.epochs):
         total = torch.zeros(1)
