@@ -6,7 +6,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test test-fast lint format setup tls-proxy browser bench clean-state
+.PHONY: demo test test-fast lint format setup tls-proxy browser slurm-packages slurm slurm-down bench clean-state
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP) tls-proxy browser
+setup: $(STAMP) tls-proxy browser slurm-packages
 
 # haproxy terminates TLS in front of the test dev server (tests/e2e/test_tls.py). Checked on each
 # `make setup` and `make test`, not only when .venv is made, so an existing .venv gets it too; it
@@ -48,10 +48,32 @@ browser:
 	    || echo "chromium not installed (needs root and apt-get): the web UI check will skip; install it with: apt-get install chromium"; \
 	}
 
+# Debian's Slurm and munge run a real Slurm cluster on this machine (lazarus.infra.slurm_cluster; the
+# tests in tests/slurm start their own). Like haproxy: installed only as root with apt-get, never
+# failing the set-up; without them the Slurm tests skip, as this line says.
+slurm-packages:
+	@command -v slurmctld >/dev/null 2>&1 || test -x /usr/sbin/slurmctld || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1 \
+	      || { apt-get update -qq >/dev/null 2>&1 \
+	           && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1; }; \
+	  fi; \
+	  test -x /usr/sbin/slurmctld \
+	    || echo "Slurm not installed (needs root and apt-get): the Slurm tests will skip; install it with: apt-get install slurmctld slurmd slurm-client munge"; \
+	}
+
+# A Slurm cluster of 5 nodes (n1..n5) in .lazarus/slurm, on free ports; `make slurm-down` stops it.
+slurm: $(STAMP) slurm-packages
+	$(PY) -m lazarus.infra.slurm_cluster up --folder .lazarus/slurm --nodes 5
+
+slurm-down: $(STAMP)
+	$(PY) -m lazarus.infra.slurm_cluster down --folder .lazarus/slurm
+
 demo: $(STAMP)
 	.venv/bin/lazarus demo $(ARGS)
 
-test: $(STAMP) tls-proxy browser
+test: $(STAMP) tls-proxy browser slurm-packages
 	$(PY) -m pytest -q $(ARGS)
 
 test-fast: $(STAMP)
