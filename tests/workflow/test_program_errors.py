@@ -9,7 +9,6 @@ import pytest
 from temporalio.client import WorkflowFailureError
 
 from lazarus.schema import RunState, controls
-from lazarus.workflows.incidents import crash_loop, failure_signature
 from lazarus.workflows.training_run import TrainingRun
 from tests.workflow.fakes import ACTIVE, FakeStages, fault, make_spec, run_workflow
 
@@ -67,27 +66,3 @@ async def test_a_crash_loop_pauses_the_run_where_the_policy_says(time_skipping_e
     assert paused.failure.error == "ValueError: another message" and paused.quarantined_nodes == []
     assert "crash loop" in paused.reason and "failed again before training a step" in paused.reason
     assert status.state == RunState.ABORTED and stages.names().count("resume") == 1
-
-
-def test_failures_are_the_same_whatever_rank_or_address():
-    one = rank_error("RuntimeError: bad pointer 0x7f12ab")
-    other = one.model_copy(update={"rank": 0, "error": "RuntimeError: bad pointer 0x7f99cd"})
-    assert failure_signature(one) == failure_signature(other)
-    coded = one.model_copy(update={"error": "", "exit_code": 3})
-    assert failure_signature(coded) == "exit code 3" != failure_signature(one)
-
-
-def test_a_node_fault_between_two_program_failures_is_no_loop():
-    from lazarus.schema.records import Assignment, Incident, StageRecord
-
-    held = Assignment(incarnation=0, nodes=ACTIVE, layout=make_spec().layout, master_port=29400)
-
-    def incident(number, report, outcome="recovered"):
-        stage = StageRecord(started_at=report.occurred_at, ended_at=report.detected_at)
-        return Incident(number=number, fault=report, old_assignment=held, stages={"detect": stage}, outcome=outcome)
-
-    assert crash_loop([incident(1, rank_error()), incident(2, fault())], rank_error()) is None
-    assert crash_loop([incident(1, rank_error())], rank_error()) is not None
-    assert crash_loop([incident(1, rank_error())], rank_error("ValueError: other")) is None  # trained between
-    assert crash_loop([incident(1, rank_error(), "interrupted")], rank_error("ValueError: other")) is not None
-    assert crash_loop([incident(1, rank_error())], fault()) is None  # a node fault is never a crash loop
