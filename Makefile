@@ -63,7 +63,7 @@ slurm-packages:
 	    || echo "Slurm not installed (needs root and apt-get): the Slurm tests will skip; install it with: apt-get install slurmctld slurmd slurm-client munge"; \
 	}
 
-# A Slurm cluster of 5 nodes (n1..n5) in .lazarus/slurm, on free ports; `make slurm-down` stops it.
+# A Slurm cluster of 5 nodes (node-0..node-4) in .lazarus/slurm, on free ports; `make slurm-down` stops it.
 slurm: $(STAMP) slurm-packages
 	$(PY) -m lazarus.infra.slurm_cluster up --folder .lazarus/slurm --nodes 5
 

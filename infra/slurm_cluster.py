@@ -1,5 +1,6 @@
 """A real Slurm cluster on this machine, for development and the tests: Debian's munge, slurmctld
-and slurmd (Slurm 22.05), one `slurmd -N nI` per node, every node this host on a port of its own
+and slurmd (Slurm 22.05), one `slurmd -N node-I` per node (named as the local backend's pool
+names its nodes, so that the Slurm backend's pool and Slurm speak of the same nodes), every node this host on a port of its own
 (`NodeHostname=localhost Port=[...]`), everything under one folder and on free ports, so that it
 never meets a site's own Slurm or another test's cluster.
 
@@ -61,7 +62,7 @@ def _binary(name: str) -> str | None:
 
 @dataclass
 class SlurmCluster:
-    """A cluster of `nodes` nodes (n1, n2, ...) kept in `folder`."""
+    """A cluster of `nodes` nodes (node-0, node-1, ...) kept in `folder`."""
 
     folder: Path
     nodes: int = 5
@@ -79,7 +80,7 @@ class SlurmCluster:
 
     @property
     def node_names(self) -> list[str]:
-        return [f"n{i}" for i in range(1, self.nodes + 1)]
+        return [f"node-{i}" for i in range(self.nodes)]
 
     @property
     def env(self) -> dict[str, str]:
@@ -166,9 +167,9 @@ class SlurmCluster:
                 "SlurmdTimeout=5",
                 "MessageTimeout=3",
                 "KillWait=2",
-                f"NodeName=n[1-{len(names)}] NodeHostname=localhost Port=[{','.join(map(str, node_ports))}] "
+                f"NodeName=node-[0-{len(names) - 1}] NodeHostname=localhost Port=[{','.join(map(str, node_ports))}] "
                 "CPUs=2 RealMemory=4000",
-                f"PartitionName={self.partition} Nodes=n[1-{len(names)}] Default=YES MaxTime=INFINITE State=UP "
+                f"PartitionName={self.partition} Nodes=node-[0-{len(names) - 1}] Default=YES MaxTime=INFINITE State=UP "
                 "OverSubscribe=YES",
                 "",
             ]
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lazarus.infra.slurm_cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("--folder", default=".lazarus/slurm", help="where the cluster keeps its files")
-    parser.add_argument("--nodes", type=int, default=5, help="nodes n1..nN (default 5: 4 active and a spare)")
+    parser.add_argument("--nodes", type=int, default=5, help="nodes node-0.. (default 5: 4 active and a spare)")
     args = parser.parse_args(argv)
     cluster = SlurmCluster(Path(args.folder).resolve(), args.nodes)
     try:

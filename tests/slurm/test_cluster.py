@@ -49,17 +49,17 @@ def settles_at(cluster: SlurmCluster, node: str, state: str, timeout: float = 30
 
 
 def test_a_job_step_runs_one_task_on_each_node(cluster):
-    assert cluster.states() == {"n1": "idle", "n2": "idle", "n3": "idle"}
+    assert cluster.states() == {"node-0": "idle", "node-1": "idle", "node-2": "idle"}
     said = slurm(cluster, "srun", "-N3", "-n3", "--overcommit", "bash", "-c", "echo $SLURMD_NODENAME $SLURM_PROCID")
-    assert sorted(said.split("\n")[:-1]) == ["n1 0", "n2 1", "n3 2"]
+    assert sorted(said.split("\n")[:-1]) == ["node-0 0", "node-1 1", "node-2 2"]
 
 
 def test_a_drained_node_shows_its_reason_until_resumed(cluster):
-    slurm(cluster, "scontrol", "update", "nodename=n2", "state=drain", "reason=lazarus incident 1: rank_exit")
-    assert cluster.states()["n2"] == "drained"
+    slurm(cluster, "scontrol", "update", "nodename=node-1", "state=drain", "reason=lazarus incident 1: rank_exit")
+    assert cluster.states()["node-1"] == "drained"
     assert "lazarus incident 1: rank_exit" in slurm(cluster, "sinfo", "-R", "-h", "-o", "%n %E")
-    slurm(cluster, "scontrol", "update", "nodename=n2", "state=resume")
-    assert settles_at(cluster, "n2", "idle") == "idle"
+    slurm(cluster, "scontrol", "update", "nodename=node-1", "state=resume")
+    assert settles_at(cluster, "node-1", "idle") == "idle"
 
 
 def test_stop_leaves_no_daemon(tmp_path):
@@ -67,7 +67,7 @@ def test_stop_leaves_no_daemon(tmp_path):
     cluster = SlurmCluster(folder, nodes=1)
     try:
         cluster.start()
-        pids = [int((folder / "run" / name).read_text()) for name in ("slurmctld.pid", "slurmd-n1.pid")]
+        pids = [int((folder / "run" / name).read_text()) for name in ("slurmctld.pid", "slurmd-node-0.pid")]
         pids.append(int((cluster.munge_home / "key" / "munged.pid").read_text()))
     finally:
         cluster.stop()
