@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from lazarus.schema.base import MAX_SECONDS, Strict
+from lazarus.schema.cluster_settings import KubernetesSettings, SlurmSettings  # noqa: F401 - part of the spec
 from lazarus.schema.layout import Layout
 from lazarus.schema.names import shown
 from lazarus.schema.policy import RecoveryPolicy
@@ -181,53 +182,22 @@ class TrainerSettings(Strict):
         return self
 
 
-class KubernetesSettings(Strict):
-    """Where and how the Kubernetes backend runs a node's ranks (one pod per node and incarnation)."""
-
-    namespace: str = Field("lazarus", description="Namespace of the rank pods, the run's ConfigMap and its Events.")
-    pool: str = Field(
-        "default", description="Value of the `lazarus.dev/pool` label that selects the nodes this run may use."
-    )
-    image: str = Field(
-        "lazarus-trainer:latest",
-        description="Container image of the rank pods; it must hold this project and the trainer.",
-    )
-    cpu: str = Field("1", description="CPU request and limit of a rank pod (Kubernetes quantity, e.g. `8` or `500m`).")
-    memory: str = Field("4Gi", description="Memory request and limit of a rank pod (Kubernetes quantity).")
-    gpus: int = Field(0, ge=0, description="`nvidia.com/gpu` per rank pod (GPUs); usually layout.ranks_per_node.")
-    volume_claim: str = Field(
-        "lazarus-runs",
-        description=(
-            "ReadWriteMany PersistentVolumeClaim holding run directories (heartbeats, checkpoints); "
-            "the worker mounts it too."
-        ),
-    )
-    mount_path: str = Field(
-        "/lazarus", description="Where the pods and the worker mount volume_claim; LAZARUS_HOME there."
-    )
-    delete_grace_seconds: int = Field(
-        5, ge=0, le=MAX_SECONDS, description="Grace period when drain deletes an incarnation's pods (seconds)."
-    )
-    master_port: int = Field(
-        29500,
-        ge=1024,
-        le=65535,
-        description="Port of rank 0's rendezvous store on its node (pods use the host network).",
-    )
-
-
 class ClusterSpec(Strict):
     """Where the ranks run and how many nodes stand by."""
 
-    backend: Literal["local", "kubernetes"] = Field(
+    backend: Literal["local", "kubernetes", "slurm"] = Field(
         "local",
         description=(
             "Cluster backend: `local` runs each node as rank processes on this machine; `kubernetes` runs a "
-            "pod per node on the nodes labelled `lazarus.dev/pool`."
+            "pod per node on the nodes labelled `lazarus.dev/pool`; `slurm` runs each node's ranks as a job "
+            "step of one allocation of the Slurm cluster that SLURM_CONF names."
         ),
     )
     kubernetes: KubernetesSettings = Field(
-        default_factory=KubernetesSettings, description="Settings of the kubernetes backend (ignored by `local`)."
+        default_factory=KubernetesSettings, description="Settings of the kubernetes backend (ignored by the others)."
+    )
+    slurm: SlurmSettings = Field(
+        default_factory=SlurmSettings, description="Settings of the slurm backend (ignored by the others)."
     )
     active_nodes: int = Field(4, ge=1, description="Nodes that train at launch (nodes).")
     spare_nodes: int = Field(

@@ -26,6 +26,7 @@ from pathlib import Path
 from lazarus.schema.contract import (
     ENV_FAIL_AT,
     ENV_INCARNATION,
+    ENV_LAUNCHER_LOCKS,
     ENV_NODE,
     ENV_NODE_INDEX,
     ENV_RUN_DIR,
@@ -174,6 +175,8 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     # node by killing the group, which its ranks join when they are forked.
     node = assignment.nodes[node_index]
     me = {"pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid()), "node": node}
+    if "SLURM_JOB_ID" in base_env:  # the job step it runs as, in Slurm's words (squeue -s shows it)
+        me["slurm_step"] = f"{base_env['SLURM_JOB_ID']}.{base_env.get('SLURM_STEP_ID', '')}"
     write_json_atomic(run.node_pid_file(incarnation, node_index), me)
     # The backend marks an incarnation ended before it kills it; a launcher it started a moment
     # too late (a launch cut short by a stop) holds its lock already, so it is either killed or sees this.
@@ -252,7 +255,22 @@ def main() -> None:
     if missing:
         raise SystemExit(f"lazarus launcher: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")
     run = RunDir(os.environ[ENV_RUN_DIR])
-    sys.exit(launch_node(run, int(os.environ[ENV_INCARNATION]), int(os.environ[ENV_NODE_INDEX]), dict(os.environ)))
+    incarnation, index = int(os.environ[ENV_INCARNATION]), int(os.environ[ENV_NODE_INDEX])
+    if os.environ.get(ENV_LAUNCHER_LOCKS) and not take_node_lock(run, incarnation, index):
+        sys.exit(0)  # this node's launcher runs already (a repeated start)
+    sys.exit(launch_node(run, incarnation, index, dict(os.environ)))
+
+
+def take_node_lock(run: RunDir, incarnation: int, index: int) -> bool:
+    """Hold the node's launcher lock, where whoever started this launcher could not hand it the
+    lock (a Slurm job step: srun passes no descriptor); False when another launcher of the node
+    holds it. The lock lives as long as this process."""
+    if take_lock(run.node_lock_file(incarnation, index)) is None:
+        return False
+    # A group of its own, as start_locked gives a launcher: killing the node's processes kills this
+    # group (the launcher and its ranks), never the slurmstepd that started it.
+    os.setpgid(0, 0)
+    return True
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     worker = commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
     worker.add_argument(
         "--backend",
-        choices=["local", "kubernetes"],
+        choices=["local", "kubernetes", "slurm"],
         default=os.environ.get("LAZARUS_BACKEND", "local"),
-        help="cluster the activities drive: local rank processes, or pods through the Kubernetes API "
-        "(in-cluster service account, else ~/.kube/config) (default: LAZARUS_BACKEND, else local)",
+        help="cluster the activities drive: local rank processes, pods through the Kubernetes API "
+        "(in-cluster service account, else ~/.kube/config), or job steps of the Slurm cluster SLURM_CONF "
+        "names (LAZARUS_HOME on a path every node shares) (default: LAZARUS_BACKEND, else local)",
     )
     worker.add_argument(
         "--metrics-port",
@@ -51,6 +52,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _cluster(args: argparse.Namespace, settings: Settings):
     from lazarus.infra.local import LocalCluster
 
+    if args.backend == "slurm":
+        return _slurm_cluster(settings)
     if args.backend != "kubernetes":
         return LocalCluster(settings.home)
     from lazarus.infra.kubernetes import KubernetesCluster
@@ -61,6 +64,19 @@ def _cluster(args: argparse.Namespace, settings: Settings):
         return KubernetesCluster(settings.home, qps=args.kube_qps, burst=args.kube_burst)
     except Exception as error:  # noqa: BLE001 - no kubeconfig, no service account: say so, no traceback
         raise UserError(f"--backend kubernetes: cannot reach a Kubernetes API ({error})") from None
+
+
+def _slurm_cluster(settings: Settings):
+    """The Slurm backend, once slurmctld answers (a missing or unreachable Slurm is one line)."""
+    from lazarus.infra.backend import ClusterError
+    from lazarus.infra.slurm import SlurmCluster
+
+    cluster = SlurmCluster(settings.home)
+    try:
+        cluster.node_states()
+    except ClusterError as error:
+        raise UserError(f"--backend slurm: cannot reach a Slurm controller ({error}); is SLURM_CONF set?") from None
+    return cluster
 
 
 async def work(args: argparse.Namespace, settings: Settings) -> int:

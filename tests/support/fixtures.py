@@ -5,12 +5,17 @@ Every one that starts something stops it at teardown, pass or fail.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from kubernetes import client as k8s
 
 from lazarus.infra.local import LocalCluster
+from lazarus.infra.processes import kill_and_wait, node_groups
+from lazarus.infra.slurm import SlurmCluster
+from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
 from tests.k8s.kubelet import FakeKubelet
 from tests.support.backends import Harness
@@ -176,7 +181,45 @@ def kubernetes_backend(admin, clusters, tmp_path):
         kubelet.stop()
 
 
-@pytest.fixture(params=["local", "kubernetes"])
+@pytest.fixture(scope="session")
+def slurm_daemons():
+    """A real Slurm cluster of 5 nodes (node-0..node-4) for the session, in a folder of its own,
+    stopped at the end; the tests that take it skip, with the reason, where it cannot start."""
+    reason = why_not_startable()
+    if reason is not None:
+        pytest.skip(reason)
+    folder = Path(tempfile.mkdtemp(prefix="lazarus-slurm-"))
+    daemons = SlurmDaemons(folder, nodes=5)
+    try:
+        daemons.start()
+        yield daemons
+    finally:
+        daemons.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_backend(slurm_daemons, tmp_path):
+    """The Slurm backend on the real cluster as a Harness: a node dies as its slurmd and its steps'
+    processes are SIGKILLed. At teardown every run is stopped, every job cancelled, and every node
+    back in service, pass or fail."""
+    cluster = SlurmCluster(tmp_path, environ=slurm_daemons.env)
+
+    def kill_node(run_id: str, node: str) -> None:
+        slurm_daemons.kill_slurmd(node)
+        run = cluster.run_dir(run_id)
+        kill_and_wait([group for k in run.incarnations() for group in node_groups(run, k, node)])
+
+    harness = Harness("slurm", cluster, tmp_path, {"backend": "slurm"}, ["node-0", "node-1"], ["node-2"], kill_node)
+    try:
+        yield harness
+    finally:
+        for run_id in harness.started:
+            cluster.stop_run(run_id)
+        slurm_daemons.reset()
+
+
+@pytest.fixture(params=["local", "kubernetes", "slurm"])
 def backend(request):
     """Each backend in turn, as a Harness: tests that take it run once per backend."""
     return request.getfixturevalue(f"{request.param}_backend")

@@ -54,8 +54,8 @@ def test_a_stage_whose_longest_retry_wait_is_below_its_first_is_refused():
 
 def test_unknown_backend_is_refused():
     assert (
-        refuse({"cluster": {"backend": "slurm"}})
-        == "cluster.backend: 'slurm' is not supported; must be 'local' or 'kubernetes'"
+        refuse({"cluster": {"backend": "lsf"}})
+        == "cluster.backend: 'lsf' is not supported; must be 'local', 'kubernetes' or 'slurm'"
     )
 
 

@@ -1,14 +1,15 @@
 """A real Slurm cluster on this machine, for development and the tests: Debian's munge, slurmctld
 and slurmd (Slurm 22.05), one `slurmd -N node-I` per node (named as the local backend's pool
-names its nodes, so that the Slurm backend's pool and Slurm speak of the same nodes), every node this host on a port of its own
+names its nodes, so that the Slurm backend's pool and Slurm speak of the same nodes), every node
+this host on a port of its own
 (`NodeHostname=localhost Port=[...]`), everything under one folder and on free ports, so that it
 never meets a site's own Slurm or another test's cluster.
 
-    python -m lazarus.infra.slurm_cluster up [--folder .lazarus/slurm] [--nodes 5]
-    python -m lazarus.infra.slurm_cluster down [--folder .lazarus/slurm]
+    python -m lazarus.infra.slurm_daemons up [--folder .lazarus/slurm] [--nodes 5]
+    python -m lazarus.infra.slurm_daemons down [--folder .lazarus/slurm]
 
 `make slurm` installs the packages (as root, with apt-get) and starts one. The clients (sinfo,
-srun, scontrol) find it through SLURM_CONF (`SlurmCluster.env`). Starting needs root: munged runs
+srun, scontrol) find it through SLURM_CONF (`SlurmDaemons.env`). Starting needs root: munged runs
 as the munge user with a key of its own, slurmctld and slurmd as root (SlurmUser=root), as
 ../shared/FIELD-NOTES.md measured. munged's socket and key live in a folder of /tmp that the munge
 user can reach (the cluster's own folder may sit under a home it cannot enter).
@@ -30,13 +31,13 @@ from pathlib import Path
 
 from lazarus.infra.backend import free_ports
 
-BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "srun", "scontrol")
+BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "srun", "scontrol", "salloc", "scancel", "squeue")
 PACKAGES = "slurmctld slurmd slurm-client munge"
 START_SECONDS = 30.0
 """How long the nodes get to show idle in sinfo after the daemons started (seconds); about 3 here."""
 
 
-class SlurmClusterError(RuntimeError):
+class SlurmDaemonsError(RuntimeError):
     """The cluster cannot be started, or did not come up."""
 
 
@@ -61,7 +62,7 @@ def _binary(name: str) -> str | None:
 
 
 @dataclass
-class SlurmCluster:
+class SlurmDaemons:
     """A cluster of `nodes` nodes (node-0, node-1, ...) kept in `folder`."""
 
     folder: Path
@@ -89,10 +90,10 @@ class SlurmCluster:
 
     def start(self) -> None:
         """Write the key and slurm.conf, start munged, slurmctld and every slurmd, and return once
-        sinfo shows every node idle; SlurmClusterError (the daemons stopped) otherwise."""
+        sinfo shows every node idle; SlurmDaemonsError (the daemons stopped) otherwise."""
         why = why_not_startable()
         if why is not None:
-            raise SlurmClusterError(why)
+            raise SlurmDaemonsError(why)
         for name in ("state", "spool", "log", "run"):
             (self.folder / name).mkdir(parents=True, exist_ok=True)
         self._start_munge()
@@ -140,7 +141,7 @@ class SlurmCluster:
         folder, names = self.folder, self.node_names
         return "\n".join(
             [
-                "# A cluster of lazarus.infra.slurm_cluster: every node is this host, on a port of its own.",
+                "# A cluster of lazarus.infra.slurm_daemons: every node is this host, on a port of its own.",
                 "ClusterName=lazarus",
                 "SlurmctldHost=localhost",
                 f"SlurmctldPort={controller_port}",
@@ -181,7 +182,7 @@ class SlurmCluster:
         done = subprocess.run([binary, *command[1:]], capture_output=True, text=True, timeout=60, env=self.env)
         if done.returncode != 0:
             said = (done.stderr or done.stdout).strip().splitlines()
-            raise SlurmClusterError(f"{command[0]} did not start: {said[-1] if said else f'exit {done.returncode}'}")
+            raise SlurmDaemonsError(f"{command[0]} did not start: {said[-1] if said else f'exit {done.returncode}'}")
 
     def states(self) -> dict[str, str]:
         """Each node's state as sinfo shows it (idle, alloc, drain, down*, ...)."""
@@ -199,7 +200,36 @@ class SlurmCluster:
                 return
             time.sleep(0.2)  # sinfo asks slurmctld; the nodes register within seconds
         logs = self.folder / "log"
-        raise SlurmClusterError(f"the nodes did not come up within {START_SECONDS:g} s ({states}); see {logs}")
+        raise SlurmDaemonsError(f"the nodes did not come up within {START_SECONDS:g} s ({states}); see {logs}")
+
+    def kill_slurmd(self, node: str) -> None:
+        """A node dies, as far as Slurm can tell: its slurmd is SIGKILLed (slurmctld marks the node not
+        responding once SlurmdTimeout passes). Its job steps' processes are the caller's to kill."""
+        pid_file = self.folder / "run" / f"slurmd-{node}.pid"
+        try:
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+
+    def restart_slurmd(self, node: str) -> None:
+        """The node's slurmd starts again (a repaired node); an admin or `lazarus pool return` resumes it."""
+        self._run("slurmd", "-f", str(self.conf), "-N", node)
+
+    def reset(self) -> None:
+        """Every job cancelled and every node back in service (its slurmd running, resumed), as
+        after a clean start: what one test did to the cluster does not reach the next."""
+        for node in self.node_names:
+            if not _alive_pid_file(self.folder / "run" / f"slurmd-{node}.pid"):
+                self.restart_slurmd(node)
+        subprocess.run([_binary("scancel"), "--full", "--user=root"], capture_output=True, timeout=60, env=self.env)
+        for node in self.node_names:
+            subprocess.run(
+                [_binary("scontrol"), "update", f"nodename={node}", "state=resume"],
+                capture_output=True,
+                timeout=60,
+                env=self.env,
+            )
+        self._await_idle()
 
     def stop(self) -> None:
         """Stop every daemon of the cluster (by the pids they recorded) and wait until they are gone."""
@@ -231,6 +261,14 @@ class SlurmCluster:
         pid_file.unlink(missing_ok=True)
 
 
+def _alive_pid_file(pid_file: Path) -> bool:
+    """Whether the process a pid file names runs."""
+    try:
+        return _alive(int(pid_file.read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, waiting for a parent that is not this process, counts as gone)."""
     try:
@@ -241,20 +279,20 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """`up` starts a cluster in --folder, `down` stops it."""
-    parser = argparse.ArgumentParser(prog="python -m lazarus.infra.slurm_cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lazarus.infra.slurm_daemons", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("--folder", default=".lazarus/slurm", help="where the cluster keeps its files")
     parser.add_argument("--nodes", type=int, default=5, help="nodes node-0.. (default 5: 4 active and a spare)")
     args = parser.parse_args(argv)
-    cluster = SlurmCluster(Path(args.folder).resolve(), args.nodes)
+    cluster = SlurmDaemons(Path(args.folder).resolve(), args.nodes)
     try:
         if args.action == "down":
             cluster.stop()
             print(f"stopped the Slurm cluster in {cluster.folder}")
             return 0
         cluster.start()
-    except SlurmClusterError as error:
-        print(f"slurm_cluster: {error}", file=sys.stderr)
+    except SlurmDaemonsError as error:
+        print(f"slurm_daemons: {error}", file=sys.stderr)
         return 1
     print(f"Slurm cluster up: nodes {', '.join(cluster.node_names)}; export SLURM_CONF={cluster.conf}")
     return 0

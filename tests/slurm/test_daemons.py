@@ -1,4 +1,4 @@
-"""The real Slurm cluster the Slurm tests run on (lazarus.infra.slurm_cluster): it comes up with a
+"""The real Slurm cluster the Slurm tests run on (lazarus.infra.slurm_daemons): it comes up with a
 node per slurmd, runs a task on each node, drains a node with a reason the site's tools show, and
 stops every daemon. Skipped with the reason where it cannot start (Slurm not installed, not root)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.infra.slurm_cluster import SlurmCluster, why_not_startable
+from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
 
 pytestmark = [
     pytest.mark.skipif(why_not_startable() is not None, reason=str(why_not_startable())),
@@ -25,7 +25,7 @@ pytestmark = [
 def cluster():
     """A cluster of 3 nodes in a folder of its own, stopped and removed at the end, pass or fail."""
     folder = Path(tempfile.mkdtemp(prefix="lazarus-slurm-"))
-    cluster = SlurmCluster(folder, nodes=3)
+    cluster = SlurmDaemons(folder, nodes=3)
     try:
         cluster.start()
         yield cluster
@@ -34,13 +34,13 @@ def cluster():
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def slurm(cluster: SlurmCluster, *command: str) -> str:
+def slurm(cluster: SlurmDaemons, *command: str) -> str:
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=cluster.env)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
-def settles_at(cluster: SlurmCluster, node: str, state: str, timeout: float = 30.0) -> str:
+def settles_at(cluster: SlurmDaemons, node: str, state: str, timeout: float = 30.0) -> str:
     """The node's state once it is `state` (a resumed node shows idle* until slurmctld next hears it)."""
     deadline = time.monotonic() + timeout
     while (now := cluster.states().get(node)) != state and time.monotonic() < deadline:
@@ -57,14 +57,14 @@ def test_a_job_step_runs_one_task_on_each_node(cluster):
 def test_a_drained_node_shows_its_reason_until_resumed(cluster):
     slurm(cluster, "scontrol", "update", "nodename=node-1", "state=drain", "reason=lazarus incident 1: rank_exit")
     assert cluster.states()["node-1"] == "drained"
-    assert "lazarus incident 1: rank_exit" in slurm(cluster, "sinfo", "-R", "-h", "-o", "%n %E")
+    assert "lazarus incident 1: rank_exit" in slurm(cluster, "sinfo", "-R", "-h", "-o", "%N %E")
     slurm(cluster, "scontrol", "update", "nodename=node-1", "state=resume")
     assert settles_at(cluster, "node-1", "idle") == "idle"
 
 
 def test_stop_leaves_no_daemon(tmp_path):
     folder = Path(tempfile.mkdtemp(prefix="lazarus-slurm-"))
-    cluster = SlurmCluster(folder, nodes=1)
+    cluster = SlurmDaemons(folder, nodes=1)
     try:
         cluster.start()
         pids = [int((folder / "run" / name).read_text()) for name in ("slurmctld.pid", "slurmd-node-0.pid")]

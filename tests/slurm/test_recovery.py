@@ -1,0 +1,71 @@
+"""The recovery loop on a real Slurm cluster (tests/support/fixtures.py slurm_daemons): the
+built-in trainer's ranks as job steps of one allocation, a node lost (its slurmd and every process
+of its steps SIGKILLed), drained in Slurm with the incident as the reason, replaced by the
+allocation's spare, and the losses those of the run without a fault."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import uuid
+
+import pytest
+
+from lazarus.client import start_run
+from lazarus.config import Settings
+from lazarus.infra.processes import kill_and_wait, node_groups
+from lazarus.infra.slurm import SlurmCluster
+from lazarus.schema import RunState, load_spec
+from lazarus.worker import build_worker
+from tests.support.runs import SMALL_SPEC, assert_restored_from_survivors, losses, trained_step, with_absolute_command
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+KILL_AT_STEP = 15
+
+
+async def test_a_node_lost_on_slurm_is_drained_with_its_incident_and_replaced_by_the_spare(
+    dev_env, slurm_daemons, tmp_path, reference_losses
+):
+    small = with_absolute_command(load_spec(SMALL_SPEC))
+    spec = small.model_copy(update={"cluster": small.cluster.model_copy(update={"backend": "slurm"})})
+    cluster = SlurmCluster(tmp_path / "home", environ=slurm_daemons.env)
+    queue, run_id = f"slurm-{uuid.uuid4().hex[:8]}", f"slurm-{uuid.uuid4().hex[:6]}"
+    run = cluster.run_dir(run_id)
+    try:
+        async with build_worker(dev_env.client, queue, cluster):
+            handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
+            deadline = asyncio.get_running_loop().time() + 120
+            while not (run.root.exists() and trained_step(run) >= KILL_AT_STEP):
+                assert asyncio.get_running_loop().time() < deadline, "the run never reached the step of the fault"
+                await asyncio.sleep(0.05)
+            slurm_daemons.kill_slurmd("node-2")
+            await asyncio.to_thread(kill_and_wait, node_groups(run, 0, "node-2"))
+            status = await handle.result()
+            said = subprocess.run(
+                ["sinfo", "-R", "-h", "-o", "%N|%E"], capture_output=True, text=True, env=slurm_daemons.env, timeout=30
+            ).stdout
+            drained = dict(line.split("|", 1) for line in said.splitlines() if "|" in line)
+    finally:
+        cluster.stop_run(run_id)
+        slurm_daemons.reset()
+
+    assert status.state == RunState.COMPLETED and status.step == 40, status.reason
+    [incident] = status.incidents
+    assert incident.fault.nodes == ["node-2"] and incident.decision.replacements == {"node-2": "node-4"}
+    assert incident.new_assignment.nodes == ["node-0", "node-1", "node-4", "node-3"]
+    assert status.quarantined_nodes == ["node-2"]
+    assert_restored_from_survivors(run, incident)
+    # Every launcher ran as a job step of the run's one allocation, the spare's too.
+    job = cluster.job_id(run_id)
+    for incarnation, nodes in ((0, incident.old_assignment.nodes), (1, incident.new_assignment.nodes)):
+        for index, node in enumerate(nodes):
+            record = json.loads(run.node_pid_file(incarnation, index).read_text())
+            assert record["slurm_step"].startswith(f"{job}.") and record["node"] == node, record
+    # Slurm shows why the node is out: drained, the incident its reason.
+    assert drained["node-2"].startswith(f"lazarus {run_id}: incident 1: rank_exit"), drained
+    # Every step the resumed incarnation trained has the loss of the run without a fault, bit for bit.
+    resumed = losses(run, incarnation=1)
+    assert sorted(resumed) == list(range(incident.resumed_from_step + 1, 41))
+    assert {s: loss for s, loss in resumed.items() if loss != reference_losses[s]} == {}
