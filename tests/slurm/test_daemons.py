@@ -21,17 +21,11 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A cluster of 3 nodes in a folder of its own, stopped and removed at the end, pass or fail."""
-    folder = Path(tempfile.mkdtemp(prefix="lazarus-slurm-"))
-    cluster = SlurmDaemons(folder, nodes=3)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+@pytest.fixture
+def cluster(slurm_daemons):
+    """The session's cluster (tests/support/fixtures.py), back in service after each test."""
+    yield slurm_daemons
+    slurm_daemons.reset()
 
 
 def slurm(cluster: SlurmDaemons, *command: str) -> str:
@@ -49,7 +43,7 @@ def settles_at(cluster: SlurmDaemons, node: str, state: str, timeout: float = 30
 
 
 def test_a_job_step_runs_one_task_on_each_node(cluster):
-    assert cluster.states() == {"node-0": "idle", "node-1": "idle", "node-2": "idle"}
+    assert set(cluster.states().values()) == {"idle"} and len(cluster.states()) == 5
     said = slurm(cluster, "srun", "-N3", "-n3", "--overcommit", "bash", "-c", "echo $SLURMD_NODENAME $SLURM_PROCID")
     assert sorted(said.split("\n")[:-1]) == ["node-0 0", "node-1 1", "node-2 2"]
 
