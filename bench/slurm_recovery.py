@@ -1,0 +1,128 @@
+"""Recovery cost on the Slurm backend, on a real Slurm cluster of this machine, beside the local
+backend's in the same sitting.
+
+    .venv/bin/python bench/slurm_recovery.py [--kills 3] [--json]
+
+Needs root and Debian's Slurm packages (`make slurm-packages`); it starts a cluster of its own
+(lazarus.infra.slurm_daemons: 5 nodes, every node this host) and stops it at the end. Each kill
+is its own run of the demo spec (4 active nodes and 1 hot spare) on a private Temporal dev server
+with one in-process worker: on Slurm, the nodes held in one allocation and each node's launcher
+a job step; a node dies as its slurmd and every process of its steps are SIGKILLed (slurmctld
+learns of it about SlurmdTimeout later; the survivors' broken collectives and the ranks' vanished
+locks tell the controller first). Then the same kills on the local backend. Ranks start cold on
+Slurm (no warm standbys there yet); the local rows use the spec as it is (warm standbys).
+Stage times are those the workflow records (as in bench/recovery.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
+
+from bench.recovery import COLUMNS, row
+from lazarus.config import Settings
+from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
+from lazarus.infra.local import LocalCluster
+from lazarus.infra.processes import kill_and_wait, node_groups
+from lazarus.infra.slurm import SlurmCluster
+from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
+from lazarus.infra.temporal_server import local_environment
+from lazarus.local_paths import anchor_paths
+from lazarus.schema import RunState, load_spec
+from lazarus.worker import build_worker
+
+
+async def kills_on(backend: str, kills: int, say) -> list[dict]:
+    """`kills` runs of the demo spec on `backend` ("slurm" or "local"), a node killed mid-run in each;
+    one row (bench/recovery.py's columns) per run."""
+    spec = anchor_paths(load_spec(DEFAULT_SPEC), Path.cwd())
+    if backend == "slurm":
+        spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"backend": "slurm"})})
+    kill_at = default_kill_step(spec)
+    scratch = Path(tempfile.mkdtemp(prefix=f"lazarus-bench-{backend}-"))
+    daemons = SlurmDaemons(scratch / "slurm", nodes=5) if backend == "slurm" else None
+    env = await local_environment()
+    rows = []
+    try:
+        if daemons is not None:
+            daemons.start()
+        home = scratch / "home"
+        cluster = SlurmCluster(home, environ=daemons.env) if daemons else LocalCluster(home)
+        settings = Settings(address=env.client.service_client.config.target_host, home=home, task_queue="bench")
+
+        async def kill(run_id: str, node: str) -> list[int]:
+            if daemons is None:
+                return await asyncio.to_thread(cluster.kill_node, run_id, node)
+            daemons.kill_slurmd(node)
+            run = cluster.run_dir(run_id)
+            groups = [g for k in run.incarnations() for g in node_groups(run, k, node)]
+            killed = await asyncio.to_thread(kill_and_wait, groups)
+            return [group_id for _, _, group_id in killed if group_id is not None]
+
+        async with build_worker(env.client, settings.task_queue, cluster):
+            for i in range(kills):
+                say(f"{backend} run {i + 1}/{kills}: kill a node at step {kill_at}")
+                final = await drive_run(env.client, settings, cluster, spec, f"bench-{i}", kill_at, say, kill)
+                if final.state != RunState.COMPLETED or len(final.incidents) != 1:
+                    raise SystemExit(
+                        f"bench: {backend} run {i + 1} ended {final.state.value} with "
+                        f"{len(final.incidents)} incident(s): {final.reason}"
+                    )
+                rows.append(row(final.incidents[0]))
+                if daemons is not None:
+                    daemons.reset()  # the killed node's slurmd back, resumed, for the next run
+    finally:
+        await env.shutdown()
+        if daemons is not None:
+            daemons.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=3, help="runs per backend, one node killed in each (default 3)")
+    parser.add_argument("--json", action="store_true", help="print per-run rows and medians as JSON")
+    args = parser.parse_args()
+    if args.kills < 1:
+        parser.error("--kills must be at least 1")
+    why = why_not_startable()
+    if why is not None:
+        raise SystemExit(f"bench: cannot start a Slurm cluster here: {why}")
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        if not args.json:
+            print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    results = {backend: asyncio.run(kills_on(backend, args.kills, say)) for backend in ("slurm", "local")}
+    medians = {b: {c: statistics.median(r[c] for r in rows) for c in COLUMNS} for b, rows in results.items()}
+    if args.json:
+        print(json.dumps({"runs": results, "median": medians}, indent=2))
+        return
+    print(f"\nRecovery with a hot spare, demo spec, {args.kills} kill(s) per backend, one sitting (seconds)")
+    widths = {c: max(len(c), 6) + 2 for c in COLUMNS}
+    print(f"{'backend':<22}" + "".join(f"{c:>{widths[c]}}" for c in COLUMNS))
+    for backend, rows in results.items():
+        for i, r in enumerate(rows, 1):
+            print(f"{backend + ' ' + str(i):<22}" + "".join(f"{r[c]:>{widths[c]}.2f}" for c in COLUMNS))
+        print(f"{backend + ' median':<22}" + "".join(f"{medians[backend][c]:>{widths[c]}.2f}" for c in COLUMNS))
+    for backend, rows in results.items():
+        sources = [r["restored_from"] for r in rows]
+        print(
+            f"{backend} restored from: "
+            + ", ".join(f"{s} {sources.count(s)}/{len(rows)}" for s in sorted(set(sources)))
+        )
+
+
+if __name__ == "__main__":
+    main()
