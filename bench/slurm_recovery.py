@@ -78,8 +78,11 @@ async def kills_on(backend: str, kills: int, say) -> list[dict]:
                         f"{len(final.incidents)} incident(s): {final.reason}"
                     )
                 rows.append(row(final.incidents[0]))
+                # The killed node repaired for the next run: back in the pool (and resumed in Slurm,
+                # its slurmd running again).
                 if daemons is not None:
-                    daemons.reset()  # the killed node's slurmd back, resumed, for the next run
+                    daemons.reset()
+                cluster.repair_after(f"bench-{i}")
     finally:
         await env.shutdown()
         if daemons is not None:

@@ -77,6 +77,14 @@ class SlurmCluster(LocalCluster):
         run = super().create(run_id, spec)
         if self.job_id(run_id) is None:
             nodes = [n.name for n in self.pool.inventory(run_id).nodes if n.role in ("active", "spare")]
+            # The pool names nodes it lacks as the local backend would add them; Slurm has only its own.
+            unknown = sorted(set(nodes) - set(self.node_states()))
+            if unknown:
+                self.pool.release(run_id)
+                raise ClusterError(
+                    f"the run needs {', '.join(unknown)}, which the Slurm cluster does not have: too few of its "
+                    "nodes are free (a quarantined one comes back with `lazarus pool return NODE`)"
+                )
             self._allocate(run, spec, nodes)
         return run
 
