@@ -32,6 +32,7 @@ from lazarus.schema.contract import (
     LaunchRecord,
     SurvivorSource,
 )
+from lazarus.schema.files import lock_is_held
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
@@ -142,15 +143,16 @@ class SlurmCluster(LocalCluster):
         returns the launch record in force."""
         run, assignment = self._incarnation(run_id, incarnation)
         record = self.record_launch(run_id, incarnation, resume_step, skipped, survivors)
+        allocated = set(self.allocated_nodes(run_id))  # read once for every node's step
         for index, node in enumerate(assignment.nodes):
-            self._start_launcher(run, incarnation, index, node, record.resume_step)
+            self._start_launcher(run, incarnation, index, node, record.resume_step, allocated)
         return record
 
-    def _start_launcher(self, run: RunDir, incarnation: int, index: int, node: str, resume_step: int) -> None:
+    def _start_launcher(
+        self, run: RunDir, incarnation: int, index: int, node: str, resume_step: int, allocated: set[str] = frozenset()
+    ) -> None:
         """Start the node's launcher as a step of the run's allocation on that node (a job of its own on a
         node the allocation lacks), unless one runs; the launcher takes its lock itself."""
-        from lazarus.schema.files import lock_is_held
-
         if lock_is_held(run.node_lock_file(incarnation, index)):
             return
         env = {
@@ -163,7 +165,7 @@ class SlurmCluster(LocalCluster):
             ENV_LAUNCHER_LOCKS: "1",
         }
         job = self.job_id(run.root.name)
-        where = [f"--jobid={job}", "--overlap"] if job and node in self.allocated_nodes(run.root.name) else []
+        where = [f"--jobid={job}", "--overlap"] if job and node in allocated else []
         step = [
             "srun",
             *where,
