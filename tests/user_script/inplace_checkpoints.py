@@ -33,12 +33,17 @@ def newest_checkpoint(output: Path) -> Path | None:
     return folders[-1] if folders else None
 
 
-def save(output: Path, step: int, weights: torch.Tensor, slow_save: float) -> None:
-    """Write checkpoint-STEP in place: the weights, a slow moment (a large file), then the state."""
+def save_weights(output: Path, step: int, weights: torch.Tensor) -> Path:
+    """Start checkpoint-STEP in place: the folder and the weights (the state file comes later)."""
     folder = output / f"checkpoint-{step}"
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(weights, folder / "model.pt")
-    print(f"saving checkpoint-{step}", flush=True)
+    return folder
+
+
+def save_state(folder: Path, step: int, slow_save: float) -> None:
+    """End the checkpoint: a slow moment (a large file still being written), then the state."""
+    print(f"saving {folder.name}", flush=True)
     time.sleep(slow_save)
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
 
@@ -87,12 +92,16 @@ def main() -> None:
         grad = torch.full((8,), float(step + rank))
         dist.all_reduce(grad)
         weights -= 0.001 * grad
+        # The weights go to disk before the step is logged (so a fault due at this step finds
+        # them there), the state file after it.
+        saving = rank == 0 and step % args.save_every == 0
+        folder = save_weights(output, step, weights) if saving else None
         if args.bar:
             bar(step, args.steps, began)
         else:
             print(f"step {step} loss {float(weights.pow(2).sum()):.6f}", flush=True)
-        if rank == 0 and step % args.save_every == 0:
-            save(output, step, weights, args.slow_save)
+        if folder is not None:
+            save_state(folder, step, args.slow_save)
         dist.barrier()
         time.sleep(args.step_seconds)
     dist.destroy_process_group()
