@@ -5,13 +5,19 @@ backend's in the same sitting.
 
 Needs root and Debian's Slurm packages (`make slurm-packages`); it starts a cluster of its own
 (lazarus.infra.slurm_daemons: 5 nodes, every node this host) and stops it at the end. Each kill
-is its own run of the demo spec (4 active nodes and 1 hot spare) on a private Temporal dev server
-with one in-process worker: on Slurm, the nodes held in one allocation and each node's launcher
-a job step; a node dies as its slurmd and every process of its steps are SIGKILLed (slurmctld
-learns of it about SlurmdTimeout later; the survivors' broken collectives and the ranks' vanished
-locks tell the controller first). Then the same kills on the local backend. Ranks start cold on
-Slurm (no warm standbys there yet); the local rows use the spec as it is (warm standbys).
-Stage times are those the workflow records (as in bench/recovery.py).
+is its own run of the demo spec (4 active nodes and 1 hot spare, warm standbys) on a private
+Temporal dev server with one in-process worker: on Slurm, the nodes held in one allocation, each
+node's standby and launcher job steps. Three rows of runs:
+
+- slurm: a node dies as its slurmd and every process of its steps are SIGKILLed; the survivors'
+  broken collectives and the ranks' vanished locks tell the controller first (slurmctld learns of
+  it about SlurmdTimeout later);
+- slurm-silent: its slurmd is SIGKILLed and its processes SIGSTOPped, sockets open: no peer and no
+  lock says anything, and only slurmctld (the node not responding) or the hang time tells;
+- local: the same kill on the local backend.
+
+Stage times are those the workflow records (as in bench/recovery.py); `unseen` is the time from the
+kill to the fault's best known time, before detect's clock starts (a silent node's share).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -32,7 +39,6 @@ from bench.recovery import COLUMNS, row
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.infra.local import LocalCluster
-from lazarus.infra.processes import kill_and_wait, node_groups
 from lazarus.infra.slurm import SlurmCluster
 from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
 from lazarus.infra.temporal_server import local_environment
@@ -40,16 +46,21 @@ from lazarus.local_paths import anchor_paths
 from lazarus.schema import RunState, load_spec
 from lazarus.worker import build_worker
 
+BACKENDS = ("slurm", "slurm-silent", "local")
+"""The rows of runs: a node killed on Slurm, a node silenced on Slurm, a node killed on the local backend."""
+
 
 async def kills_on(backend: str, kills: int, say) -> list[dict]:
-    """`kills` runs of the demo spec on `backend` ("slurm" or "local"), a node killed mid-run in each;
-    one row (bench/recovery.py's columns) per run."""
+    """`kills` runs of the demo spec on `backend` ("slurm", "slurm-silent" or "local"), a node killed
+    (or silenced) mid-run in each; one row (bench/recovery.py's columns) per run."""
     spec = anchor_paths(load_spec(DEFAULT_SPEC), Path.cwd())
-    if backend == "slurm":
+    on_slurm = backend.startswith("slurm")
+    if on_slurm:
         spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"backend": "slurm"})})
     kill_at = default_kill_step(spec)
     scratch = Path(tempfile.mkdtemp(prefix=f"lazarus-bench-{backend}-"))
-    daemons = SlurmDaemons(scratch / "slurm", nodes=5) if backend == "slurm" else None
+    daemons = SlurmDaemons(scratch / "slurm", nodes=5) if on_slurm else None
+    sig = signal.SIGSTOP if backend == "slurm-silent" else signal.SIGKILL
     env = await local_environment()
     rows = []
     try:
@@ -59,14 +70,13 @@ async def kills_on(backend: str, kills: int, say) -> list[dict]:
         cluster = SlurmCluster(home, environ=daemons.env) if daemons else LocalCluster(home)
         settings = Settings(address=env.client.service_client.config.target_host, home=home, task_queue="bench")
 
+        killed_at: list[float] = []
+
         async def kill(run_id: str, node: str) -> list[int]:
+            killed_at.append(time.time())
             if daemons is None:
                 return await asyncio.to_thread(cluster.kill_node, run_id, node)
-            daemons.kill_slurmd(node)
-            run = cluster.run_dir(run_id)
-            groups = [g for k in run.incarnations() for g in node_groups(run, k, node)]
-            killed = await asyncio.to_thread(kill_and_wait, groups)
-            return [group_id for _, _, group_id in killed if group_id is not None]
+            return await asyncio.to_thread(daemons.kill_node, node, sig)
 
         async with build_worker(env.client, settings.task_queue, cluster):
             for i in range(kills):
@@ -77,7 +87,11 @@ async def kills_on(backend: str, kills: int, say) -> list[dict]:
                         f"bench: {backend} run {i + 1} ended {final.state.value} with "
                         f"{len(final.incidents)} incident(s): {final.reason}"
                     )
-                rows.append(row(final.incidents[0]))
+                incident = final.incidents[0]
+                # Before detect's clock starts: from the kill to the fault's best known time (the
+                # backend's death time; for a silent node, when slurmctld stopped hearing from it).
+                unseen = max(0.0, incident.fault.occurred_at.timestamp() - killed_at[-1])
+                rows.append({"unseen": unseen, **row(incident), "fault": incident.fault.kind})
                 # The killed node repaired for the next run: back in the pool (and resumed in Slurm,
                 # its slurmd running again).
                 if daemons is not None:
@@ -95,6 +109,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=3, help="runs per backend, one node killed in each (default 3)")
     parser.add_argument("--json", action="store_true", help="print per-run rows and medians as JSON")
+    parser.add_argument(
+        "--only", action="append", choices=BACKENDS, help="run only these rows of runs (repeatable; default: all)"
+    )
     args = parser.parse_args()
     if args.kills < 1:
         parser.error("--kills must be at least 1")
@@ -107,24 +124,24 @@ def main() -> None:
         if not args.json:
             print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-    results = {backend: asyncio.run(kills_on(backend, args.kills, say)) for backend in ("slurm", "local")}
-    medians = {b: {c: statistics.median(r[c] for r in rows) for c in COLUMNS} for b, rows in results.items()}
+    backends = args.only or BACKENDS
+    results = {backend: asyncio.run(kills_on(backend, args.kills, say)) for backend in backends}
+    columns = ["unseen", *COLUMNS]
+    medians = {b: {c: statistics.median(r[c] for r in rows) for c in columns} for b, rows in results.items()}
     if args.json:
         print(json.dumps({"runs": results, "median": medians}, indent=2))
         return
     print(f"\nRecovery with a hot spare, demo spec, {args.kills} kill(s) per backend, one sitting (seconds)")
-    widths = {c: max(len(c), 6) + 2 for c in COLUMNS}
-    print(f"{'backend':<22}" + "".join(f"{c:>{widths[c]}}" for c in COLUMNS))
+    widths = {c: max(len(c), 6) + 2 for c in columns}
+    print(f"{'backend':<22}" + "".join(f"{c:>{widths[c]}}" for c in columns))
     for backend, rows in results.items():
         for i, r in enumerate(rows, 1):
-            print(f"{backend + ' ' + str(i):<22}" + "".join(f"{r[c]:>{widths[c]}.2f}" for c in COLUMNS))
-        print(f"{backend + ' median':<22}" + "".join(f"{medians[backend][c]:>{widths[c]}.2f}" for c in COLUMNS))
+            print(f"{backend + ' ' + str(i):<22}" + "".join(f"{r[c]:>{widths[c]}.2f}" for c in columns))
+        print(f"{backend + ' median':<22}" + "".join(f"{medians[backend][c]:>{widths[c]}.2f}" for c in columns))
     for backend, rows in results.items():
-        sources = [r["restored_from"] for r in rows]
-        print(
-            f"{backend} restored from: "
-            + ", ".join(f"{s} {sources.count(s)}/{len(rows)}" for s in sorted(set(sources)))
-        )
+        for what, key in (("seen as", "fault"), ("restored from", "restored_from")):
+            said = [r[key] for r in rows]
+            print(f"{backend} {what}: " + ", ".join(f"{s} {said.count(s)}/{len(rows)}" for s in sorted(set(said))))
 
 
 if __name__ == "__main__":

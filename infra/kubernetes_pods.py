@@ -13,10 +13,6 @@ the secret each order carries.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import secrets
-import socket
 import time
 
 from kubernetes import client as k8s
@@ -36,8 +32,8 @@ from lazarus.infra.kubernetes_objects import (
 from lazarus.infra.kubernetes_rate import fan_out
 from lazarus.infra.kubernetes_watch import RunWatches
 from lazarus.infra.runfiles import survivor_holders
+from lazarus.infra.standby_orders import CONNECT_SECONDS, order_standby, write_standby_secret
 from lazarus.infra.standbys import order_prefetch
-from lazarus.schema.files import read_json, write_once
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import KubernetesSettings, RunSpec
@@ -50,9 +46,6 @@ importing torch, as a cold pod would) before the node gets a cold rank pod inste
 STOP_ANSWER_SECONDS = 20.0
 """How long a drain waits for a surviving node's standby to report its launchers gone before
 it deletes the standby's pod instead (seconds)."""
-
-CONNECT_SECONDS = 2.0
-"""How long one connection to a standby's port may take to open (seconds)."""
 
 GONE_SECONDS = 30.0
 """How long a replaced standby pod (ended, or of a node now elsewhere) may take to be gone (seconds)."""
@@ -76,7 +69,7 @@ class NodePods:
         Other runs' standby pods on the nodes the run `held` go: they kept a free spare warm
         for their runs, and would hold the resources this run's pods need there."""
         run_id, namespace = run.root.name, spec.cluster.kubernetes.namespace
-        _write_secret(run)
+        write_standby_secret(run)
         existing = self.pods(run_id, namespace, watched=False)
         stale = [p for node, p in existing.items() if node not in nodes or not pod_running(p)]
         foreign = [
@@ -215,40 +208,4 @@ class NodePods:
     def order(self, run: RunDir, namespace: str, node: str, order: dict, timeout: float) -> dict | None:
         """Send one order to the node's standby and return its answer; None if the standby's pod is
         not running or it did not answer within `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        secret = run.standby_token_file.read_text().strip()
-        while time.monotonic() < deadline:
-            if not self._running(run.root.name, namespace, node):
-                return None
-            ready = read_json(run.standby(node) / "ready") or {}
-            if ready.get("port"):
-                with contextlib.suppress(OSError, ValueError):
-                    return send_order(ready, secret, node, order, deadline - time.monotonic())
-            time.sleep(0.01)
-        return None
-
-
-def send_order(ready: dict, secret: str, node: str, order: dict, timeout: float) -> dict:
-    """One order to the standby that wrote `ready`, and its answer, over a fresh connection;
-    OSError or ValueError when there is none (or the standby refused it)."""
-    deadline = time.monotonic() + timeout
-    line = json.dumps({"token": secret, "node": node, **order}).encode() + b"\n"
-    with socket.create_connection((ready["address"], int(ready["port"])), timeout=CONNECT_SECONDS) as connection:
-        connection.sendall(line)
-        connection.settimeout(max(0.1, deadline - time.monotonic()))
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = connection.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    answer = json.loads(data)
-    if "error" in answer:
-        raise ValueError(answer["error"])
-    return answer
-
-
-def _write_secret(run: RunDir) -> None:
-    """The run's standby secret, once. It guards the port, which anyone on the node's network
-    reaches; the shared volume, which holds the checkpoints too, is trusted."""
-    write_once(run.standby_token_file, secrets.token_hex(16))
+        return order_standby(run, node, order, timeout, lambda: self._running(run.root.name, namespace, node))

@@ -265,8 +265,12 @@ class LocalCluster(RunFiles):
         # whose survivor resume names otherwise reads its own.
         found = survivor_holders(run, incarnation, assignment.layout, verify=False) if saved else None
         if found is not None and self.spec(run_id).cluster.warm_standby:
-            order_prefetch(run, assignment, self.pool.inventory(run_id), found[1])
+            order_prefetch(run, assignment, self.pool.inventory(run_id), found[1], self._standby_sender(run))
         return saved
+
+    def _standby_sender(self, run: RunDir):
+        """How an order reaches a node's standby, `send(node, order)`: None for the FIFO in its folder."""
+        return None
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
         """SIGKILL every process of an incarnation (launchers and ranks) and wait until none is alive;

@@ -7,7 +7,14 @@ local backend, which it extends: the pool, liveness and heartbeats are read the 
 Slurm's own words where they exist: a quarantined node is drained (`scontrol update
 nodename=N state=drain reason=...`, with the incident, so that `sinfo -R` shows why) and resumed
 only by `lazarus pool return` or the site's admin; a node slurmctld marks not responding, down or
-drained by someone else counts as dead. Ranks start cold (no warm standbys on Slurm yet).
+drained by someone else counts as dead.
+
+Warm standbys (trainer/standby_port.py) run as job steps too, one per node of the allocation,
+and take their orders on a port of the node's address (NodeAddr), as on Kubernetes: a FIFO on the
+shared filesystem does not cross machines. A launch orders each node's standby to fork its
+launcher; a node whose standby does not answer starts cold, as a job step of its own. A stop
+orders the survivors' standbys to kill their launchers and cancels the cold launchers' steps
+(`scancel --signal=KILL JOB.STEP`), so that the standbys stay warm for the next incarnation.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError
+from lazarus.infra.kubernetes_rate import fan_out
 from lazarus.infra.local import LocalCluster
+from lazarus.infra.standby_orders import CONNECT_SECONDS, order_standby, write_standby_secret
 from lazarus.schema.contract import (
     ENV_INCARNATION,
     ENV_LAUNCHER_LOCKS,
@@ -29,10 +38,11 @@ from lazarus.schema.contract import (
     ENV_NODE_INDEX,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
+    ENV_STANDBY_ADDRESS,
     LaunchRecord,
     SurvivorSource,
 )
-from lazarus.schema.files import lock_is_held
+from lazarus.schema.files import lock_is_held, read_json
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
@@ -43,6 +53,14 @@ COMMAND_SECONDS = 60.0
 
 STATES_SECONDS = 1.0
 """How long a read of the nodes' states serves the watch's looks (seconds)."""
+
+STANDBY_ANSWER_SECONDS = 60.0
+"""How long a launch waits for a node's standby to answer (its step may still be importing torch,
+as a cold launcher would) before the node's launcher starts cold instead (seconds)."""
+
+STOP_ANSWER_SECONDS = 20.0
+"""How long a stop waits for a node's standby to report its launchers gone (seconds); the
+backend then kills what is left itself."""
 
 DEAD_STATES = ("down", "fail")
 """sinfo states of a node that runs nothing (a `*` suffix: slurmctld stopped hearing from it)."""
@@ -58,6 +76,7 @@ class SlurmCluster(LocalCluster):
         self.environ = dict(os.environ if environ is None else environ)  # SLURM_CONF, for every Slurm command
         self._states: dict[str, str] = {}
         self._states_read = float("-inf")
+        self._standby_steps: dict[tuple[str, str], subprocess.Popen] = {}  # (run, node): its srun
 
     def _slurm(self, *command: str) -> str:
         """Run a Slurm client command; its stdout, or ClusterError with what it said."""
@@ -139,13 +158,27 @@ class SlurmCluster(LocalCluster):
         policy: RecoveryPolicy | None = None,
         survivors: SurvivorSource | None = None,
     ) -> LaunchRecord:
-        """Start every node's launcher of an incarnation that is not running, as a job step on its node;
-        returns the launch record in force."""
+        """Start every node's launcher of an incarnation that is not running: forked by the node's
+        warm standby when the spec has them, else (or where the standby does not answer) as a job
+        step of its own on the node; returns the launch record in force."""
         run, assignment = self._incarnation(run_id, incarnation)
         record = self.record_launch(run_id, incarnation, resume_step, skipped, survivors)
         allocated = set(self.allocated_nodes(run_id))  # read once for every node's step
-        for index, node in enumerate(assignment.nodes):
-            self._start_launcher(run, incarnation, index, node, record.resume_step, allocated)
+        cold = [i for i in range(len(assignment.nodes)) if not lock_is_held(run.node_lock_file(incarnation, i))]
+        if self.spec(run_id).cluster.warm_standby and cold:
+            self.ensure_standbys(run_id, allocated)
+            order = {"incarnation": incarnation, "resume_step": record.resume_step}
+            answers = fan_out(
+                [
+                    lambda i=i: self._order(
+                        run, assignment.nodes[i], {**order, "node_index": i}, STANDBY_ANSWER_SECONDS
+                    )
+                    for i in cold
+                ]
+            )
+            cold = [i for i, answer in zip(cold, answers, strict=True) if not (answer or {}).get("started")]
+        for index in cold:
+            self._start_launcher(run, incarnation, index, assignment.nodes[index], record.resume_step, allocated)
         return record
 
     def _start_launcher(
@@ -164,9 +197,19 @@ class SlurmCluster(LocalCluster):
             ENV_RESUME_STEP: str(resume_step),
             ENV_LAUNCHER_LOCKS: "1",
         }
+        name = f"lazarus-{run.root.name}-{incarnation}-{index}"
+        self._children.append(
+            self._step(
+                self._srun(run, node, name, allocated), env, run.incarnation(incarnation) / "nodes" / f"{index}.log"
+            )
+        )
+
+    def _srun(self, run: RunDir, node: str, name: str, allocated: set[str]) -> list[str]:
+        """srun's flags for one task on `node` named `name`: a step of the run's allocation, or a job
+        of its own on a node the allocation lacks (one the run regrew onto)."""
         job = self.job_id(run.root.name)
         where = [f"--jobid={job}", "--overlap"] if job and node in allocated else []
-        step = [
+        return [
             "srun",
             *where,
             f"--nodelist={node}",
@@ -174,20 +217,140 @@ class SlurmCluster(LocalCluster):
             "--ntasks=1",
             "--oversubscribe",
             "--kill-on-bad-exit=0",
+            f"--job-name={name}",
         ]
-        step += [f"--job-name=lazarus-{run.root.name}-{incarnation}-{index}", "--export=ALL"]
-        log = run.incarnation(incarnation) / "nodes" / f"{index}.log"
+
+    def _step(self, srun: list[str], env: dict, log: Path) -> subprocess.Popen:
+        """Start `srun ... python -m <lazarus.trainer.launcher|standby>` (its srun flags given) with
+        `env`, its output appended to `log`; srun stays this machine's handle on the step."""
+        module = "lazarus.trainer.standby" if ENV_STANDBY_ADDRESS in env else "lazarus.trainer.launcher"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as output:
-            child = subprocess.Popen(
-                [*step, self.python, "-m", "lazarus.trainer.launcher"],
+            return subprocess.Popen(
+                [*srun, "--export=ALL", self.python, "-m", module],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # the step outlives a crashed worker, as a node would
             )
-        self._children.append(child)
+
+    # --- warm standbys as job steps ------------------------------------------------------
+
+    def ensure_standbys(self, run_id: str, allocated: set[str] | None = None) -> None:
+        """Start a standby step on each healthy node of the run's allocation that has none, if the
+        spec asks for them (a node outside the allocation starts its launchers cold)."""
+        run, spec = self._existing(run_id), self.spec(run_id)
+        if not spec.cluster.warm_standby:
+            return
+        allocated = set(self.allocated_nodes(run_id)) if allocated is None else allocated
+        healthy = [n.name for n in self.inventory(run_id).nodes if n.healthy and n.role != "quarantined"]
+        wanted = [node for node in healthy if node in allocated and not self._standby_lives(run, node)]
+        if not wanted:
+            return
+        write_standby_secret(run)
+        addresses = self.node_addresses()
+        for node in wanted:
+            home = run.standby(node)
+            home.mkdir(parents=True, exist_ok=True)
+            (home / "ready").unlink(missing_ok=True)  # an earlier standby's port: not this one's
+            env = {
+                **self.environ,
+                **spec.trainer.env,
+                ENV_RUN_DIR: str(run.root),
+                ENV_NODE: node,
+                ENV_STANDBY_ADDRESS: addresses.get(node, node),
+            }
+            env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
+            srun = self._srun(run, node, f"lazarus-{run_id}-standby", allocated)
+            self._standby_steps[(run_id, node)] = step = self._step(srun, env, home / "log")
+            self._children.append(step)  # reaped with the others once it ends
+
+    def _standby_lives(self, run: RunDir, node: str) -> bool:
+        """Whether the node has a standby of the run: its lock is held, or the step this backend
+        started for it has not ended (srun may still be placing it)."""
+        step = self._standby_steps.get((run.root.name, node))
+        return lock_is_held(run.standby(node) / "lock") or (step is not None and step.poll() is None)
+
+    def _order(self, run: RunDir, node: str, order: dict, timeout: float) -> dict | None:
+        """One order to the node's standby and its answer (None: no standby, or no answer in time)."""
+        if not run.standby_token_file.exists():
+            return None
+        return order_standby(run, node, order, timeout, lambda: self._standby_lives(run, node))
+
+    def _standby_sender(self, run: RunDir):
+        return lambda node, order: self._order(run, node, order, CONNECT_SECONDS)
+
+    def node_addresses(self) -> dict[str, str]:
+        """Each node's address as slurmctld knows it (NodeAddr), where its standby listens."""
+        shown = self._slurm("scontrol", "show", "node", "-o")
+        fields = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in shown.splitlines()]
+        return {f["NodeName"]: f.get("NodeAddr", f["NodeName"]) for f in fields if "NodeName" in f}
+
+    def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
+        """End the incarnation's launchers and ranks: the standbys of live nodes kill those they
+        forked (and stay warm), the cold launchers' steps are cancelled, then whatever is left is
+        killed (LocalCluster.stop_incarnation) and waited for; returns the ranks that were alive."""
+        run, assignment = self._incarnation(run_id, incarnation)
+        run.end(incarnation)  # before any stop: a launcher ordered a moment ago must not start ranks
+        alive = {r for r in range(assignment.layout.world_size) if lock_is_held(run.lock_file(incarnation, r))}
+        dead = set(self.dead_nodes(assignment))
+        records = {i: read_json(run.node_pid_file(incarnation, i)) or {} for i in range(len(assignment.nodes))}
+        warm = [assignment.nodes[i] for i, r in records.items() if r.get("step_is_standby")]
+        fan_out(
+            [
+                lambda node=node: self._order(run, node, {"stop": incarnation}, STOP_ANSWER_SECONDS)
+                for node in warm
+                if node not in dead
+            ]
+        )
+        cold_steps = [r["slurm_step"] for r in records.values() if r.get("slurm_step") and not r.get("step_is_standby")]
+        self._cancel(cold_steps)
+        return sorted(alive.union(super().stop_incarnation(run_id, incarnation)))
+
+    def release_standbys(self, run_id: str) -> None:
+        """The run ended: cancel its standbys' steps, and wait until they are gone."""
+        self._cancel_standbys(run_id)
+        super().release_standbys(run_id)
+
+    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
+        """Hold the nodes out of the pool, end the run's standbys there, and drain them in Slurm with
+        the incident as the reason (`sinfo -R` shows it)."""
+        self._cancel_standbys(run_id, nodes)
+        super().quarantine(run_id, nodes, reason)  # ends what is left of the nodes' standbys
+        for node in nodes:
+            self._slurm(
+                "scontrol", "update", f"nodename={node}", "state=drain", f"reason=lazarus {run_id}: {reason}"[:250]
+            )
+
+    def stop_run(self, run_id: str) -> None:
+        """Cancel every step of the run (standbys and launchers, on any node), then kill and wait
+        for what is left (LocalCluster.stop_run)."""
+        self._cancel_steps(run_id, lambda name: name.startswith(f"lazarus-{run_id}-"))
+        super().stop_run(run_id)
+
+    def _cancel_standbys(self, run_id: str, nodes: list[str] | None = None) -> None:
+        """Cancel the steps of the run's standbys (on `nodes`, default all)."""
+        self._cancel_steps(run_id, lambda name: name == f"lazarus-{run_id}-standby", nodes)
+
+    def _cancel_steps(self, run_id: str, named, nodes: list[str] | None = None) -> None:
+        """Cancel the run's steps whose name `named(name)` accepts (on `nodes`, default all), as squeue
+        lists them; with slurmctld away, the pid-record kill that follows ends what runs here."""
+        try:
+            listed = self._slurm("squeue", "-h", "-s", "-o", "%i %j %N")
+        except ClusterError:
+            return
+        rows = [line.split() for line in listed.splitlines()]
+        self._cancel([r[0] for r in rows if len(r) == 3 and named(r[1]) and (nodes is None or r[2] in nodes)])
+
+    def _cancel(self, steps: list[str]) -> None:
+        """SIGKILL the tasks of Slurm steps (JOB.STEP); those ended already, or on a node slurmctld
+        cannot reach, are left to the kill that follows."""
+        if steps:
+            try:
+                self._slurm("scancel", "--signal=KILL", *steps)
+            except ClusterError:
+                pass
 
     # --- nodes as Slurm sees them --------------------------------------------------------
 
@@ -217,14 +380,6 @@ class SlurmCluster(LocalCluster):
             if state.endswith("*") or state.startswith(DEAD_STATES) or drained:
                 dead.setdefault(node, datetime.now(UTC))
         return dead
-
-    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
-        """Hold the nodes out of the pool, and drain them in Slurm with the incident as the reason."""
-        super().quarantine(run_id, nodes, reason)
-        for node in nodes:
-            self._slurm(
-                "scontrol", "update", f"nodename={node}", "state=drain", f"reason=lazarus {run_id}: {reason}"[:250]
-            )
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node is resumed in Slurm and goes back to the pool as a spare."""

@@ -18,6 +18,7 @@ user can reach (the cluster's own folder may sit under a home it cannot enter).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import pwd
@@ -210,6 +211,32 @@ class SlurmDaemons:
             os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
         except (OSError, ValueError, IndexError):
             pass
+
+    def kill_node(self, node: str, sig: signal.Signals = signal.SIGKILL) -> list[int]:
+        """A node dies whole: its slurmd is SIGKILLed and every process of its job steps (each carries
+        SLURMD_NODENAME=node and this cluster's SLURM_CONF, its forks too) gets `sig` at once: SIGKILL
+        (returns once they are gone), or SIGSTOP for a node that hangs, its sockets left open so
+        that no peer learns of it; returns their pids."""
+        self.kill_slurmd(node)
+        marks = {b"SLURMD_NODENAME=" + node.encode(), b"SLURM_CONF=" + str(self.conf).encode()}
+        doomed = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                environ = set((entry / "environ").read_bytes().split(b"\0"))
+            except OSError:
+                continue  # gone, or a kernel thread
+            if marks <= environ:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(entry.name), sig)
+                doomed.append(int(entry.name))
+        if sig != signal.SIGKILL:
+            return doomed
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in doomed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return doomed
 
     def restart_slurmd(self, node: str) -> None:
         """The node's slurmd starts again (a repaired node); an admin or `lazarus pool return` resumes it."""

@@ -164,7 +164,7 @@ def kill_standbys(run: RunDir, nodes: list[str] | None = None, wait: bool = True
     """SIGKILL the standbys of the given nodes (default: all) and, unless `wait` is false, wait
     until they are gone."""
     base = run.root / "standby"
-    homes = [base / n for n in nodes] if nodes is not None else (sorted(base.iterdir()) if base.is_dir() else [])
+    homes = [base / n for n in nodes] if nodes is not None else run.standbys()
     deadline = time.monotonic() + KILL_WAIT_SECONDS
     killed = {home: kill_group(home / "lock", home / "pid", deadline) for home in homes}
     if wait:

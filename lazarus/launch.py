@@ -5,6 +5,10 @@
 Temporal server and a worker are started or reused as the demo does, rank 0's output is streamed
 as torchrun would show it, each incident is said on stderr as it happens, and the exit status is
 the script's.
+
+The ranks run on this machine (`--backend local`, the default) or as job steps of one allocation of
+the Slurm cluster SLURM_CONF names (`--backend slurm`); on Kubernetes a run needs a worker of its own
+(`lazarus worker --backend kubernetes`) and `lazarus run start`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
-from lazarus.commands.common import OneLineParser, UserError, connect_client
+from lazarus.commands.common import OneLineParser, UserError, connect_client, slurm_cluster
 from lazarus.launch_follow import Interruption
 
 # The torchrun flags that mean nothing under Lazarus, each with the reason said once for its group.
@@ -49,6 +53,10 @@ IGNORED_FLAGS = {
     "not supported: the ranks run as torchrun's defaults run them": ("numa-binding", "virtual-local-rank", "role"),
 }
 SHORT_FLAGS = {"redirects": "-r", "tee": "-t"}
+KUBERNETES_REFUSED = (
+    "lazarus launch drives the local and Slurm backends (--backend local|slurm); on Kubernetes start a "
+    "worker (`lazarus worker --backend kubernetes`) and the run with `lazarus run start`"
+)
 
 
 class LaunchParser(OneLineParser):
@@ -72,7 +80,7 @@ def build_parser() -> LaunchParser:
     """torchrun's flags (dash and underscore spellings), Lazarus's own, the script and its arguments."""
     parser = LaunchParser(
         prog="lazarus launch",
-        usage="lazarus launch [torchrun's flags] [--spares N ...] SCRIPT [script arguments]",
+        usage="lazarus launch [torchrun's flags] [--backend local|slurm] [--spares N ...] SCRIPT [script arguments]",
         allow_abbrev=False,
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         epilog="torchrun flags accepted and ignored, with why: "
@@ -114,7 +122,18 @@ def build_parser() -> LaunchParser:
 
 
 def _own_flags(own) -> None:
-    """Lazarus's flags beside torchrun's: spares, a spec to start from, and how to read a script."""
+    """Lazarus's flags beside torchrun's: the backend, spares, a spec to start from, and how to read a script."""
+    own.add_argument(
+        "--backend",
+        choices=["local", "slurm", "kubernetes"],
+        metavar="{local,slurm}",
+        help="where the nodes are: `local` runs each node's ranks as processes of this machine; `slurm` holds the "
+        "nodes in one allocation of the Slurm cluster SLURM_CONF names (cluster.slurm's partition, account and "
+        "time limit) and runs each node's ranks as a job step on it, with LAZARUS_HOME and the working directory "
+        "on a path every node shares; Ctrl-C or the run's end gives the allocation back (default: a --spec's "
+        "cluster.backend, else local). Kubernetes is refused: start a worker (`lazarus worker --backend "
+        "kubernetes`) and the run with `lazarus run start`",
+    )
     own.add_argument("--spares", type=int, metavar="N", help="hot spare nodes (default 1)")
     own.add_argument("--spec", metavar="FILE", help="start from this run spec (policy, faults, ...); flags override it")
     own.add_argument("--name", help="run name (default: from the script's name)")
@@ -215,6 +234,9 @@ def build_spec(args: argparse.Namespace, folder: Path):
     if base is None or args.nnodes or args.nproc_per_node:
         data["layout"] = {"dp": high * per_node, "pp": 1, "tp": 1, "ranks_per_node": per_node}
     cluster = data.setdefault("cluster", {})
+    cluster["backend"] = args.backend or (base.cluster.backend if base else "local")
+    if cluster["backend"] == "kubernetes":
+        raise UserError(KUBERNETES_REFUSED)
     cluster["active_nodes"] = high
     if args.spares is not None:
         cluster["spare_nodes"] = args.spares
@@ -229,11 +251,6 @@ def build_spec(args: argparse.Namespace, folder: Path):
         spec = parse_spec(data)
     except SpecError as error:
         raise UserError(str(error)) from None
-    if spec.cluster.backend != "local":
-        raise UserError(
-            "lazarus launch drives the local backend; on Kubernetes start a worker "
-            "(`lazarus worker --backend kubernetes`) and the run with `lazarus run start`"
-        )
     return anchor_paths(spec, folder)
 
 
@@ -258,16 +275,18 @@ async def launch(args: argparse.Namespace, settings) -> int:
         console.stderr.print(f"lazarus: {message}", highlight=False, markup=False)
 
     spec = build_spec(args, Path.cwd())
+    run_id = run_id_for(args, spec.name)
+    # On Slurm, slurmctld must answer before anything is said or started.
+    cluster = await asyncio.to_thread(cluster_for, spec, settings)
     note = ignored_flags(args)
     if note:
         say(note)
-    run_id = run_id_for(args, spec.name)
     settings = dataclasses.replace(settings, task_queue=f"{settings.task_queue}-launch-{uuid.uuid4().hex[:8]}")
     _say_start(spec, run_id, settings, say)
     interruption = Interruption(say)
     with interruption.installed():
         try:
-            return await _serve(spec, run_id, settings, say)
+            return await _serve(spec, run_id, settings, cluster, say)
         except asyncio.CancelledError:
             if interruption.received is None:
                 raise
@@ -278,22 +297,35 @@ async def launch(args: argparse.Namespace, settings) -> int:
 
 
 def _say_start(spec, run_id: str, settings, say) -> None:
-    """The first lines: the nodes, where the ranks run, where the run is seen."""
+    """The first lines: the nodes (and on Slurm, whose), where the ranks run, where the run is seen."""
     cluster, dp, min_dp = spec.cluster, spec.layout.dp, spec.recovery.min_dp
     shrink = f"it may shrink to dp={min_dp}" if min_dp < dp else "it never shrinks: without a spare it waits for one"
+    where = ""
+    if cluster.backend == "slurm":
+        partition = f" (partition {cluster.slurm.partition})" if cluster.slurm.partition else ""
+        where = f" on the Slurm cluster SLURM_CONF names{partition}"
     say(
         f"run {run_id}: {cluster.active_nodes} node(s) x {spec.layout.ranks_per_node} rank(s) + "
-        f"{cluster.spare_nodes} hot spare(s); {shrink}"
+        f"{cluster.spare_nodes} hot spare(s){where}; {shrink}"
     )
     say(f"working directory: {spec.trainer.workdir}")
     say(f"web UI: {settings.workflow_url(run_id)}")
 
 
-async def _serve(spec, run_id: str, settings, say):
-    """Start or reuse the server, serve the run with a worker of this process and follow it; on
-    cancellation (a signal), end the run and every process of it before the cancellation goes on."""
-    from lazarus.demo import DemoError, ensure_server
+def cluster_for(spec, settings):
+    """The backend the spec names: this machine's processes, or the Slurm cluster once slurmctld
+    answers (else UserError, one line)."""
     from lazarus.infra.local import LocalCluster
+
+    return slurm_cluster(settings) if spec.cluster.backend == "slurm" else LocalCluster(settings.home)
+
+
+async def _serve(spec, run_id: str, settings, cluster, say):
+    """Start or reuse the server, serve the run with a worker of this process and follow it; on
+    cancellation (a signal), end the run and every process of it (on Slurm, its allocation too)
+    before the cancellation goes on."""
+    from lazarus.demo import DemoError, ensure_server
+    from lazarus.infra.backend import ClusterError
     from lazarus.launch_follow import say_end, stop_processes, terminate
     from lazarus.worker import build_worker
 
@@ -302,7 +334,6 @@ async def _serve(spec, run_id: str, settings, say):
     except DemoError as error:
         raise UserError(str(error)) from None
     client = await connect_client(settings)
-    cluster = LocalCluster(settings.home)
     started = False
     try:
         async with build_worker(client, settings.task_queue, cluster):
@@ -315,8 +346,13 @@ async def _serve(spec, run_id: str, settings, say):
     except asyncio.CancelledError:
         if started:
             # Once the worker is gone, so that none of its activities can start a process after this.
-            await asyncio.to_thread(stop_processes, cluster, run_id)
+            try:
+                await asyncio.to_thread(stop_processes, cluster, run_id)
+            except ClusterError as error:  # a process outlived SIGKILL: said, and the signal's status stands
+                say(f"not every process of run {run_id} could be stopped: {error}")
         raise
+    finally:
+        cluster.close()
     return say_end(final, say)
 
 

@@ -226,9 +226,13 @@ async def terminate(client, run_id: str, say) -> None:
 
 def stop_processes(cluster, run_id: str) -> None:
     """Every rank, launcher and standby of the run ends; its active nodes go back to the pool (the
-    workflow, terminated, will not release them)."""
+    workflow, terminated, will not release them) and, on Slurm, its allocation ends (release_nodes:
+    scancel, which ends every step of it on every node). The nodes go back even when a process
+    outlives the stop (ClusterError, raised after the release)."""
     from lazarus.infra.backend import ClusterError
 
-    cluster.stop_run(run_id)
-    with contextlib.suppress(ClusterError):
-        cluster.release_nodes(run_id)
+    try:
+        cluster.stop_run(run_id)
+    finally:
+        with contextlib.suppress(ClusterError):
+            cluster.release_nodes(run_id)

@@ -23,12 +23,12 @@ def _absolute(path: str, folder: Path) -> str:
 
 
 def anchor_paths(spec: RunSpec, folder: Path) -> RunSpec:
-    """The spec with the trainer's relative paths taken from `folder`, on the local backend (on
-    Kubernetes they are paths inside the image): a relative workdir; the script of `python
-    script.py` or a program named by a relative path; for `python -m package`, the folder holding
-    the package goes on the ranks' PYTHONPATH."""
+    """The spec with the trainer's relative paths taken from `folder`, on the local backend and on
+    Slurm, whose nodes share the paths (on Kubernetes they are paths inside the image): a relative
+    workdir; the script of `python script.py` or a program named by a relative path; for `python -m
+    package`, the folder holding the package goes on the ranks' PYTHONPATH."""
     trainer = spec.trainer
-    if spec.cluster.backend != "local" or trainer.built_in:
+    if spec.cluster.backend == "kubernetes" or trainer.built_in:
         return spec
     command, env = list(trainer.command), dict(trainer.env)
     if "/" in command[0]:

@@ -175,8 +175,10 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     # node by killing the group, which its ranks join when they are forked.
     node = assignment.nodes[node_index]
     me = {"pid": os.getpid(), "pgid": os.getpgid(0), "start_time": process_start_time(os.getpid()), "node": node}
-    if "SLURM_JOB_ID" in base_env:  # the job step it runs as, in Slurm's words (squeue -s shows it)
+    if "SLURM_JOB_ID" in base_env:  # the job step it runs in, in Slurm's words (squeue -s shows it)
         me["slurm_step"] = f"{base_env['SLURM_JOB_ID']}.{base_env.get('SLURM_STEP_ID', '')}"
+        # A warm standby's fork runs in the standby's step, which ending the launcher must not end.
+        me["step_is_standby"] = start_rank is not start_cold
     write_json_atomic(run.node_pid_file(incarnation, node_index), me)
     # The backend marks an incarnation ended before it kills it; a launcher it started a moment
     # too late (a launch cut short by a stop) holds its lock already, so it is either killed or sees this.

@@ -384,7 +384,10 @@ def main() -> None:
         from lazarus.trainer.standby_port import serve_port
 
         lock = take_lock(run.standby(node) / "lock")
-        sys.exit(0 if lock is None else serve_port(run, node, os.environ[ENV_STANDBY_ADDRESS], lock))
+        if lock is None:
+            sys.exit(0)  # this node has a live standby
+        record_pid(run.standby(node))  # where the backend shares this host, it ends the standby by its group
+        sys.exit(serve_port(run, node, os.environ[ENV_STANDBY_ADDRESS], lock))
     sys.exit(serve(run, node))
 
 

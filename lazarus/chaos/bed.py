@@ -18,6 +18,8 @@ from lazarus.activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
 from lazarus.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
 from lazarus.infra.backend import free_ports
 from lazarus.infra.local import LocalCluster
+from lazarus.infra.slurm import SlurmCluster
+from lazarus.infra.slurm_daemons import SlurmDaemons
 from lazarus.infra.temporal_server import PORT_ATTEMPTS, dev_server_command, port_answers
 from lazarus.schema.files import read_json
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir
@@ -99,12 +101,13 @@ class WorkerProcess:
     env: dict
     log: Path
     cwd: Path | None = None
+    args: tuple[str, ...] = ()  # `lazarus worker`'s flags (`--backend slurm`)
     process: subprocess.Popen = field(init=False)
 
     def __post_init__(self) -> None:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "lazarus.cli", "worker"],
+                [sys.executable, "-m", "lazarus.cli", "worker", *self.args],
                 env=self.env,
                 cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
@@ -161,12 +164,14 @@ class CheckpointWatch:
 class ChaosBed:
     """A server, the run's home, and the workers of one scenario; `close()` ends everything started."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, slurm: SlurmDaemons | None = None):
         self.folder = folder
         self.home = folder / "home"
         self.home.mkdir(parents=True, exist_ok=True)
         self.server = ServerProcess(folder)
-        self.cluster = LocalCluster(self.home)
+        # On a Slurm cluster (`slurm`), the workers serve the Slurm backend and a node dies whole.
+        self.slurm = slurm
+        self.cluster = SlurmCluster(self.home, environ=slurm.env) if slurm else LocalCluster(self.home)
         self.workers: list[WorkerProcess] = []
         self.markers = folder / "failpoints"
         self.task_queue = "chaos"
@@ -185,8 +190,18 @@ class ChaosBed:
         }
         if failpoints:
             env |= {ENV_FAILPOINTS: ",".join(failpoints), ENV_FAILPOINT_DIR: str(self.markers)}
-        self.workers.append(WorkerProcess(env, self.folder / f"worker-{len(self.workers) + 1}.log"))
+        args = ("--backend", "slurm") if self.slurm else ()
+        if self.slurm:
+            env |= self.slurm.env
+        self.workers.append(WorkerProcess(env, self.folder / f"worker-{len(self.workers) + 1}.log", args=args))
         return self.workers[-1]
+
+    def kill_node(self, run_id: str, node: str) -> None:
+        """SIGKILL every process of the node (on Slurm, its slurmd too) and return once they are gone."""
+        if self.slurm:
+            self.slurm.kill_node(node)
+        else:
+            self.cluster.kill_node(run_id, node)
 
     async def serving(self, worker: WorkerProcess, timeout: float = 60.0) -> None:
         """Wait until `worker` has connected and is about to poll (its first line says so)."""

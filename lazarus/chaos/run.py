@@ -14,6 +14,7 @@ from lazarus.chaos.bed import ChaosBed, ChaosError
 from lazarus.chaos.judge import Row, judge
 from lazarus.chaos.scenarios import HANG_FOUND_MARGIN_SECONDS, Scenario
 from lazarus.chaos.trial import Trial
+from lazarus.infra.slurm_daemons import SlurmDaemons
 from lazarus.schema.run import RunSpec
 
 
@@ -94,12 +95,14 @@ async def run_scenario(
     kill_at: int,
     reference: dict[int, float],
     shared: ChaosBed | None = None,
+    slurm: SlurmDaemons | None = None,
 ) -> Row:
     """Run one scenario on a bed of its own under `folder` (or on `shared`, where the scenario
-    kills neither its worker nor its server); its row of the matrix."""
+    kills neither its worker nor its server), on the local backend or the Slurm cluster `slurm`;
+    its row of the matrix."""
     started = time.monotonic()
     own = shared is None or scenario.own_bed
-    bed = ChaosBed(folder) if own else shared
+    bed = ChaosBed(folder, slurm) if own else shared
     trial = None
     try:
         if own:

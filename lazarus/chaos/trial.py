@@ -118,7 +118,7 @@ class Trial:
 
     async def kill_nodes(self, *nodes: str) -> None:
         """SIGKILL every process of each node, at once (each in a thread of its own)."""
-        await asyncio.gather(*(asyncio.to_thread(self.bed.cluster.kill_node, self.run_id, n) for n in nodes))
+        await asyncio.gather(*(asyncio.to_thread(self.bed.kill_node, self.run_id, n) for n in nodes))
 
     async def quarantined(self, node: str, timeout: float = 60.0) -> None:
         """Wait until drain has quarantined `node`."""

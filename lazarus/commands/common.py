@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from lazarus.config import Settings
@@ -62,6 +63,24 @@ def load_run_spec(path: str):
         return anchor_paths(load_spec(path), Path.cwd())
     except SpecError as error:
         raise UserError(str(error)) from None
+
+
+def slurm_cluster(settings: Settings):
+    """The Slurm backend of `lazarus worker --backend slurm` and `lazarus launch --backend slurm`,
+    once slurmctld answers: a missing or unreachable Slurm is one line (UserError), no traceback."""
+    from lazarus.infra.backend import ClusterError
+    from lazarus.infra.slurm import SlurmCluster
+
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():
+        # Slurm's clients would retry reading it for a minute before they say so.
+        raise UserError(f"--backend slurm: SLURM_CONF names {conf}, which is not a file")
+    cluster = SlurmCluster(settings.home)
+    try:
+        cluster.node_states()
+    except ClusterError as error:
+        raise UserError(f"--backend slurm: cannot reach a Slurm controller ({error}); is SLURM_CONF set?") from None
+    return cluster
 
 
 def server_error(error: BaseException, address: str) -> str | None:

@@ -56,8 +56,8 @@ ABORT_WITHOUT_A_WORKER = (
     "abort does not wait for one: it terminates the run's workflow and SIGKILLs every process of the run "
     "through the local backend (the run directory under LAZARUS_HOME), so no rank outlives the abort; the "
     "run's nodes go back to the pool, its complete checkpoints stay, and the run reads as terminated. A "
-    "Kubernetes run, or a local run whose directory is not on this machine, is refused with how to start "
-    "a worker."
+    "Kubernetes or Slurm run, or a local run whose directory is not on this machine, is refused with how to "
+    "start a worker."
 )
 
 

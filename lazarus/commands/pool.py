@@ -3,7 +3,8 @@
 A run takes its active nodes from the pool at launch and claims free nodes as spares when it
 loses one; what a fault quarantined stays out of every run until it is returned here (or with
 `lazarus run return-node`). On Kubernetes the pool is the nodes labelled `lazarus.dev/pool`, and
-kubectl manages them.
+kubectl manages them. On Slurm the pool names the cluster's nodes: a node a Slurm run quarantined
+is drained in Slurm too, and returning it resumes it there.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lazarus.commands.common import UserError, connect_client, node_name, positive_int
+from lazarus.commands.common import UserError, connect_client, node_name, positive_int, slurm_cluster
 from lazarus.config import Settings
 
 
@@ -72,7 +73,8 @@ def add_nodes(args: argparse.Namespace, settings: Settings) -> int:
 
 async def return_node(args: argparse.Namespace, settings: Settings) -> int:
     """Return a repaired node: through the run that quarantined it while that run's workflow runs
-    (so its status shows the node back), else straight to the pool."""
+    (so its status shows the node back), else straight to the pool (a Slurm run's node is resumed
+    in Slurm first)."""
     from lazarus.infra.backend import ClusterError
     from lazarus.infra.pool import LocalPool
 
@@ -83,12 +85,30 @@ async def return_node(args: argparse.Namespace, settings: Settings) -> int:
     if node.role == "quarantined" and node.owner and await _told_the_run(node.owner, node.name, settings):
         print(f"{node.name} is a free spare again (returned through run {node.owner})")
         return 0
+    quarantined_on_slurm = node.role == "quarantined" and node.owner and _backend_of(settings, node.owner) == "slurm"
     try:
+        if quarantined_on_slurm:
+            # The run that drained it in Slurm has ended: it is resumed there, then freed here.
+            slurm_cluster(settings).return_node(node.owner, node.name)
+            print(f"{node.name} is a free spare again (resumed in Slurm)")
+            return 0
         pool.return_node(node.name)
     except ClusterError as error:
         raise UserError(str(error)) from None
     print(f"{node.name} is a free spare again")
     return 0
+
+
+def _backend_of(settings: Settings, run_id: str) -> str | None:
+    """The cluster backend of a run of LAZARUS_HOME, from its spec; None when it has none to read."""
+    from lazarus.schema.run import RunSpec
+    from lazarus.schema.rundir import RunDir
+
+    spec_file = RunDir(settings.home / "runs" / run_id).spec_file
+    try:
+        return RunSpec.model_validate_json(spec_file.read_text()).cluster.backend
+    except (OSError, ValueError):
+        return None
 
 
 async def _told_the_run(run_id: str, node: str, settings: Settings) -> bool:

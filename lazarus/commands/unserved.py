@@ -27,7 +27,7 @@ checks that a worker still serves the run (seconds)."""
 
 def start_worker_hint(task_queue: str, backend: str) -> str:
     """How to start a worker for a run on `task_queue` whose cluster is `backend`."""
-    flags = " --backend kubernetes" if backend == "kubernetes" else ""
+    flags = f" --backend {backend}" if backend in ("kubernetes", "slurm") else ""
     return f"start one with `LAZARUS_TASK_QUEUE={task_queue} lazarus worker{flags}`"
 
 

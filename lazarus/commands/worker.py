@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 
-from lazarus.commands.common import UserError, connect_client
+from lazarus.commands.common import UserError, connect_client, slurm_cluster
 from lazarus.config import Settings
 
 
@@ -53,7 +53,7 @@ def _cluster(args: argparse.Namespace, settings: Settings):
     from lazarus.infra.local import LocalCluster
 
     if args.backend == "slurm":
-        return _slurm_cluster(settings)
+        return slurm_cluster(settings)
     if args.backend != "kubernetes":
         return LocalCluster(settings.home)
     from lazarus.infra.kubernetes import KubernetesCluster
@@ -64,19 +64,6 @@ def _cluster(args: argparse.Namespace, settings: Settings):
         return KubernetesCluster(settings.home, qps=args.kube_qps, burst=args.kube_burst)
     except Exception as error:  # noqa: BLE001 - no kubeconfig, no service account: say so, no traceback
         raise UserError(f"--backend kubernetes: cannot reach a Kubernetes API ({error})") from None
-
-
-def _slurm_cluster(settings: Settings):
-    """The Slurm backend, once slurmctld answers (a missing or unreachable Slurm is one line)."""
-    from lazarus.infra.backend import ClusterError
-    from lazarus.infra.slurm import SlurmCluster
-
-    cluster = SlurmCluster(settings.home)
-    try:
-        cluster.node_states()
-    except ClusterError as error:
-        raise UserError(f"--backend slurm: cannot reach a Slurm controller ({error}); is SLURM_CONF set?") from None
-    return cluster
 
 
 async def work(args: argparse.Namespace, settings: Settings) -> int:

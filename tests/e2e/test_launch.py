@@ -15,15 +15,23 @@ from pathlib import Path
 import pytest
 
 from lazarus.infra.local import LocalCluster
+from lazarus.infra.slurm import SlurmCluster
 from tests.support.runs import REPO
 from tests.support.waiting import wait_until
 from tests.support.workers import lazarus_env
 
 SCRIPT = REPO / "tests" / "user_script" / "torchrun_snapshot.py"
+STEPS_SCRIPT = REPO / "tests" / "user_script" / "inplace_checkpoints.py"
 LAUNCH = [sys.executable, "-m", "lazarus.cli", "launch"]
 NOWHERE = "127.0.0.1:9"  # no Temporal server: a mistake must be refused before one is needed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+NO_SLURMCTLD = (
+    "ClusterName=nowhere\nSlurmctldHost=localhost\nSlurmctldPort=9\nMessageTimeout=1\n"
+    "NodeName=node-0\nPartitionName=p Nodes=node-0\n"
+)
+"""A slurm.conf whose controller does not answer (nothing listens on port 9)."""
 
 
 @pytest.fixture
@@ -193,6 +201,84 @@ def test_a_fixed_nnodes_waits_for_its_node_says_so_and_recovers_on_it(dev_env, h
         LocalCluster(home).stop_run(run_id)
 
 
+def queued_jobs(slurm_env: dict) -> list[str]:
+    """The ids of the jobs squeue shows (pending, running or completing)."""
+    shown = subprocess.run(
+        ["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True, timeout=30, check=True
+    )
+    return shown.stdout.split()
+
+
+def on_slurm(folder: Path, warm: bool) -> list[str]:
+    """launch's flags for the Slurm backend, with warm standbys or without (a spec in `folder` says which)."""
+    (folder / "standbys.yaml").write_text(f"name: s\ncluster: {{warm_standby: {str(warm).lower()}}}\n")
+    return ["--spec", "standbys.yaml", "--backend", "slurm"]
+
+
+STANDBYS = pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm-standbys"])
+
+
+@STANDBYS
+def test_launch_on_slurm_runs_the_launchers_as_job_steps_and_gives_the_allocation_back(
+    dev_env, slurm_daemons, home, launched, tmp_path, warm
+):
+    run_id = f"slurm-launch-{uuid.uuid4().hex[:6]}"
+    env = {**lazarus_env(dev_env, home, f"launch-{uuid.uuid4().hex[:6]}"), "SLURM_CONF": str(slurm_daemons.conf)}
+    cluster = SlurmCluster(home, environ=slurm_daemons.env)
+    args = [*on_slurm(tmp_path, warm), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-id", run_id]
+    args += ["--progress-pattern", r"^step (?P<step>\d+) loss"]
+    script = [str(STEPS_SCRIPT), "--steps", "10", "--save-every", "5", "--step-seconds", "0.01"]
+    try:
+        process, out, err = launched([*args, *script], env)
+        assert process.wait(timeout=180) == 0, err.read_text()
+        queued = queued_jobs(slurm_daemons.env)  # at once: the run gave its nodes back before launch returned
+        said = err.read_text()
+        assert said.splitlines()[0] == (
+            f"lazarus: run {run_id}: 2 node(s) x 1 rank(s) + 1 hot spare(s) on the Slurm cluster SLURM_CONF names; "
+            "it never shrinks: without a spare it waits for one"
+        )
+        assert f"run {run_id} COMPLETED at step 10" in said and "Traceback" not in said, said
+        assert out.read_text().count("step 10 loss") == 1
+        # Each node's launcher ran as a step of the run's one allocation, on its node.
+        job = cluster.job_id(run_id)
+        assert job is not None
+        run = cluster.run_dir(run_id)
+        for index, node in enumerate(["node-0", "node-1"]):
+            record = json.loads(run.node_pid_file(0, index).read_text())
+            assert record["slurm_step"].startswith(f"{job}.") and record["node"] == node, record
+        assert job not in queued, f"job {job} is still in squeue after launch returned"
+    finally:
+        cluster.stop_run(run_id)
+        slurm_daemons.reset()
+
+
+@STANDBYS
+def test_a_signal_ends_a_launch_on_slurm_and_its_allocation(dev_env, slurm_daemons, home, launched, tmp_path, warm):
+    (tmp_path / "forever.py").write_text(RUNS_UNTIL_STOPPED)
+    run_id = f"slurm-signal-{uuid.uuid4().hex[:6]}"
+    env = {**lazarus_env(dev_env, home, f"launch-{uuid.uuid4().hex[:6]}"), "SLURM_CONF": str(slurm_daemons.conf)}
+    cluster = SlurmCluster(home, environ=slurm_daemons.env)
+    run = cluster.run_dir(run_id)
+    try:
+        args = [*on_slurm(tmp_path, warm), "--nnodes", "2", "--spares", "0", "--rdzv-id", run_id, "forever.py"]
+        process, _, err = launched(args, env)
+        marks = [tmp_path / "out" / f"rank{rank}.txt" for rank in (0, 1)]
+        wait_until(lambda: all(m.is_file() for m in marks), "both ranks to start", timeout=120)
+        job = cluster.job_id(run_id)
+        assert job in queued_jobs(slurm_daemons.env)
+
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 128 + signal.SIGINT.value, err.read_text()
+        # The workflow, terminated, gives nothing back: launch itself cancelled the allocation.
+        assert job not in queued_jobs(slurm_daemons.env), f"job {job} is still in squeue after launch ended"
+        assert left_of(recorded_processes(run)) == []
+        said = err.read_text()
+        assert said.endswith("lazarus: ended by SIGINT (exit status 130)\n") and "Traceback" not in said, said
+    finally:
+        cluster.stop_run(run_id)
+        slurm_daemons.reset()
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [
@@ -205,18 +291,39 @@ def test_a_fixed_nnodes_waits_for_its_node_says_so_and_recovers_on_it(dev_env, h
         (["--progress-pattern", "step \\d+", "train.py"], "trainer.progress_pattern: 'step \\\\d+' has no group"),
         (["--rdzv-id", "a/b", "train.py"], "--rdzv-id: 'a/b' is not a run id"),
         ([], "no SCRIPT given"),
+        (
+            ["--backend", "kubernetes", "train.py"],
+            "on Kubernetes start a worker (`lazarus worker --backend kubernetes`)",
+        ),
+        (["--backend", "pbs", "train.py"], "argument --backend: invalid choice: 'pbs'"),
     ],
 )
 def test_a_mistake_is_one_line_naming_it(tmp_path, args, said):
+    launch_refused(tmp_path, args, said)
+
+
+@pytest.mark.parametrize(
+    ("conf", "said"),
+    [
+        (NO_SLURMCTLD, "--backend slurm: cannot reach a Slurm controller ("),
+        (None, "--backend slurm: SLURM_CONF names "),
+    ],
+)
+def test_slurm_without_a_controller_is_one_line(tmp_path, conf, said):
+    """No slurmctld answers (SLURM_CONF names a controller nothing listens for, or no file): one line,
+    before anything starts."""
+    if conf is not None:
+        (tmp_path / "slurm.conf").write_text(conf)
+    launch_refused(tmp_path, ["--backend", "slurm", "--nnodes", "2", "train.py"], said, tmp_path / "slurm.conf")
+
+
+def launch_refused(tmp_path, args: list[str], said: str, slurm_conf: Path | None = None) -> None:
+    """`lazarus launch ARGS` (no Temporal server anywhere) ends with exit status 2 and one line containing `said`."""
     (tmp_path / "train.py").write_text("print('never run')\n")
-    done = subprocess.run(
-        LAUNCH + args,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin", "LAZARUS_HOME": str(tmp_path / "home"), "LAZARUS_TEMPORAL_ADDRESS": NOWHERE},
-    )
+    env = {"PATH": "/usr/bin:/bin", "LAZARUS_HOME": str(tmp_path / "home"), "LAZARUS_TEMPORAL_ADDRESS": NOWHERE}
+    if slurm_conf is not None:
+        env["SLURM_CONF"] = str(slurm_conf)
+    done = subprocess.run(LAUNCH + args, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2
     [line] = done.stderr.splitlines()
     assert line.startswith("lazarus launch: error: ") and said in line, line

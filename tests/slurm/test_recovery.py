@@ -14,7 +14,6 @@ import pytest
 
 from lazarus.client import start_run
 from lazarus.config import Settings
-from lazarus.infra.processes import kill_and_wait, node_groups
 from lazarus.infra.slurm import SlurmCluster
 from lazarus.schema import RunState, load_spec
 from lazarus.worker import build_worker
@@ -42,8 +41,7 @@ async def node_lost_on_slurm(dev_env, daemons, folder, spares: int = 1):
             while not (run.root.exists() and trained_step(run) >= KILL_AT_STEP):
                 assert asyncio.get_running_loop().time() < deadline, "the run never reached the step of the fault"
                 await asyncio.sleep(0.05)
-            daemons.kill_slurmd("node-2")
-            await asyncio.to_thread(kill_and_wait, node_groups(run, 0, "node-2"))
+            await asyncio.to_thread(daemons.kill_node, "node-2")
             status = await handle.result()
             said = subprocess.run(
                 ["sinfo", "-R", "-h", "-o", "%N|%E"], capture_output=True, text=True, env=daemons.env, timeout=30

@@ -13,7 +13,6 @@ import pytest
 from kubernetes import client as k8s
 
 from lazarus.infra.local import LocalCluster
-from lazarus.infra.processes import kill_and_wait, node_groups
 from lazarus.infra.slurm import SlurmCluster
 from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
@@ -206,9 +205,7 @@ def slurm_backend(slurm_daemons, tmp_path):
     cluster = SlurmCluster(tmp_path, environ=slurm_daemons.env)
 
     def kill_node(run_id: str, node: str) -> None:
-        slurm_daemons.kill_slurmd(node)
-        run = cluster.run_dir(run_id)
-        kill_and_wait([group for k in run.incarnations() for group in node_groups(run, k, node)])
+        slurm_daemons.kill_node(node)
 
     harness = Harness("slurm", cluster, tmp_path, {"backend": "slurm"}, ["node-0", "node-1"], ["node-2"], kill_node)
     try:

@@ -10,8 +10,11 @@ from datetime import UTC, datetime
 
 import pytest
 
-from lazarus.launch import build_parser, build_spec
-from lazarus.launch_follow import Interruption, WaitingNotice, waiting_words
+from lazarus.commands.common import UserError
+from lazarus.infra.backend import ClusterError
+from lazarus.infra.slurm import SlurmCluster
+from lazarus.launch import _say_start, build_parser, build_spec
+from lazarus.launch_follow import Interruption, WaitingNotice, stop_processes, waiting_words
 from lazarus.schema import RecoveryPolicy, RunState
 from lazarus.schema.records import Decision, FaultReport, Incident, RunStatus
 
@@ -53,6 +56,98 @@ def test_a_fixed_nnodes_never_shrinks_and_min_max_may(project, nnodes, per_node,
     flags = ["--nnodes", nnodes] if nnodes else []
     spec = spec_of(*flags, "--nproc-per-node", per_node, "train.py", folder=project)
     assert (spec.layout.dp, spec.recovery.min_dp) == (dp, min_dp)
+
+
+SLURM_SPEC = (
+    "name: s\nlayout: {dp: 2, ranks_per_node: 1}\ncluster: {backend: slurm, active_nodes: 2, slurm: {partition: gpu}}\n"
+)
+
+
+def test_the_backend_is_the_flags_else_the_specs_else_local(project):
+    assert spec_of("train.py", folder=project).cluster.backend == "local"
+    on_slurm = spec_of("--backend", "slurm", "--nnodes", "2", "train.py", folder=project)
+    assert on_slurm.cluster.backend == "slurm"
+    # Slurm's nodes share the paths: the script is named as launch found it, as on the local backend.
+    assert on_slurm.trainer.command == ["python", str(project / "train.py")]
+    (project / "run.yaml").write_text(SLURM_SPEC)
+    from_spec = spec_of("--spec", "run.yaml", "train.py", folder=project)
+    assert (from_spec.cluster.backend, from_spec.cluster.slurm.partition) == ("slurm", "gpu")
+    assert spec_of("--spec", "run.yaml", "--backend", "local", "train.py", folder=project).cluster.backend == "local"
+
+
+def test_kubernetes_is_refused_with_what_to_do_instead(project):
+    (project / "k8s.yaml").write_text("name: k\ncluster: {backend: kubernetes}\n")
+    for flags in (["--backend", "kubernetes"], ["--spec", "k8s.yaml"]):
+        with pytest.raises(UserError) as refused:
+            spec_of(*flags, "train.py", folder=project)
+        said = str(refused.value)
+        assert "lazarus launch drives the local and Slurm backends (--backend local|slurm)" in said
+        assert "`lazarus worker --backend kubernetes`" in said and "`lazarus run start`" in said
+
+
+def test_help_explains_the_backend_flag():
+    shown = " ".join(build_parser().format_help().split())
+    assert "--backend {local,slurm}" in shown
+    assert "one allocation of the Slurm cluster SLURM_CONF names" in shown
+    assert "Ctrl-C or the run's end gives the allocation back" in shown
+    assert "(default: a --spec's cluster.backend, else local)" in shown
+
+
+def test_the_first_line_names_the_slurm_cluster_and_its_partition(project):
+    class Settings:
+        def workflow_url(self, run_id):
+            return f"http://ui/{run_id}"
+
+    (project / "run.yaml").write_text(SLURM_SPEC)
+    said: list[str] = []
+    _say_start(spec_of("--spec", "run.yaml", "train.py", folder=project), "r1", Settings(), said.append)
+    assert said[0] == (
+        "run r1: 2 node(s) x 1 rank(s) + 1 hot spare(s) on the Slurm cluster SLURM_CONF names (partition gpu); "
+        "it may shrink to dp=1"
+    )
+    said.clear()
+    _say_start(spec_of("--nnodes", "2", "train.py", folder=project), "r1", Settings(), said.append)
+    assert (
+        said[0] == "run r1: 2 node(s) x 1 rank(s) + 1 hot spare(s); it never shrinks: without a spare it waits for one"
+    )
+
+
+class RecordedSlurm(SlurmCluster):
+    """The Slurm backend with Slurm's commands recorded and answered here: five idle nodes, job 42."""
+
+    def __init__(self, home):
+        super().__init__(home, environ={})
+        self.commands: list[tuple[str, ...]] = []
+
+    def _slurm(self, *command: str) -> str:
+        self.commands.append(command)
+        if command[0] == "sinfo":
+            return "".join(f"node-{i} idle\n" for i in range(5))
+        return "salloc: Granted job allocation 42\n" if command[0] == "salloc" else ""
+
+
+def test_a_signal_on_slurm_gives_the_allocation_back(project):
+    cluster = RecordedSlurm(project / "home")
+    (project / "run.yaml").write_text(SLURM_SPEC)
+    cluster.create("r1", spec_of("--spec", "run.yaml", "train.py", folder=project))
+    assert cluster.job_id("r1") == "42"
+    stop_processes(cluster, "r1")
+    assert ("scancel", "42") in cluster.commands
+    assert [n.name for n in cluster.pool.read().nodes if n.owner == "r1"] == []  # the active nodes are free again
+
+
+def test_the_nodes_go_back_even_when_a_process_outlives_the_stop(project):
+    cluster = RecordedSlurm(project / "home")
+    (project / "run.yaml").write_text(SLURM_SPEC)
+    cluster.create("r1", spec_of("--spec", "run.yaml", "train.py", folder=project))
+
+    def stuck(run_id):
+        raise ClusterError("the launcher of node-0 (incarnation 0) is still alive 10 s after SIGKILL")
+
+    cluster.stop_run = stuck
+    with pytest.raises(ClusterError):
+        stop_processes(cluster, "r1")
+    assert ("scancel", "42") in cluster.commands
 
 
 def status(state: RunState, **more) -> RunStatus:

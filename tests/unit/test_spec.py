@@ -174,6 +174,13 @@ def test_relative_paths_are_taken_from_the_folder_the_run_starts_in(tmp_path):
     assert module.trainer.env["PYTHONPATH"] == str(tmp_path) and module.trainer.command[2] == "mypkg.train"
     built_in = parse_spec({"name": "ok"})
     assert anchor_paths(built_in, tmp_path) == built_in
+    # Slurm's nodes share the paths of the folder the run starts in; a pod's are the image's.
+    on = {
+        b: parse_spec({"name": "ok", "trainer": {"command": ["python", "train.py"]}, "cluster": {"backend": b}})
+        for b in ("slurm", "kubernetes")
+    }
+    assert anchor_paths(on["slurm"], tmp_path).trainer.command == ["python", str(tmp_path / "train.py")]
+    assert anchor_paths(on["kubernetes"], tmp_path).trainer.command == ["python", "train.py"]
 
 
 def test_a_tensor_parallel_group_never_spans_nodes():

@@ -105,3 +105,7 @@ async def test_an_abort_of_a_run_that_launched_nothing_terminates_its_workflow(t
 def test_the_hint_names_the_task_queue_and_the_backend():
     assert unserved.start_worker_hint("q1", "local") == "start one with `LAZARUS_TASK_QUEUE=q1 lazarus worker`"
     assert unserved.start_worker_hint("q1", "kubernetes").endswith("lazarus worker --backend kubernetes`")
+    assert (
+        unserved.start_worker_hint("q1", "slurm")
+        == "start one with `LAZARUS_TASK_QUEUE=q1 lazarus worker --backend slurm`"
+    )
