@@ -21,7 +21,7 @@ CHAOS_SPEC = SPECS / "chaos.yaml"
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 QUICK = [
-    "worker-in-every-stage",
+    "worker-in-drain",
     "server-mid-recovery",
     "two-nodes-two-spares",
     "second-node-in-resume",
@@ -32,9 +32,10 @@ QUICK = [
     "disk-full",
     "node-in-async-save",
 ]
-"""One scenario of each mechanism, in about ten seconds each (about 45 s for the worker killed in
-each stage of one recovery in turn); the variations of a mechanism tested here run in the bench
-(bench/chaos.py): the plain node kill, the worker killed in one stage at a time, the server down
+"""One scenario of each mechanism, in about ten seconds each: the worker killed in drain here, in
+every stage of one recovery in turn on Slurm (tests/slurm/test_chaos.py); the variations of a
+mechanism tested here run in the bench (bench/chaos.py): the plain node kill, the worker killed in
+each stage of one recovery in turn, and in one stage at a time, the server down
 already at the fault, the worker and a node together, two nodes with one spare, the spare lost
 after its claim, one rank hung (node-hung stops all of a node), every checkpoint corrupt, a
 second node lost in the survivors' save. The suite stays within CI's budget so."""

@@ -207,7 +207,10 @@ def slurm_backend(slurm_daemons, tmp_path):
     def kill_node(run_id: str, node: str) -> None:
         slurm_daemons.kill_node(node)
 
-    harness = Harness("slurm", cluster, tmp_path, {"backend": "slurm"}, ["node-0", "node-1"], ["node-2"], kill_node)
+    # Cold launchers as job steps, as the other backends' suites run: the standby steps are
+    # tests/slurm's concern (recovery, chaos) and `lazarus launch --backend slurm`'s.
+    settings = {"backend": "slurm", "warm_standby": False}
+    harness = Harness("slurm", cluster, tmp_path, settings, ["node-0", "node-1"], ["node-2"], kill_node)
     try:
         yield harness
     finally:
