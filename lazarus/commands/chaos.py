@@ -1,4 +1,5 @@
-"""`lazarus chaos kill-node|return-node`: break a node of a local run on purpose, and repair it."""
+"""`lazarus chaos kill-node|slow-node|return-node`: break or slow a node of a local run on purpose,
+and repair it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     kill.add_argument("run_id", metavar="RUN", type=run_id)
     kill.add_argument("node", metavar="NODE", type=node_name, help="node name, e.g. node-2")
     kill.set_defaults(handler=kill_node)
+    slow = chaos_commands.add_parser(
+        "slow-node",
+        help="slow every process of a node by a factor (SIGSTOP/SIGCONT in cycles of 0.1 s) until Ctrl-C",
+        description="Slow a node of a local run on purpose, as a slow GPU or a noisy neighbour would: its "
+        "launcher and ranks get the CPU 1/FACTOR of the time, in cycles of 0.1 s, following the node into each "
+        "new incarnation, until --seconds pass or Ctrl-C (or SIGTERM). Every process is left running at the end.",
+    )
+    slow.add_argument("run_id", metavar="RUN", type=run_id)
+    slow.add_argument("node", metavar="NODE", type=node_name, help="node name, e.g. node-2")
+    slow.add_argument("--factor", type=float, default=2.0, help="how many times slower, more than 1 (default 2)")
+    slow.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
+    slow.set_defaults(handler=slow_node)
     back = chaos_commands.add_parser("return-node", help="return a repaired node to the pool as a healthy spare")
     back.add_argument("run_id", metavar="RUN", type=run_id)
     back.add_argument("node", metavar="NODE", type=node_name)
@@ -34,6 +47,40 @@ def kill_node(args: argparse.Namespace, settings: Settings) -> int:
     except ClusterError as error:
         raise UserError(str(error)) from None
     print(f"killed {args.node} of run {args.run_id} (pids: {', '.join(map(str, pids)) or 'none alive'})")
+    return 0
+
+
+def slow_node(args: argparse.Namespace, settings: Settings) -> int:
+    """Slow the node's processes by the factor until --seconds pass or a signal comes."""
+    import signal
+    import time
+
+    from lazarus.infra.backend import ClusterError
+    from lazarus.infra.local import LocalCluster
+    from lazarus.infra.slow_node import slow_node as slow
+
+    if not args.factor > 1:
+        raise UserError(f"--factor must be more than 1, not {args.factor:g}")
+    if args.seconds is not None and not args.seconds > 0:
+        raise UserError(f"--seconds must be positive, not {args.seconds:g}")
+    cluster = LocalCluster(settings.home)
+    try:
+        _check_node_of_run(cluster, args.run_id, args.node)
+    except ClusterError as error:
+        raise UserError(str(error)) from None
+    deadline = time.monotonic() + args.seconds if args.seconds is not None else float("inf")
+    interrupted: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, _frame: interrupted.append(number))
+    until = f"for {args.seconds:g} s" if args.seconds is not None else "until Ctrl-C"
+    print(f"slowing {args.node} of run {args.run_id} by {args.factor:g}x {until}", flush=True)
+    cycles = slow(
+        cluster.run_dir(args.run_id),
+        args.node,
+        args.factor,
+        lambda: not interrupted and time.monotonic() < deadline,
+    )
+    print(f"{args.node} runs at full speed again ({cycles} slowed cycles)")
     return 0
 
 
