@@ -200,7 +200,10 @@ class SlurmCluster(LocalCluster):
         name = f"lazarus-{run.root.name}-{incarnation}-{index}"
         self._children.append(
             self._step(
-                self._srun(run, node, name, allocated), env, run.incarnation(incarnation) / "nodes" / f"{index}.log"
+                self._srun(run, node, name, allocated),
+                "lazarus.trainer.launcher",
+                env,
+                run.incarnation(incarnation) / "nodes" / f"{index}.log",
             )
         )
 
@@ -220,10 +223,9 @@ class SlurmCluster(LocalCluster):
             f"--job-name={name}",
         ]
 
-    def _step(self, srun: list[str], env: dict, log: Path) -> subprocess.Popen:
-        """Start `srun ... python -m <lazarus.trainer.launcher|standby>` (its srun flags given) with
-        `env`, its output appended to `log`; srun stays this machine's handle on the step."""
-        module = "lazarus.trainer.standby" if ENV_STANDBY_ADDRESS in env else "lazarus.trainer.launcher"
+    def _step(self, srun: list[str], module: str, env: dict, log: Path) -> subprocess.Popen:
+        """Start `srun ... python -m MODULE` (its srun flags given) with `env`, its output appended
+        to `log`; srun stays this machine's handle on the step."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as output:
             return subprocess.Popen(
@@ -263,7 +265,7 @@ class SlurmCluster(LocalCluster):
             }
             env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
             srun = self._srun(run, node, f"lazarus-{run_id}-standby", allocated)
-            self._standby_steps[(run_id, node)] = step = self._step(srun, env, home / "log")
+            self._standby_steps[(run_id, node)] = step = self._step(srun, "lazarus.trainer.standby", env, home / "log")
             self._children.append(step)  # reaped with the others once it ends
 
     def _standby_lives(self, run: RunDir, node: str) -> bool:
