@@ -7,6 +7,8 @@ from datetime import UTC, datetime
 from functools import cached_property
 
 from lazarus.activities.exits import judge_exits, judge_lingering
+from lazarus.activities.hangs import judge_hangs
+from lazarus.activities.pace import Straggler
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema.node_reports import NodeReading, NodeSummary
 from lazarus.schema.policy import RecoveryPolicy
@@ -25,6 +27,9 @@ class Verdict:
     up: bool = False  # every rank is launched and its process runs
     warnings: list[str] = field(default_factory=list)  # what the ranks' heartbeats ask the operator to know
     lingering: list[int] = field(default_factory=list)  # ranks still running past the exit grace, to be ended
+    straggler: Straggler | None = None  # a node slower than its peers (activities/pace.py), while nothing failed
+    sick: dict[str, str] = field(default_factory=dict)  # node -> why its health check or condition says sick
+    dump_stacks: bool = False  # a hang whose processes run: every rank's Python stack says where it waits
 
 
 ALIVE_GRACE_SECONDS = 1.0
@@ -51,12 +56,13 @@ class _Look:
     now: float
     last_poll: float
     total_steps: int
+    hang_after: float  # how long a step may stall (the policy's, or derived from step times: activities/pace.py)
 
     @property
     def stopped_after(self) -> float:
         """How long a rank's liveness thread may be silent before its process counts as stopped (s)."""
         policy = self.policy
-        return min(policy.hang_after_seconds, max(ALIVE_GRACE_SECONDS, 5 * policy.heartbeat_interval_seconds))
+        return min(self.hang_after, max(ALIVE_GRACE_SECONDS, 5 * policy.heartbeat_interval_seconds))
 
     @cached_property
     def _split(self) -> tuple[list[RankObservation], list[NodeReading]]:
@@ -64,7 +70,7 @@ class _Look:
         dead, now, hang_after, stopped_after = (
             self.observation.dead_nodes,
             self.now,
-            self.policy.hang_after_seconds,
+            self.hang_after,
             self.stopped_after,
         )
         for node in self.observation.nodes:
@@ -165,7 +171,11 @@ class _Look:
         """A verdict of this look: its step and source, whether every rank is up, and `outcome`."""
         up = bool(self.ranks or self.steady) and all(r.launched and r.alive for r in self.ranks)
         warnings = sorted({r.heartbeat.warning for r in self.ranks if r.heartbeat and r.heartbeat.warning})
-        return Verdict(outcome.pop("step", self.step), source=self.source, up=up, warnings=warnings, **outcome)
+        sick = {n.summary.node: n.summary.sick for n in self.observation.nodes if n.summary and n.summary.sick}
+        sick |= self.observation.sick_nodes
+        return Verdict(
+            outcome.pop("step", self.step), source=self.source, up=up, warnings=warnings, sick=sick, **outcome
+        )
 
     def fault(self, kind: str, blamed: list[RankObservation], occurred: float, reason: str, nodes=None) -> Verdict:
         """A verdict of fault `kind`, blaming `blamed` (their nodes, unless `nodes` is given: [] blames
@@ -192,16 +202,24 @@ class _Look:
         )
 
 
-def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_poll: float, total_steps: int) -> Verdict:
+def judge(
+    observation: Observation,
+    policy: RecoveryPolicy,
+    now: float,
+    last_poll: float,
+    total_steps: int,
+    hang_after: float | None = None,
+) -> Verdict:
     """Decide what an observation shows.
 
-    `last_poll` is when the incarnation was last seen healthy: a rank found dead now
-    died after it, so that is the fault's time (MTTR errs long by at most one interval).
-    Blame needs evidence (DESIGN.md). A node is blamed only on evidence about the node: the
-    backend saw it die; its ranks vanished (killed, no exit record); it went silent while every
-    rank that failed lost a peer (a node whose death the backend has not learnt yet: its ranks
-    cannot report, the survivors can; of several silent nodes, those whose address the errors
-    name); its ranks stopped heartbeating (a hang). A rank that exits with a code or an exception
+    `last_poll` is when the incarnation was last seen healthy: a rank found dead now died after it,
+    so that is the fault's time (MTTR errs long by at most one interval). Blame needs evidence
+    (DESIGN.md). A node is blamed only on evidence about the node: the backend saw it die; its ranks
+    vanished (killed, no exit record); it went silent while every rank that failed lost a peer (a
+    node whose death the backend has not learnt yet: its ranks cannot report, the survivors can; of
+    several silent nodes, those whose address the errors name); its ranks stopped heartbeating (a
+    hang: activities/hangs.py, whose hang time, unless the policy sets one, is `hang_after`, derived
+    from the run's step times by activities/pace.py). A rank that exits with a code or an exception
     on a healthy node is the program's failure (rank_error): no node is blamed, and the rank that
     failed for a reason of its own is named, even when a peer's follow-on connection error came a
     few milliseconds before it. Every rank gone with code 0 is completion at the last step, and a
@@ -209,8 +227,11 @@ def judge(observation: Observation, policy: RecoveryPolicy, now: float, last_pol
     completion. Ranks still running `exit_grace_seconds` after another exited 0 are stuck in their
     teardown: completion too, with a warning that names them (`lingering`, to be ended).
     """
-    look = _Look(observation, policy, now, last_poll, total_steps)
-    for check in (_dead_nodes, judge_exits, _all_ended_cleanly, judge_lingering, _hangs):
+    if hang_after is None:  # no step times to derive it from
+        explicit = policy.hang_after_seconds
+        hang_after = explicit if explicit is not None else policy.startup_grace_seconds
+    look = _Look(observation, policy, now, last_poll, total_steps, hang_after)
+    for check in (_dead_nodes, judge_exits, _all_ended_cleanly, judge_lingering, judge_hangs):
         verdict = check(look)
         if verdict is not None:
             return verdict
@@ -246,48 +267,3 @@ def _all_ended_cleanly(look: _Look) -> Verdict | None:
         )
         return look.fault("program_error", ranks, max(r.exit.time for r in ranks), reason)
     return look.verdict(step=last, completed=last >= look.total_steps, stopped=last < look.total_steps)
-
-
-def _hangs(look: _Look) -> Verdict | None:
-    """A rank whose heartbeat is older than the policy allows (the startup grace before its first).
-    A rank that has written none is watched only where the spec says it will (the built-in
-    trainer, output as heartbeat): exit and node health are the signals of any other."""
-    stale = []
-    for r in look.ranks:
-        if not r.alive or r.exit is not None:
-            continue
-        if r.heartbeat is None and not look.observation.heartbeats_expected:
-            continue
-        if r.heartbeat is None or r.heartbeat.phase == "starting":
-            since = r.heartbeat.time if r.heartbeat else look.observation.launched_at
-            if since is not None and look.now - since > look.policy.startup_grace_seconds:
-                stale.append((r, look.now - since))
-        elif look.now - r.heartbeat.time > look.policy.hang_after_seconds:
-            stale.append((r, look.now - r.heartbeat.time))
-    if not stale:
-        return None
-
-    # Every rank stalls behind a hung one in the next collective. Where the ranks say when their
-    # process last ran (alive_at), the hung one is a rank whose process stopped too, while those
-    # waiting for it still run; else, or of several, the one that got least far (lowest step, then
-    # oldest heartbeat).
-    stopped_after = look.stopped_after
-    # Among every rank (a steady node has none), not only the stale: the stalled ranks' heartbeats
-    # are milliseconds apart, and the first to pass the hang time need not be the one that stopped.
-    frozen = [
-        (r, look.now - r.heartbeat.time)
-        for r in look.ranks
-        if r.alive
-        and r.exit is None
-        and r.heartbeat
-        and r.heartbeat.alive_at
-        and look.now - r.heartbeat.alive_at > stopped_after
-    ]
-
-    def lag(item):
-        rank, age = item
-        return (rank.heartbeat.step if rank.heartbeat and rank.heartbeat.step is not None else -1, -age)
-
-    culprit, age = min(frozen or stale, key=lag)
-    reason = f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s"
-    return look.fault("hang", [culprit], look.now - age, reason)

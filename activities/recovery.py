@@ -126,8 +126,10 @@ class RecoveryActivities:
     async def detect(self, request: DetectInput) -> DetectResult:
         """Watch an incarnation; return a fault, completion, a new warning, spares for a regrow, or
         progress after progress_every_seconds (activities/watching.py)."""
-        verdict, now, capacity = await watch_until_reported(self.cluster, request)
+        verdict, now, capacity, swap = await watch_until_reported(self.cluster, request)
         fault = verdict.fault
+        if swap is not None:
+            fault = swap.fault(request.incarnation, verdict.step, now)
         if verdict.stopped:
             # Nobody asked (the workflow stops detect before it asks): treat it as a failure.
             assignment = await in_thread(self.cluster.assignment, request.run_id, request.incarnation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import gc
 import threading
@@ -14,6 +15,7 @@ from temporalio import activity
 
 from lazarus.activities.health import Verdict, judge
 from lazarus.activities.metrics import Span
+from lazarus.activities.pace import Pace
 
 
 def timed(stage: str):
@@ -72,10 +74,13 @@ _collection_paused = threading.Lock()
 _looks = 0  # looks under way, in any thread: the collector runs again when the last one ends
 
 
-def look(cluster, run_id: str, incarnation: int, policy, last_poll: float, total_steps: int) -> tuple[Verdict, float]:
+def look(
+    cluster, run_id: str, incarnation: int, policy, last_poll: float, total_steps: int, pace: Pace | None = None
+) -> tuple[Verdict, float]:
     """One look at an incarnation, as detect takes it: observe, then judge as of the time after
     the observation (a node that died while it was taken must not be seen before it died);
-    returns the verdict and that time.
+    returns the verdict and that time. `pace` carries what earlier looks learnt of the run's step
+    times (the hang time derived from them) and each node's work (a straggler, while nothing failed).
 
     Python's cyclic garbage collector waits while looks run: a look at a run of 2,048 nodes makes
     about 100,000 short-lived objects, all freed by reference counting, and the collections they
@@ -88,7 +93,13 @@ def look(cluster, run_id: str, incarnation: int, policy, last_poll: float, total
     try:
         observation = cluster.observe(run_id, incarnation)
         now = time.time()
-        return judge(observation, policy, now, last_poll, total_steps), now
+        hang_after = pace.hang_after() if pace is not None else None
+        verdict = judge(observation, policy, now, last_poll, total_steps, hang_after)
+        if pace is not None and verdict.fault is None and not (verdict.completed or verdict.stopped):
+            straggler = pace.observe(observation, verdict.step, now)
+            if straggler is not None:
+                verdict = dataclasses.replace(verdict, straggler=straggler)
+        return verdict, now
     finally:
         with _collection_paused:
             _looks -= 1

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from temporalio import activity
 
 from lazarus.activities.health import Verdict
+from lazarus.activities.pace import Pace
 from lazarus.activities.running import in_thread, look
 from lazarus.infra.backend import ClusterBackend
-from lazarus.schema.records import RankProgress
+from lazarus.schema.records import FaultReport, RankProgress
 from lazarus.schema.stages import DetectInput
 
 EXIT_SETTLE_SECONDS = 0.01
@@ -40,10 +42,13 @@ async def watch(
     now)` (or what it awaits) holds; returns the verdict and the time of its look."""
     last_poll = time.time()
     exited = False
+    pace = Pace.of(run_id, incarnation, policy)
     while True:
-        verdict, now = await in_thread(look, cluster, run_id, incarnation, policy, last_poll, total_steps)
+        verdict, now = await in_thread(look, cluster, run_id, incarnation, policy, last_poll, total_steps, pace)
         if verdict.fault is not None and verdict.fault.rank is not None:
             verdict.fault.log_tail = await in_thread(cluster.log_tail, run_id, incarnation, verdict.fault.rank)
+        if verdict.fault is not None and verdict.dump_stacks:
+            await keep_stacks(cluster, run_id, incarnation, verdict)
         if verdict.completed:
             if verdict.lingering:  # stuck in their teardown past the exit grace: the run is done without them
                 await in_thread(cluster.stop_incarnation, run_id, incarnation)
@@ -62,25 +67,109 @@ async def watch(
         exited = await cluster.wait_for_exit(run_id, incarnation, wait)
 
 
+STACK_KEPT_CHARACTERS = 4000
+"""How much of the blamed rank's stack dump the fault report keeps (characters, from its end: the
+main thread comes last in faulthandler's dump); every rank's whole dump stays in the run directory."""
+
+
+async def keep_stacks(cluster: ClusterBackend, run_id: str, incarnation: int, verdict: Verdict) -> None:
+    """Dump the Python stacks of a hang's ranks (kept in incarnations/K/stacks/) and put the blamed
+    rank's in its fault report, so the operator sees where it waited."""
+    fault = verdict.fault
+    stacks = await in_thread(cluster.capture_stacks, run_id, incarnation)
+    fault.stack = stacks.get(fault.rank, "")[-STACK_KEPT_CHARACTERS:]
+    dumped = ", ".join(str(rank) for rank in sorted(stacks)) or "none (no rank answered)"
+    fault.reason += f"; Python stacks of ranks {dumped} in incarnations/{incarnation}/stacks/"
+
+
+@dataclass(frozen=True)
+class PlannedSwap:
+    """A node to swap for a free spare though nothing died: sick (its health check or a health
+    agent's condition) or a straggler."""
+
+    kind: str  # a FaultKind of schema/faults.py PLANNED_KINDS
+    node: str
+    reason: str
+    cost_seconds: float | None = None  # what it cost the run before it was found (a straggler's)
+
+    def fault(self, incarnation: int, step: int | None, now: float) -> FaultReport:
+        """The swap as the fault the workflow recovers from in a planned recovery."""
+        found = datetime.fromtimestamp(now, UTC)
+        # Nothing stopped when it was found: what it cost so far is in cost_seconds, not the MTTR.
+        return FaultReport(
+            kind=self.kind,
+            nodes=[self.node],
+            incarnation=incarnation,
+            occurred_at=found,
+            detected_at=found,
+            step=step,
+            reason=self.reason,
+            node=self.node,
+            cost_seconds=self.cost_seconds,
+        )
+
+
+def planned_swap(verdict: Verdict, policy) -> PlannedSwap | None:
+    """The node the look says to swap: a sick one first (it may crash the run), else a straggler."""
+    if verdict.sick:
+        node = sorted(verdict.sick)[0]
+        return PlannedSwap("sick", node, f"{node} is sick: {verdict.sick[node]}")
+    straggler = verdict.straggler
+    if straggler is None:
+        return None
+    reason = straggler.describe(policy.stragglers.window_seconds)
+    return PlannedSwap("straggler", straggler.node, reason, straggler.cost_seconds)
+
+
 class _ReportDue:
     """When detect's watch has something the workflow must hear: the safety interval is over, a
-    warning it does not know appeared, or (when it asks) the pool has the spares for a regrow,
-    read every `capacity_poll_seconds`."""
+    warning it does not know appeared, a node to swap for a free spare (sick, a straggler), or
+    (when it asks) the pool has the spares for a regrow, read every `capacity_poll_seconds`. A node
+    that no free spare can replace, or a straggler only to be reported, is a warning."""
 
     def __init__(self, cluster: ClusterBackend, request: DetectInput):
         self.cluster, self.request = cluster, request
         started = time.time()
         self.report_at = started + request.policy.progress_every_seconds
         self.next_capacity_check = started  # at the first look
+        self.next_spare_check = started
         self.capacity = False
+        self.swap: PlannedSwap | None = None
 
     async def __call__(self, verdict: Verdict, now: float) -> bool:
+        swap = planned_swap(verdict, self.request.policy)
+        if swap is not None and await self._swap_now(swap, verdict, now):
+            return True
         if now >= self.report_at or set(verdict.warnings) - set(self.request.known_warnings):
             return True
         if self.request.regrow_nodes is not None and now >= self.next_capacity_check:
             self.next_capacity_check = now + self.request.policy.capacity_poll_seconds
             self.capacity = await in_thread(self.has_capacity)
         return self.capacity
+
+    async def _swap_now(self, swap: PlannedSwap, verdict: Verdict, now: float) -> bool:
+        """Whether to swap the node now (a free spare is there); else it joins the warnings."""
+        policy = self.request.policy.stragglers
+        swapping = swap.kind == "sick" or policy.action == "swap"
+        if swapping and now >= self.next_spare_check:
+            self.next_spare_check = now + self.request.policy.capacity_poll_seconds
+            if await in_thread(self.has_spare):
+                self.swap = swap
+                return True
+        unswapped = "; no free spare to swap it for" if swapping else ""
+        if swap.kind == "sick":
+            verdict.warnings.append(f"{swap.reason}{unswapped}")
+        else:  # the same words while it stays slow, whatever its figures: one warning, not one per look
+            verdict.warnings.append(
+                f"{swap.node} is a straggler: its work per step takes {policy.factor:g}x its peers' or more "
+                f"(recovery.stragglers){unswapped}"
+            )
+        return False
+
+    def has_spare(self) -> bool:
+        """The pool has a free spare for the run that no other run's recovery needs first."""
+        spares, _ = self.cluster.inventory(self.request.run_id).spares_for(None, self.request.node_limit)
+        return bool(spares)
 
     def has_capacity(self) -> bool:
         """The pool has the spares a regrow needs, that no other run's recovery needs, within the run's quota."""
@@ -89,11 +178,14 @@ class _ReportDue:
         return len(spares) >= self.request.regrow_nodes
 
 
-async def watch_until_reported(cluster: ClusterBackend, request: DetectInput) -> tuple[Verdict, float, bool]:
-    """Detect's watch: the verdict that ends it, the time of its look, and whether the pool has the
-    spares the request asked about."""
+async def watch_until_reported(
+    cluster: ClusterBackend, request: DetectInput
+) -> tuple[Verdict, float, bool, PlannedSwap | None]:
+    """Detect's watch: the verdict that ends it, the time of its look, whether the pool has the
+    spares the request asked about, and a node to swap for a free spare."""
     due = _ReportDue(cluster, request)
     verdict, now = await watch(
         cluster, request.run_id, request.incarnation, request.policy, request.total_steps, until=due
     )
-    return verdict, now, due.capacity and verdict.fault is None and not verdict.completed
+    healthy = verdict.fault is None and not verdict.completed
+    return verdict, now, due.capacity and healthy, due.swap if healthy else None

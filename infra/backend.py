@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
+from lazarus.infra.stacks import STACKS_WAIT_SECONDS
 from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource
 from lazarus.schema.node_reports import NodeReading
 from lazarus.schema.policy import RecoveryPolicy
@@ -43,6 +44,7 @@ class Observation:
     )  # node -> the address its ranks' peers dial, where known
     steps_from: StepSource | None = None  # who the spec says reports steps (None: only the ranks can tell)
     heartbeats_expected: bool = False  # every rank writes heartbeats from its start (built-in trainer, output)
+    sick_nodes: dict[str, str] = field(default_factory=dict)  # node -> a health agent's condition that marks it sick
 
     @property
     def ranks(self) -> list[RankObservation]:
@@ -174,6 +176,13 @@ class ClusterBackend(Protocol):
 
     def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
         """The last lines of a rank's log ('' if it has none)."""
+
+    def capture_stacks(
+        self, run_id: str, incarnation: int, ranks: list[int] | None = None, wait_seconds: float = STACKS_WAIT_SECONDS
+    ) -> dict[int, str]:
+        """Each running rank's Python stacks (all threads, faulthandler's text), dumped now: rank ->
+        text, for those of `ranks` (None: every rank) whose dump came within `wait_seconds`. A rank
+        that is not Python, or did not register the dump, is never signalled and is left out."""
 
     def record_stage(self, run_id: str, stage: str, message: str) -> None:
         """Note a recovery stage where the cluster's own tools show it."""

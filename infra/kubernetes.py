@@ -21,7 +21,6 @@ both win: the loser's patch gets 409 Conflict.
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from kubernetes import client as k8s
@@ -34,9 +33,11 @@ from lazarus.infra.kubernetes_objects import (
     RUN_LABEL,
     node_address,
     node_ready,
+    node_states,
     rank_pod,
     run_label,
     run_object_name,
+    sick_nodes,
     stage_event,
 )
 from lazarus.infra.kubernetes_pods import NodePods
@@ -253,14 +254,9 @@ class KubernetesCluster(RunFiles):
         """Pods, node Ready conditions and the ranks' heartbeat and exit files of an incarnation."""
         run, assignment = self._incarnation(run_id, incarnation)
         nodes = self._pool_nodes(self._settings(run_id))
-        dead, addresses = {}, {}
-        for name in assignment.nodes:
-            ready, since = node_ready(nodes[name]) if name in nodes else (False, None)
-            if not ready:
-                dead[name] = since or datetime.now(UTC)
-            if name in nodes and (address := node_address(nodes[name])):
-                addresses[name] = address
+        dead, addresses = node_states(nodes, assignment.nodes)
         observation = self._observation(run, incarnation, dead, addresses)
+        observation.sick_nodes = sick_nodes(nodes, assignment.nodes, self.spec(run_id).health.node_conditions)
         running, launched = self.node_pods.launchers(run, self._settings(run_id).namespace, assignment)
         observation.launchers_alive = sum(running)
         # A pod runs a node's ranks together: the backend sees the pod, its launcher each rank's process.

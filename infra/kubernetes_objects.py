@@ -114,6 +114,36 @@ def node_ready(node: k8s.V1Node) -> tuple[bool, datetime | None]:
     return False, None
 
 
+def node_sick(node: k8s.V1Node, conditions: list[str]) -> str | None:
+    """Why a health agent says the node is sick: the first of `conditions` (types besides Ready, as
+    a node-problem-detector sets them) whose status is True, with its reason and message; None
+    when none is."""
+    for condition in node.status.conditions if node.status and node.status.conditions else []:
+        if condition.type in conditions and condition.status == "True":
+            said = ": ".join(part for part in (condition.reason, condition.message) if part)
+            return f"node condition {condition.type} is True" + (f" ({said})" if said else "")
+    return None
+
+
+def node_states(nodes: dict[str, k8s.V1Node], names: list[str]) -> tuple[dict[str, datetime], dict[str, str]]:
+    """Of the nodes `names`: those not Ready (or gone), with when they stopped being Ready (else
+    now), and the addresses their ranks' peers dial."""
+    dead, addresses = {}, {}
+    for name in names:
+        ready, since = node_ready(nodes[name]) if name in nodes else (False, None)
+        if not ready:
+            dead[name] = since or datetime.now(UTC)
+        if name in nodes and (address := node_address(nodes[name])):
+            addresses[name] = address
+    return dead, addresses
+
+
+def sick_nodes(nodes: dict[str, k8s.V1Node], names: list[str], conditions: list[str]) -> dict[str, str]:
+    """Of the nodes `names`, those a health agent marks sick by one of `conditions`: name -> why."""
+    found = {name: node_sick(nodes[name], conditions) for name in names if conditions and name in nodes}
+    return {name: why for name, why in found.items() if why}
+
+
 def node_free(node: k8s.V1Node) -> bool:
     """Ready, schedulable, and neither held nor quarantined by a run."""
     labels = node.metadata.labels or {}

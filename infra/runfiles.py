@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, Observation, RankObservation
+from lazarus.infra.stacks import STACKS_WAIT_SECONDS, capture_stacks
 from lazarus.schema.contract import (
     LaunchRecord,
     SurvivorSource,
@@ -187,6 +188,14 @@ class RunFiles:
         except FileNotFoundError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def capture_stacks(
+        self, run_id: str, incarnation: int, ranks: list[int] | None = None, wait_seconds: float = STACKS_WAIT_SECONDS
+    ) -> dict[int, str]:
+        """Each running rank's Python stacks, dumped now (infra/stacks.py): asked through the run
+        directory and carried out by each node's launcher beside its ranks, so it needs no access
+        to their processes from here."""
+        return capture_stacks(self._existing(run_id), incarnation, ranks, wait_seconds)
 
     def wait_for_commit(self, run_id: str, grace: float, alive) -> tuple[int | None, bool]:
         """If a checkpoint was being written when the fault hit, give it `grace` seconds to commit

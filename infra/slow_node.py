@@ -44,14 +44,16 @@ def _signal_groups(groups: list[int], sig: signal.Signals) -> None:
 
 def slow_node(
     run: RunDir,
-    node: str,
+    node: str | list[str],
     factor: float,
     keep_going: Callable[[], bool],
     period: float = PERIOD_SECONDS,
 ) -> int:
     """Slow the node's processes by `factor` (> 1) while `keep_going()` holds, following the node
-    into each new incarnation; every process is left running (SIGCONT) whatever ends it. Returns
-    the number of cycles run."""
+    into each new incarnation; every process is left running (SIGCONT) whatever ends it. Several
+    nodes are stopped and continued together, so that they are slowed alike. Returns the number of
+    cycles run."""
+    nodes = [node] if isinstance(node, str) else node
     if factor <= 1:
         raise ValueError(f"the slow-down factor must exceed 1, not {factor}")
     running, stopped = period / factor, period - period / factor
@@ -59,7 +61,7 @@ def slow_node(
     groups: list[int] = []
     try:
         while keep_going():
-            groups = node_process_groups(run, node)
+            groups = [group for name in nodes for group in node_process_groups(run, name)]
             time.sleep(running)
             _signal_groups(groups, signal.SIGSTOP)
             time.sleep(stopped)

@@ -61,9 +61,10 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
 
     ETTR = productive training time / wall time. Unproductive: every recovery from fault to the
     first new step, the time spent on steps that were lost and trained again (lost steps times
-    the run's mean step time), and paused time. The launch (before the first step) counts as
-    training. Where a recovery's lost work is unknown (a script that reports no steps), it cannot
-    be taken out: the ETTR is then an upper bound, and `ettr_upper_bound` says so.
+    the run's mean step time), paused time, and what a straggler cost before its swap. The launch
+    (before the first step) counts as training. Where a recovery's lost work is unknown (a script
+    that reports no steps), it cannot be taken out: the ETTR is then an upper bound, and
+    `ettr_upper_bound` says so.
     """
     now = now or datetime.now(UTC)
     if status.started_at is None:
@@ -82,7 +83,9 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     steps_trained = None if status.step is None or lost_steps is None else status.step + lost_steps
     step_seconds = training / steps_trained if steps_trained else None
     recomputing = lost_steps * step_seconds if lost_steps and step_seconds else 0.0
-    productive = max(training - recomputing, 0.0)
+    # A straggler's extra work on every step before its swap: the run trained, at its pace.
+    slowed = sum(incident.fault.cost_seconds or 0.0 for incident in status.incidents)
+    productive = max(training - recomputing - slowed, 0.0)
     stages = {
         name: tally.stage_seconds.get(name, 0.0)
         + sum(i.stages[name].seconds or 0 for i in status.incidents if name in i.stages)
@@ -107,6 +110,7 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
             "recomputed_steps": recomputing,
             "operator_holds": paused,
             "regrow": regrowing,
+            "slow_nodes": slowed,
         },
         "regrowths": len(status.regrowths),
         "stage_seconds": stages,
@@ -161,7 +165,8 @@ def incident_view(incident: Incident) -> Group:
         style="bold",
     )
     stages = table("stage", "seconds", "", right=("seconds",))
-    for name in STAGES:
+    # A planned swap checkpoints and stops the ranks at a step boundary before it drains.
+    for name in (STAGES[0], "stop", *STAGES[1:]) if "stop" in incident.stages else STAGES:
         stage = incident.stages.get(name)
         stages.add_row(name, _seconds_cell(None if stage is None else stage.seconds), "")
     stages.add_section()
@@ -199,6 +204,7 @@ def _cost_table(summary: dict) -> Table:
         ("recoveries (fault -> first new step)", lost["recovery"]),
         (f"recomputed steps ({_or_unknown(summary['lost_steps'])})", lost["recomputed_steps"]),
         ("held by operators", lost["operator_holds"]),
+        ("slow nodes, before their swap", lost["slow_nodes"]),
     ):
         costs.add_row(label, f"{seconds:.1f}", f"{seconds / wall:.1%}" if wall > 0 else "-")
     costs.add_section()

@@ -83,6 +83,15 @@ class Heartbeat(Record):
             "disk; the newest one the rank had, None when none."
         ),
     )
+    compute_seconds: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "How long the rank's own work on its newest step took, before it waited for its peers in the step's "
+            "collective (seconds): a node slower than its peers shows here, while every rank's step time is the "
+            "slowest's. None from writers that do not measure it."
+        ),
+    )
     alive_at: float | None = Field(
         None,
         description=(
@@ -117,6 +126,15 @@ class RankObservation(Record):
     exit: RankExit | None = Field(None, description="How it ended; None while it runs.")
     launcher_alive: bool = Field(
         False, description="The launcher of its node runs (it writes the exit record of a rank it outlives)."
+    )
+    idle_since: float | None = Field(
+        None,
+        description=(
+            "Since when its process (every thread, and the processes it started) has used no CPU time and its log "
+            "has not changed, as its node's launcher samples it (trainer/idle.py), in seconds since the epoch: the "
+            "sample that last saw a change, or the first one; it stays put while the rank stays idle. None where "
+            "unknown (not started yet, the process is gone, or no launcher watches it)."
+        ),
     )
 
 

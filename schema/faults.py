@@ -11,7 +11,13 @@ from pydantic import Field
 from lazarus.schema.base import Record
 from lazarus.schema.nodelist import NodeList
 
-FaultKind = Literal["node_down", "rank_exit", "hang", "external", "operator", "program_error", "rank_error"]
+FaultKind = Literal[
+    "node_down", "rank_exit", "hang", "external", "operator", "program_error", "rank_error", "straggler", "sick"
+]
+
+PLANNED_KINDS = ("straggler", "sick")
+"""Faults where nothing died: the run checkpoints and stops at a step boundary, then the node is
+swapped for a spare, so no step is lost."""
 
 
 class FaultReport(Record):
@@ -23,7 +29,9 @@ class FaultReport(Record):
             "external: reported by signal; operator: drained by an operator; rank_error: a rank failed on its own "
             "(an exception or an exit code) on a healthy node, the program's failure: restarted in place, no node "
             "blamed; program_error: the program fails every time (every rank ended before training a step, or a "
-            "crash loop), no node to blame: the run ends."
+            "crash loop), no node to blame: the run ends; straggler: a node's work per step took longer than its "
+            "peers' by the policy's factor over its window (recovery.stragglers); sick: its health check failed or a "
+            "health agent's node condition says so (the spec's health); both swapped in a planned recovery."
         )
     )
     nodes: NodeList = Field(
@@ -66,3 +74,19 @@ class FaultReport(Record):
         ),
     )
     log_tail: str = Field("", description="The last lines of that rank's log.")
+    stack: str = Field(
+        "",
+        description=(
+            "Of a hang whose ranks still ran: that rank's Python stacks (every thread, faulthandler's dump, its "
+            "last 4,000 characters) taken when the hang was found; every rank's dump is in the run directory's "
+            "incarnations/K/stacks/."
+        ),
+    )
+    cost_seconds: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "What the fault cost the run before it was found, where it ran on (a straggler: its extra work on "
+            "every step while it was seen slow) (seconds); None for faults that stop the run at once."
+        ),
+    )

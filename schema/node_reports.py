@@ -28,6 +28,9 @@ class NodeReport(Record):
     node: str = Field(description="The node.")
     time: float = Field(description="When it was written (seconds since the epoch).")
     ranks: list[RankObservation] = Field(description="The node's ranks, in rank order.")
+    sick: str | None = Field(
+        None, description="Why the node's health check (the spec's health.command) failed; None: healthy so far."
+    )
 
 
 class NodeSummary(Record):
@@ -51,10 +54,14 @@ class NodeSummary(Record):
     )
     by_rank: bool = Field(description="Some rank wrote a heartbeat with a step itself (not its launcher).")
     trained: bool = Field(description="Some rank's process completed its first step (first_step_at is set).")
+    compute_seconds: float | None = Field(
+        None, description="The longest own work per step a rank reports (Heartbeat.compute_seconds; None: none does)."
+    )
+    sick: str | None = Field(None, description="Why the node's health check failed (NodeReport.sick); None: healthy.")
 
     @classmethod
-    def of(cls, node: str, ranks: list[RankObservation]) -> NodeSummary:
-        """The summary of a node's ranks."""
+    def of(cls, node: str, ranks: list[RankObservation], sick: str | None = None) -> NodeSummary:
+        """The summary of a node's ranks (and of its health, `sick`)."""
         beats = [r.heartbeat for r in ranks if r.heartbeat is not None]
         steps = [beat.step for beat in beats if beat.step is not None]
         times = [beat.time for beat in beats]
@@ -79,6 +86,8 @@ class NodeSummary(Record):
             oldest_alive=min(alive, default=None),
             by_rank=any(beat.by == "rank" and beat.step is not None for beat in beats),
             trained=any(beat.first_step_at for beat in beats),
+            compute_seconds=max((b.compute_seconds for b in beats if b.compute_seconds is not None), default=None),
+            sick=sick,
         )
 
 
@@ -119,7 +128,7 @@ class NodeReading:
 def write_node_report(run: RunDir, incarnation: int, node_index: int, report: NodeReport) -> None:
     """Replace the node's report (atomically): its summary, a newline, then the report, whose
     fields at their defaults are left out (which keeps the file, and the time to read it, small)."""
-    summary = NodeSummary.of(report.node, report.ranks)
+    summary = NodeSummary.of(report.node, report.ranks, report.sick)
     text = f"{summary.model_dump_json()}\n{report.model_dump_json(exclude_defaults=True)}"
     write_json_atomic(run.node_report_file(incarnation, node_index), text)
 

@@ -95,6 +95,29 @@ class StagePolicies(Strict):
     )
 
 
+class StragglerPolicy(Strict):
+    """What a node slower than its peers gets: each rank reports its own work per step (before it waits
+    for its peers), and a node whose work takes `factor` times its peers' for `window_seconds` is a
+    straggler."""
+
+    action: Literal["swap", "report", "off"] = Field(
+        "swap",
+        description=(
+            "swap: a planned recovery puts a free spare in its place (checkpoint at a step boundary, no step "
+            "lost), else it is reported; report: a warning on the run; off: not looked for."
+        ),
+    )
+    factor: float = Field(
+        1.2, gt=1, description="How many times its peers' median work per step makes a node slow (dimensionless)."
+    )
+    window_seconds: float = Field(
+        60.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="How long a node must stay that slow, judged on its median over this window (seconds).",
+    )
+
+
 class RecoveryPolicy(Strict):
     """How faults are detected and how recovery behaves; every stage's timeouts and retries."""
 
@@ -104,11 +127,33 @@ class RecoveryPolicy(Strict):
         le=60,
         description="How often detect reads rank heartbeats and node health, and heartbeats to Temporal (seconds).",
     )
-    hang_after_seconds: float = Field(
-        30.0,
+    hang_after_seconds: float | None = Field(
+        None,
         gt=0,
         le=MAX_SECONDS,
-        description="A rank whose last heartbeat is older than this counts as hung (seconds).",
+        description=(
+            "A rank whose last heartbeat is older than this counts as hung, whatever else is seen (seconds). None: "
+            "derived from the run's own step times (hang_step_multiple, hang_floor_seconds, busy_hang_seconds)."
+        ),
+    )
+    hang_step_multiple: float = Field(
+        5.0,
+        gt=1,
+        description=(
+            "Derived hang time: this multiple of the 99th percentile of the run's recent step times, at least "
+            "hang_floor_seconds; a run whose step stalls that long is hung when a rank's process stopped or every "
+            "rank sits idle (no CPU, no output) (dimensionless)."
+        ),
+    )
+    hang_floor_seconds: float = Field(1.0, gt=0, le=MAX_SECONDS, description="The least derived hang time (seconds).")
+    busy_hang_seconds: float = Field(
+        300.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "Derived hang time: a run whose step stalls while its ranks still run and use CPU counts as hung only "
+            "after this long, since a checkpoint save or a recompile looks the same as a rank spinning (seconds)."
+        ),
     )
     startup_grace_seconds: float = Field(
         120.0,
@@ -225,11 +270,19 @@ class RecoveryPolicy(Strict):
             "before Kubernetes evicts it, its pods' tolerations (seconds; Kubernetes' default is 300)."
         ),
     )
+    stragglers: StragglerPolicy = Field(
+        default_factory=StragglerPolicy, description="Nodes slower than their peers: found, then swapped or reported."
+    )
     stages: StagePolicies = Field(default_factory=StagePolicies, description="Per-stage timeouts and retry policies.")
+
+    @property
+    def longest_hang_seconds(self) -> float:
+        """The longest a stalled run goes before it counts as hung (seconds): a collective may wait this long."""
+        return self.hang_after_seconds if self.hang_after_seconds is not None else self.busy_hang_seconds
 
     @model_validator(mode="after")
     def _hang_longer_than_interval(self) -> RecoveryPolicy:
-        if self.hang_after_seconds <= self.heartbeat_interval_seconds:
+        if self.hang_after_seconds is not None and self.hang_after_seconds <= self.heartbeat_interval_seconds:
             raise ValueError(
                 f"recovery.hang_after_seconds: {self.hang_after_seconds} must exceed "
                 f"recovery.heartbeat_interval_seconds {self.heartbeat_interval_seconds}; raise it to several intervals"

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from lazarus.schema.base import MAX_SECONDS, Strict
 from lazarus.schema.cluster_settings import KubernetesSettings, SlurmSettings  # noqa: F401 - part of the spec
+from lazarus.schema.health_checks import HealthChecks
 from lazarus.schema.layout import Layout
 from lazarus.schema.names import shown
 from lazarus.schema.policy import RecoveryPolicy
@@ -303,6 +304,10 @@ class RunSpec(Strict):
     )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Backend and node counts.")
     recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy, description="Detection and recovery policy.")
+    health: HealthChecks = Field(
+        default_factory=HealthChecks,
+        description="Node health: a check each node runs, and Kubernetes node conditions; a sick node is swapped.",
+    )
     faults: list[FaultInjection] = Field(
         default_factory=list, description="Faults to inject on purpose (tests, demos); empty in production."
     )

@@ -84,6 +84,16 @@ class RunDir:
     def samples_file(self, k: int, rank: int) -> Path:
         return self.incarnation(k) / "samples" / f"{rank}.jsonl"
 
+    def stacks_file(self, k: int, rank: int) -> Path:
+        """Rank R's Python stacks, one dump appended per SIGUSR1 (trainer/stack_dump.py); it exists only
+        once the rank's process registered the dump, and its first line names that process."""
+        return self.incarnation(k) / "stacks" / f"{rank}.txt"
+
+    def stacks_request_file(self, k: int) -> Path:
+        """The controller's newest request for incarnation k's stacks (schema/stacks.py StackRequest):
+        each node's launcher signals its ranks when it changes."""
+        return self.incarnation(k) / "stacks" / "request.json"
+
     def stop_file(self, k: int) -> Path:
         return self.incarnation(k) / "stop"
 

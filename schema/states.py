@@ -47,7 +47,8 @@ _MOVES: dict[RunState, set[RunState]] = {
     # DRAINING: a fault hit the new incarnation before its first step (the next incident).
     RunState.RESUMING: {RunState.TRAINING, RunState.DRAINING},
     # pause, abort and an operator's reshard checkpoint and stop the ranks first.
-    RunState.STOPPING: {RunState.PAUSED, RunState.RESHARDING},
+    # DRAINING: a planned swap (a straggler) stops at a step boundary, then drains the node.
+    RunState.STOPPING: {RunState.PAUSED, RunState.RESHARDING, RunState.DRAINING},
     # resume starts the next incarnation on the held nodes.
     RunState.PAUSED: {RunState.REPLACING},
     # A reset or an adoption found the run as the cluster holds it: never launched, an incarnation

@@ -38,8 +38,10 @@ from lazarus.schema.files import lock_is_held, process_start_time, read_json, ta
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
+from lazarus.trainer.health_check import HealthCheck
 from lazarus.trainer.node_report import NodeReporter
 from lazarus.trainer.output import OutputWatch
+from lazarus.trainer.stack_dump import with_dump_hook
 
 NODE_NICENESS = 5
 """Scheduling priority added to a node's launcher and ranks (`nice`)."""
@@ -83,7 +85,8 @@ def rank_environment(
     fault = planned_fault(spec, assignment, incarnation, node_index)
     if fault is not None:
         env[ENV_FAIL_AT] = fault.planned
-    return env
+    # Each Python rank dumps its stacks on SIGUSR1 (trainer/stack_dump.py), so a hang shows where it waited.
+    return with_dump_hook(env, str(run.stacks_file(incarnation, rank)))
 
 
 def planned_fault(spec: RunSpec, assignment: Assignment, incarnation: int, node_index: int):
@@ -191,6 +194,7 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     per_node = assignment.layout.ranks_per_node
     ranks = range(node_index * per_node, (node_index + 1) * per_node)
     reporter = NodeReporter(run, incarnation, node_index, node, ranks, spec.recovery.heartbeat_interval_seconds)
+    reporter.health = HealthCheck(spec.health, cwd, changed=reporter.changed)
     children: dict[int, object] = {}
     watched: list[int] = []
     for rank in ranks:
@@ -222,12 +226,14 @@ def _wait_for_ranks(run: RunDir, incarnation: int, children: dict, watched: list
     one this launcher started ended."""
     output.start()
     reporter.start()
+    reporter.health.start()
     for rank, child in children.items():
         code = child.wait()
         output.finish(rank)
         record_exit(run, incarnation, rank, code)
         reporter.changed()
     output.stop()
+    reporter.health.stop()
     for rank in watched:
         while lock_is_held(run.lock_file(incarnation, rank)):
             time.sleep(0.05)

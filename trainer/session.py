@@ -226,7 +226,7 @@ class TrainingSession:
         source = launch.survivors
         return read_state(self.run, source.incarnation, source.ranks[self.rank])[1]
 
-    def heartbeat(self, step: int, phase: Phase = "training") -> None:
+    def heartbeat(self, step: int, phase: Phase = "training", compute_seconds: float | None = None) -> None:
         """Tell the controller this rank completed `step` (call after every optimizer step)."""
         now = time.time()
         if phase == "training" and self.first_step_at is None:
@@ -243,6 +243,7 @@ class TrainingSession:
             first_step=self._first_step,
             warning=self.warning,
             alive_at=now,
+            compute_seconds=compute_seconds,
         )
         with self._beat_lock:
             self._beat = beat
@@ -274,11 +275,13 @@ class TrainingSession:
                 MetricsLine(step=step, loss=loss, incarnation=self.incarnation, dp=self.layout.dp, **extra)
             )
 
-    def step_done(self, step: int, loss: float | None = None) -> None:
+    def step_done(self, step: int, loss: float | None = None, compute_seconds: float | None = None) -> None:
         """Heartbeat, and on rank 0 the metrics line: the one call per step. A planned fault at
-        this step (`faults` in the spec) ends the process here, the step trained but not reported."""
+        this step (`faults` in the spec) ends the process here, the step trained but not reported.
+        `compute_seconds`: this rank's own work on the step before it waited for its peers (the
+        forward and backward before the gradients' all-reduce), from which a slow node is found."""
         maybe_fail("step", step)
-        self.heartbeat(step)
+        self.heartbeat(step, compute_seconds=compute_seconds)
         if loss is not None:
             self.log_metrics(step, loss)
 

@@ -49,6 +49,7 @@ from lazarus.schema.contract import (
 from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
+from lazarus.trainer import stack_dump
 from lazarus.trainer.teardown import keep_destroyed_groups
 
 IDLE_EXIT_SECONDS = 30.0
@@ -133,7 +134,8 @@ def _run_in_place(command: list[str], env: dict) -> int:
     os.environ.update(env)
     entry = warm_entry(command)
     if entry is None or not _fork_safe:
-        os.execvpe(command[0], command, env)
+        os.execvpe(command[0], command, env)  # a new interpreter registers at startup (rank_hook)
+    stack_dump.register_from_environment(stack_dump.HOOK_DIR)
     kind, target, argv = entry
     keep_destroyed_groups()
     sys.argv = list(argv)

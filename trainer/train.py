@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -97,6 +98,10 @@ class Trainer:
         self.schedule = self._pipeline_schedule() if layout.pp > 1 else None
         self.updating = False
         """True only inside the optimizer step: a failure there may leave the state half updated."""
+        self.compute_seconds: float | None = None
+        """This rank's own work on the newest step, before the gradients' all-reduce waits for its peers
+        (seconds). On a GPU the kernels run asynchronously, so it is the host's share until the
+        all-reduce; under pp or tp it holds the stage's and the shards' exchanges too."""
 
     def _parallelize(self) -> None:
         """Split each block over the tp ranks, then shard everything over the dp_shard ranks (FSDP2)."""
@@ -149,6 +154,7 @@ class Trainer:
         from lazarus.trainer.data import batch
 
         torch = self.torch
+        started = time.perf_counter()
         inputs, targets = batch(
             self.settings.seed, first_sample, self.offsets, self.settings.seq_len, self.settings.vocab_size
         )
@@ -166,6 +172,7 @@ class Trainer:
             else:
                 self.schedule.step()
             local_loss = torch.stack(losses).sum() if self.last_stage else torch.zeros((), device=self.device)
+        self.compute_seconds = time.perf_counter() - started
         with torch.no_grad():
             stop, loss = self._sum_over_replicas(stop_requested, local_loss if self.reports_loss else None)
         self.updating = True
@@ -214,13 +221,13 @@ def join(session: TrainingSession, spec: RunSpec) -> None:
     torch.set_num_threads(1)
     # NCCL on GPUs (the launcher sets TORCH_NCCL_ASYNC_ERROR_HANDLING, so a broken collective
     # fails instead of hanging), gloo on CPUs; either way a collective gives up after the
-    # policy's hang threshold, by which time detect has already reported the hang.
+    # policy's longest hang time, by which time detect has already reported the hang.
     if torch.cuda.is_available():
         torch.cuda.set_device(session.rank % session.layout.ranks_per_node)
     session.wait_for_store()
     dist.init_process_group(
         "nccl" if torch.cuda.is_available() else "gloo",
-        timeout=timedelta(seconds=spec.recovery.hang_after_seconds + 30),
+        timeout=timedelta(seconds=spec.recovery.longest_hang_seconds + 30),
     )
     session.heartbeat(session.resume_step, "joined")
 
@@ -315,7 +322,7 @@ def train(session: TrainingSession) -> tuple[int, bool]:
         step += 1
         samples += settings.global_batch
 
-        session.step_done(step, loss)
+        session.step_done(step, loss, compute_seconds=trainer.compute_seconds)
         # A save's collectives break when a peer dies, an async one's found here a step or more
         # later: either way the state is still that after `step` steps, so it is a survivor's.
         with survivors.saved_on_failure(run, session, trainer, step, samples):

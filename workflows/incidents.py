@@ -12,7 +12,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
     from lazarus.schema.policy import RecoveryPolicy
     from lazarus.schema.records import FaultReport, Incident, RunStatus, StageRecord
-    from lazarus.schema.stages import ArchiveInput
+    from lazarus.schema.stages import ArchiveInput, StopResult
     from lazarus.schema.tally import downtime_seconds, to_archive
 
 from lazarus.workflows.stage_calls import RunFailed, call_stage
@@ -80,6 +80,17 @@ class Incidents:
         for incident in archived:
             status.earlier_incidents.add(incident, downtime_seconds(incident, workflow.now()))
         status.incidents = status.incidents[count:]
+
+    async def _stop_ranks(self, why: str, timing=None) -> StopResult | None:
+        """Checkpoint and stop the current incarnation (OperatorControls)."""
+        raise NotImplementedError
+
+    async def _stop_for_swap(self, incident: Incident, fault: FaultReport) -> None:
+        """A planned swap (nothing died: a straggler): checkpoint and stop every rank at a step
+        boundary first, so that the incarnation on the spare resumes from that step and none is lost."""
+        stopped = await self._stop_ranks(f"{fault.kind}: swap {', '.join(fault.nodes)}", timing=incident)
+        if stopped is not None and stopped.step is not None:
+            fault.step = self._status.step = stopped.step
 
     def _open_incident(self, fault: FaultReport) -> Incident:
         """Record the fault as the run's next incident; RunFailed when no recovery can help."""

@@ -16,6 +16,7 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
+    from lazarus.schema.faults import PLANNED_KINDS
     from lazarus.schema.records import (
         Decision,
         FaultReport,
@@ -276,6 +277,8 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         program = fault.kind == "rank_error" and workflow.patched(CRASH_LOOP_PATCH)
         looping = crash_loop(self._status.incidents, fault) if program else None
         incident = self._open_incident(fault)
+        if fault.kind in PLANNED_KINDS:
+            await self._stop_for_swap(incident, fault)
         drained = await self._drain(incident, fault)
         if looping is not None:
             return self._end_crash_loop(incident, looping)
@@ -322,7 +325,9 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             save_grace_seconds=self._policy.save_grace_seconds,
             # A script that does not save its state on a broken collective would only cost the grace.
             survivor_grace_seconds=(
-                self._policy.survivor_grace_seconds if self._start.spec.trainer.saves_survivors else 0.0
+                self._policy.survivor_grace_seconds
+                if self._start.spec.trainer.saves_survivors and fault.kind not in PLANNED_KINDS
+                else 0.0
             ),
             detect_seconds=max(0.0, (fault.detected_at - fault.occurred_at).total_seconds()),
             want=self._want(fault),

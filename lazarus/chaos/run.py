@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lazarus.chaos.bed import ChaosBed, ChaosError
 from lazarus.chaos.judge import Row, judge
-from lazarus.chaos.scenarios import HANG_FOUND_MARGIN_SECONDS, Scenario
+from lazarus.chaos.scenarios import DERIVED_HANG_LIMIT_SECONDS, HANG_FOUND_MARGIN_SECONDS, Scenario
 from lazarus.chaos.trial import Trial
 from lazarus.infra.slurm_daemons import SlurmDaemons
 from lazarus.schema.run import RunSpec
@@ -39,9 +39,12 @@ def scenario_checks(trial: Trial, status) -> list[str]:
         fault = status.incidents[0].fault
         found = fault.detected_at.timestamp() - stopped_at
         notes.append(f"{fault.kind} on {', '.join(fault.nodes)} found {found:.1f} s after the stop")
-        limit = trial.spec.recovery.hang_after_seconds + HANG_FOUND_MARGIN_SECONDS
+        explicit = trial.spec.recovery.hang_after_seconds
+        limit = DERIVED_HANG_LIMIT_SECONDS if explicit is None else explicit + HANG_FOUND_MARGIN_SECONDS
         if fault.kind != "hang" or fault.nodes != [node] or found > limit:
             notes.append(f"FAIL the hang of {node} was not found as one within {limit:.0f} s")
+    if trial.swapped is not None:
+        notes += swap_checks(*trial.swapped, status)
     if trial.disk_full is not None:
         notes += disk_full_checks(trial, status, trial.disk_full)
     if trial.in_flight is not None and status.incidents:
@@ -143,3 +146,18 @@ async def run_scenario(
             bed.cluster.repair_after(trial.run_id)  # the next scenario finds the nodes a fresh home has
     row.seconds = round(time.monotonic() - started, 1)
     return row
+
+
+def swap_checks(node: str, kind: str, broken_at: float, status) -> list[str]:
+    """The slowed or sick node found as what it is, swapped with no step lost."""
+    if not status.incidents:
+        return [f"FAIL {node} was to be swapped but never was"]
+    incident = status.incidents[0]
+    fault = incident.fault
+    found = fault.detected_at.timestamp() - broken_at
+    notes = [f"{fault.kind} on {', '.join(fault.nodes)} found {found:.1f} s after it was broken: {fault.reason}"]
+    if fault.kind != kind or fault.nodes != [node]:
+        notes.append(f"FAIL {node} was not found as {kind} ({fault.kind}: {fault.reason})")
+    if incident.resumed_from_step != fault.step:
+        notes.append(f"FAIL the swap lost steps: stopped at {fault.step}, resumed from {incident.resumed_from_step}")
+    return notes

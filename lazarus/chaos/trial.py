@@ -54,6 +54,8 @@ class Trial:
         self.notes: list[str] = []
         self.stopped: list[int] = []
         self.hang: tuple[str, float] | None = None  # (node, when it was stopped) in the hang scenarios
+        # (node, fault kind, when it was broken) of a planned swap: slowed, sick
+        self.swapped: tuple[str, str, float] | None = None
         self.disk_full: int | None = None  # the checkpoint step a full disk lost, in that scenario
         self.in_flight: int | None = None  # the checkpoint step a node died writing, in that scenario
         self.half_saved: str | None = None  # the node that dies saving its survivor state, in that scenario

@@ -112,6 +112,18 @@ def test_a_rank_that_exits_wakes_the_watch_and_its_exit_is_observed(backend):
     assert backend.cluster.observe("r1", 0).ranks[0].alive
 
 
+def test_the_ranks_stacks_are_captured_and_they_run_on(backend):
+    """Asked through the run directory, carried out by each node's launcher beside its ranks: no
+    backend needs access to the ranks' processes from the controller."""
+    backend.launch("r1")
+    every_rank_training(backend, "r1")
+    stacks = backend.cluster.capture_stacks("r1", 0, wait_seconds=10)
+    assert sorted(stacks) == [0, 1]
+    assert all("rank.py" in dump and "most recent call first" in dump for dump in stacks.values()), stacks
+    observation = backend.cluster.observe("r1", 0)
+    assert all(r.alive and r.exit is None for r in observation.ranks)
+
+
 def test_stop_leaves_no_rank_running_and_fences_the_incarnation(backend):
     backend.launch("r1")
     every_rank_training(backend, "r1")

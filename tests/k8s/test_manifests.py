@@ -95,6 +95,7 @@ def drive_every_method(harness: Harness) -> set[str]:
         lambda: watches.cached("nodes", "test") is not None and watches.cached("pods", "lz") is not None,
         "the watches to list (they watch next)",
     )
+    assert set(cluster.capture_stacks("r1", 0)) == {0, 1}  # through the run directory: no API call
     cluster.await_survivors("r1", 0, 0.0)
     cluster.await_checkpoint_in_flight("r1", 0, 0.0)
     lost, spare = harness.active[1], harness.spares[0]

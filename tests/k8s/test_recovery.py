@@ -198,3 +198,37 @@ def claims_of(admin, run_id: str) -> list[str]:
     """Every node claim of the run, as its `Claimed` Events record them (one per claim), sorted."""
     events = admin.list_namespaced_event("lz").items
     return sorted(e.involved_object.name for e in events if e.reason == "Claimed" and e.message.endswith(f" {run_id}"))
+
+
+async def test_a_node_condition_named_in_the_spec_swaps_the_node_at_a_step_boundary(
+    dev_env, admin, clusters, training_pool, reference_losses, tmp_path
+):
+    # A GPU health agent marks worker-2 sick while it still trains: nothing has died, so the run
+    # checkpoints and stops at a step boundary and the spare takes the node's place, no step lost.
+    home = tmp_path / "volume"
+    kubelet = training_pool
+    cluster = clusters(home)
+    spec = parse_spec(
+        {**kubernetes_spec(home).model_dump(mode="json"), "health": {"node_conditions": ["GpuUnhealthy"]}}
+    )
+    run_id = f"kube-sick-{uuid.uuid4().hex[:6]}"
+    queue = f"k8s-{uuid.uuid4().hex[:8]}"
+    async with build_worker(dev_env.client, queue, cluster):
+        handle = await start_run(dev_env.client, Settings(task_queue=queue, home=home), spec, run_id)
+        run = cluster.run_dir(run_id)
+        await wait_until(lambda: trained_step(run) >= 15, "the run to train 15 steps")
+        sick = {"type": "GpuUnhealthy", "status": "True", "reason": "XidError", "message": "Xid 79 on GPU 3"}
+        ready = {"type": "Ready", "status": "True", "reason": "KubeletReady"}
+        admin.patch_node("worker-2", {"status": {"conditions": [ready, sick]}})
+        status = await asyncio.wait_for(handle.result(), 240)
+    incident = completed_incident(kubelet, status)
+    fault = incident.fault
+    assert fault.kind == "sick" and fault.nodes == ["worker-2"], fault.reason
+    assert "node condition GpuUnhealthy is True (XidError: Xid 79 on GPU 3)" in fault.reason
+    assert list(incident.stages)[:3] == ["detect", "stop", "drain"]
+    assert incident.decision.action == "replace" and incident.new_assignment.nodes[2] == "spare-0"
+    assert incident.resumed_from_step == fault.step and incident.lost_steps == 0
+    assert admin.read_node("worker-2").spec.unschedulable
+    trained = losses(cluster.run_dir(run_id))
+    assert sorted(trained) == list(range(1, spec.trainer.steps + 1))
+    assert trained == reference_losses

@@ -63,3 +63,21 @@ def every_rank_training(harness: Harness, run_id: str, incarnation: int = 0):
         return all(r.alive and r.heartbeat and r.heartbeat.step > 0 for r in observation.ranks) and observation
 
     return wait_until(training, f"every rank of incarnation {incarnation} to train ({harness.name})", timeout=60)
+
+
+def launch_two_ranks(cluster, command: list[str], warm: bool, recovery: dict | None = None) -> None:
+    """Start run r1 of `command` on node-0 and node-1 of a local backend, a rank each."""
+    spec = parse_spec(
+        {
+            "name": "r",
+            "cluster": {"active_nodes": 2, "spare_nodes": 0, "warm_standby": warm},
+            "layout": {"dp": 2},
+            "recovery": recovery or {},
+            "trainer": {"command": command},
+        }
+    )
+    cluster.create("r1", spec)
+    cluster.commit_assignment(
+        "r1", Assignment(incarnation=0, nodes=["node-0", "node-1"], layout=spec.layout, master_port=29999)
+    )
+    cluster.start_ranks("r1", 0, resume_step=0)

@@ -29,14 +29,6 @@ sys.exit(int(sys.argv[1]) + rank)
 """
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    cluster = LocalCluster(tmp_path / "home")
-    yield cluster
-    for run in (tmp_path / "home" / "runs").glob("*"):
-        cluster.stop_run(run.name)
-
-
 def start(cluster: LocalCluster, tmp_path: Path, warm: bool = True, as_module: bool = False) -> Path:
     script = tmp_path / "project" / "reporter.py"
     script.parent.mkdir()

@@ -8,7 +8,8 @@ leaves a folder without its state file, and every later start crashes on it the 
 
 Faults of the program itself, on purpose: `--raise-at RANK:STEP` raises a ValueError in that
 rank before that step (its peers then fail on the broken collective); `--hang-at-exit RANK`
-keeps that rank from ever exiting after the last step, as a rank stuck in its teardown does.
+keeps that rank from ever exiting after the last step, as a rank stuck in its teardown does;
+`--stuck-at RANK:STEP` makes that rank wait at that step, once, in a receive no peer answers.
 `--record` wraps main in torch's @record, which writes the exception to TORCHELASTIC_ERROR_FILE.
 Every rank prints `step N loss L` per step, or with `--bar` a progress bar as tqdm draws one:
 redrawn after a carriage return, showing the count done (`10/40 [` at once after a restore).
@@ -60,6 +61,12 @@ def bar(done: int, total: int, began: float) -> None:
     sys.stdout.flush()
 
 
+def wait_for_the_peer_that_never_comes(rank: int) -> None:
+    """Receive from a peer that never sends: this rank waits in a collective forever, and its peers
+    in the step's all-reduce behind it (a mismatched collective, a rank on the wrong code path)."""
+    dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
@@ -69,6 +76,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default="out")
     parser.add_argument("--raise-at", default="", help="RANK:STEP")
     parser.add_argument("--hang-at-exit", type=int, default=-1, help="RANK")
+    parser.add_argument("--stuck-at", default="", help="RANK:STEP, once: waits in a collective nobody completes")
     parser.add_argument("--bar", action="store_true", help="a tqdm-style progress bar instead of step lines")
     args = parser.parse_args()
 
@@ -89,6 +97,10 @@ def main() -> None:
     for step in range(start + 1, args.steps + 1):
         if fail_rank and int(fail_rank) == rank and int(fail_step) == step:
             raise ValueError(f"rank {rank} found a bad batch at step {step}")
+        if args.stuck_at == f"{rank}:{step}" and not (output / "stuck-once").exists():
+            (output / "stuck-once").parent.mkdir(parents=True, exist_ok=True)
+            (output / "stuck-once").write_text("")
+            wait_for_the_peer_that_never_comes(rank)
         grad = torch.full((8,), float(step + rank))
         dist.all_reduce(grad)
         weights -= 0.001 * grad

@@ -1,0 +1,175 @@
+"""What detect learns of a run's pace across its looks (stateful, beside the pure judge): how long
+its steps take, from which the hang time is derived, and how long each node's own work per step
+takes, from which a straggler is found.
+
+Step times are the gaps between the looks that saw the run's step advance, so they hold whatever
+stalls a step in this run (a checkpoint every N steps, the data loader, the poll itself). The hang
+time is `hang_step_multiple` times their 99th percentile, at least `hang_floor_seconds`; until
+MIN_GAPS steps were seen after the incarnation's first, it is the startup grace (the first steps
+after a start or a restore are slow: allocation, warm-up).
+
+A node's work per step is the slowest of its ranks' `compute_seconds` (what a rank spent before it
+waited for its peers). A node is a straggler when the median of its work over the policy's window
+is `factor` times the median of the other nodes' medians, and has been all through the window: a
+node slow for a moment is not one, and a run slow everywhere has none.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from lazarus.infra.backend import Observation
+from lazarus.schema.policy import RecoveryPolicy
+
+GAP_WINDOW = 200
+"""Step times the hang time is derived from: the newest this many (steps)."""
+
+MIN_GAPS = 5
+"""Step times needed before the hang time is derived from them (steps). Few suffice: a hang needs
+evidence besides the stall (activities/hangs.py), so a short hang time cannot turn a slow step
+into a fault; of few, the 99th percentile is the longest."""
+
+MIN_SAMPLES = 5
+"""Work readings a node needs in the window before it is compared with its peers (steps)."""
+
+KEPT_PACES = 1024
+"""Incarnations whose pace a worker keeps between detect's attempts (activities/watching.py)."""
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A node found slower than its peers."""
+
+    node: str
+    since: float  # when it was first seen that slow (seconds since the epoch)
+    work: float  # the median of its work per step over the window (seconds)
+    peers: float  # the median of its peers' medians (seconds)
+    steps: int  # steps the run trained while it was that slow
+
+    @property
+    def cost_seconds(self) -> float:
+        """What it cost the run while it was seen slow: its extra work on every step (seconds)."""
+        return max(0.0, self.work - self.peers) * self.steps
+
+    def describe(self, window: float) -> str:
+        """One line for the incident and the operator."""
+        return (
+            f"straggler: {self.node}'s work per step took {self.work:.3f} s against its peers' {self.peers:.3f} s "
+            f"({self.work / self.peers:.1f}x, median over {window:g} s); it cost the run about "
+            f"{self.cost_seconds:.1f} s over {self.steps} steps"
+        )
+
+
+class Pace:
+    """Step times and each node's work per step, over the looks of one watch of an incarnation."""
+
+    def __init__(self, policy: RecoveryPolicy):
+        self.policy = policy
+        self.gaps: deque[float] = deque(maxlen=GAP_WINDOW)
+        self._step: int | None = None  # the newest step seen, and when
+        self._step_at = 0.0
+        self._advances = 0
+        self._looked_at = 0.0
+        self._work: dict[str, deque[tuple[float, float]]] = {}  # node -> (time, seconds) readings
+        self._work_step: dict[str, int] = {}  # node -> the step of its newest reading
+        self._slow_since: dict[str, float] = {}
+        self._steps_at: deque[tuple[float, int]] = deque()  # (time, step) at each advance, for costs
+
+    @classmethod
+    def of(cls, run_id: str, incarnation: int, policy: RecoveryPolicy) -> Pace:
+        """The pace of an incarnation as this worker learnt it so far: detect returns to the workflow
+        every progress interval and on each warning, and a new watch must not start over at the
+        startup grace. It is soft state: a worker that restarts learns it again."""
+        key = (run_id, incarnation)
+        pace = _PACES.pop(key, None) or cls(policy)
+        pace.policy = policy  # an operator may have changed it (set_policy)
+        _PACES[key] = pace
+        while len(_PACES) > KEPT_PACES:
+            _PACES.pop(next(iter(_PACES)))
+        return pace
+
+    def hang_after(self) -> float:
+        """How long the run's step may stall before it counts as hung (seconds)."""
+        policy = self.policy
+        if policy.hang_after_seconds is not None:
+            return policy.hang_after_seconds
+        if len(self.gaps) < MIN_GAPS:
+            return policy.startup_grace_seconds
+        ordered = sorted(self.gaps)
+        p99 = ordered[round(0.99 * (len(ordered) - 1))]
+        return max(policy.hang_floor_seconds, policy.hang_step_multiple * p99)
+
+    def observe(self, observation: Observation, step: int | None, now: float) -> Straggler | None:
+        """Take in a look: its step (None: the ranks report none) and each node's work; returns the
+        straggler, if one was found."""
+        looked_at, self._looked_at = self._looked_at, now
+        if now - looked_at > max(1.0, 5 * self.policy.heartbeat_interval_seconds):
+            self._step = None  # nobody looked meanwhile (between watches, a worker down): no step time
+        if step is not None and (self._step is None or step > self._step):
+            if self._step is not None:
+                self._advances += 1
+                if self._advances > 1:  # the first advance ends the start or restore, not a step
+                    self.gaps.append(now - self._step_at)
+                self._steps_at.append((now, step))
+            self._step, self._step_at = step, now
+        if self.policy.stragglers.action == "off":
+            return None
+        self._read_work(observation, now)
+        return self._straggler(now)
+
+    def _read_work(self, observation: Observation, now: float) -> None:
+        window = self.policy.stragglers.window_seconds
+        for reading in observation.nodes:
+            summary = reading.summary
+            if summary is not None and summary.steady:
+                node, step, work = summary.node, summary.highest_step, summary.compute_seconds
+            else:
+                beats = [r.heartbeat for r in reading.ranks if r.heartbeat and r.heartbeat.compute_seconds is not None]
+                if not beats or not reading.ranks:
+                    continue
+                node = reading.ranks[0].node
+                step = max(beat.step for beat in beats if beat.step is not None) if beats else None
+                work = max(beat.compute_seconds for beat in beats)
+            if work is None or step is None or self._work_step.get(node) == step:
+                continue
+            self._work_step[node] = step
+            readings = self._work.setdefault(node, deque())
+            readings.append((now, work))
+            while readings and readings[0][0] < now - window:
+                readings.popleft()
+        while self._steps_at and self._steps_at[0][0] < now - 10 * window:
+            self._steps_at.popleft()
+
+    def ratios(self) -> dict[str, tuple[float, float]]:
+        """Each node with enough readings in the window: (the median of its work per step, the
+        median of the other nodes' medians) (seconds)."""
+        medians = {
+            node: statistics.median(w for _, w in readings)
+            for node, readings in self._work.items()
+            if len(readings) >= MIN_SAMPLES
+        }
+        compared = {}
+        for node, work in medians.items():
+            others = [m for n, m in medians.items() if n != node]
+            if others:
+                compared[node] = (work, statistics.median(others))
+        return compared
+
+    def _straggler(self, now: float) -> Straggler | None:
+        policy = self.policy.stragglers
+        found = None
+        for node, (work, peers) in self.ratios().items():
+            if peers <= 0 or work < policy.factor * peers:
+                self._slow_since.pop(node, None)
+                continue
+            since = self._slow_since.setdefault(node, now)
+            if now - since >= policy.window_seconds and (found is None or work / peers > found.work / found.peers):
+                steps = sum(1 for at, _ in self._steps_at if at >= since)
+                found = Straggler(node=node, since=since, work=work, peers=peers, steps=steps)
+        return found
+
+
+_PACES: dict[tuple[str, int], Pace] = {}
+"""Each incarnation's pace, newest used last (Pace.of)."""

@@ -1,0 +1,125 @@
+"""False alarms of the detectors beyond death: fault-free demo runs, and a run slowed everywhere.
+
+    .venv/bin/python bench/detection.py [--runs 20] [--uniform-steps 500] [--window 5] [--json]
+
+Each run trains examples/demo.yaml (4 nodes, the built-in trainer) on the local backend while a
+watch looks at it every heartbeat interval exactly as detect does (activities/running.py `look`,
+with its Pace: the derived hang time and the straggler search), without Temporal, and counts
+what would have been reported: hangs, stragglers and every other fault. Stragglers are sought
+with a window of --window seconds (the policy's default is 60 s; a shorter window is the harder
+test). Printed per run: steps, the derived hang time at the end, the longest stall the watch saw
+(the time between two looks that saw the step advance), the largest ratio of a node's median
+work per step to its peers', and the alarms.
+
+--uniform-steps N adds a run of N steps with every node slowed 2x (infra/slow_node.py, every node
+stopped and continued together): a run slow everywhere must raise nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from lazarus.activities.pace import Pace
+from lazarus.activities.running import look
+from lazarus.infra.local import LocalCluster
+from lazarus.infra.slow_node import slow_node
+from lazarus.schema.records import Assignment
+from lazarus.schema.run import RunSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "examples" / "demo.yaml"
+
+
+def one_run(folder: Path, window: float, steps: int | None, slow_every_node: bool) -> dict:
+    """Train the demo spec once under the watch; what the watch would have reported."""
+    data = yaml.safe_load(DEMO.read_text())
+    data["recovery"]["stragglers"] = {"window_seconds": window}
+    if steps is not None:
+        data["trainer"]["steps"] = steps
+    spec = RunSpec.model_validate(data)
+    cluster = LocalCluster(folder)
+    run_id = "detection"
+    cluster.create(run_id, spec)
+    active = sorted(n.name for n in cluster.inventory(run_id).nodes if n.role == "active")
+    port = cluster.rendezvous_port(run_id)
+    cluster.commit_assignment(run_id, Assignment(incarnation=0, nodes=active, layout=spec.layout, master_port=port))
+    cluster.start_ranks(run_id, 0, 0)
+    pace = Pace(spec.recovery)
+    done = threading.Event()
+    # Every node stopped and continued together: slowed alike, as a cluster-wide slowdown is.
+    slowers = [
+        threading.Thread(target=slow_node, args=(cluster.run_dir(run_id), active, 2.0, lambda: not done.is_set()))
+    ][: 1 if slow_every_node else 0]
+    alarms, worst, step, last_poll = [], (1.0, ""), 0, time.time()
+    try:
+        for slower in slowers:
+            slower.start()
+        while True:
+            verdict, now = look(cluster, run_id, 0, spec.recovery, last_poll, spec.trainer.steps, pace)
+            step = verdict.step if verdict.step is not None else step
+            if verdict.fault is not None:
+                alarms.append(f"{verdict.fault.kind}: {verdict.fault.reason}")
+                break
+            if verdict.straggler is not None and not any(a.startswith("straggler") for a in alarms):
+                alarms.append(verdict.straggler.describe(window))
+            for node, (work, peers) in pace.ratios().items():
+                if peers > 0 and work / peers > worst[0]:
+                    worst = (work / peers, node)
+            if verdict.completed or verdict.stopped:
+                break
+            last_poll = now
+            time.sleep(spec.recovery.heartbeat_interval_seconds)
+    finally:
+        done.set()
+        for slower in slowers:
+            slower.join()
+        cluster.stop_incarnation(run_id, 0)
+    return {
+        "steps": step,
+        "hang_after_seconds": round(pace.hang_after(), 3),
+        "longest_stall_seconds": round(max(pace.gaps, default=0.0), 3),
+        "worst_node_ratio": round(worst[0], 3),
+        "worst_node": worst[1],
+        "alarms": alarms,
+        "slowed_everywhere": slow_every_node,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20, help="fault-free demo runs (default 20)")
+    parser.add_argument("--uniform-steps", type=int, default=500, help="steps of the run slowed everywhere (0: none)")
+    parser.add_argument("--window", type=float, default=5.0, help="straggler window (seconds, default 5)")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON document")
+    args = parser.parse_args()
+    rows = []
+    plan = [(None, False)] * args.runs + ([(args.uniform_steps, True)] if args.uniform_steps else [])
+    for i, (steps, slowed) in enumerate(plan, 1):
+        with tempfile.TemporaryDirectory(prefix="lazarus-detection-") as folder:
+            row = one_run(Path(folder), args.window, steps, slowed)
+        rows.append(row)
+        if not args.json:
+            what = "slowed 2x everywhere" if slowed else "fault-free"
+            print(
+                f"[{i}/{len(plan)}] {what}: {row['steps']} steps, hang time {row['hang_after_seconds']:.2f} s, "
+                f"longest stall {row['longest_stall_seconds']:.2f} s, worst node {row['worst_node']} at "
+                f"{row['worst_node_ratio']:.2f}x its peers; alarms: {'; '.join(row['alarms']) or 'none'}",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    alarmed = sum(1 for row in rows if row["alarms"])
+    factor = RunSpec.model_validate(yaml.safe_load(DEMO.read_text())).recovery.stragglers.factor
+    print(f"\n{len(rows)} runs, {alarmed} with an alarm; straggler factor {factor:g}, window {args.window:g} s")
+
+
+if __name__ == "__main__":
+    main()

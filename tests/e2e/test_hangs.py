@@ -1,0 +1,51 @@
+"""A hang of a script that reports no steps and knows nothing of Lazarus
+(tests/user_script/inplace_checkpoints.py): one rank waits in a collective nobody completes, its
+peers behind it in the step's all-reduce. Every rank sits idle (no CPU, no output), so the hang is
+found at the hang time; every rank's Python stack is dumped and kept with the incident; the run
+recovers on the spare and trains to its end."""
+
+from __future__ import annotations
+
+import pytest
+
+from lazarus.schema import RunState
+from tests.e2e.test_program_failures import STEP_LINE, run_to_end, script_spec
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+HANG_AFTER = 3.0
+"""recovery.hang_after_seconds: a script that reports no steps has no step times to derive it from."""
+
+
+async def test_a_rank_stuck_in_a_collective_of_a_script_without_step_reports_is_found_with_its_stack(
+    dev_env, home, tmp_path
+):
+    spec = script_spec(
+        "stuck",
+        tmp_path,
+        args=["--steps", "30", "--stuck-at", "2:12"],
+        pattern=None,  # no step reports: only the processes tell
+        recovery={"hang_after_seconds": HANG_AFTER},
+    )
+    status, run = await run_to_end(dev_env, home, spec)
+
+    assert status.state == RunState.COMPLETED, status.reason
+    [incident] = status.incidents
+    fault = incident.fault
+    assert fault.kind == "hang" and "every rank has sat idle (no CPU, no output)" in fault.reason, fault.reason
+    assert f"recovery.hang_after_seconds {HANG_AFTER:g}" in fault.reason
+    # Found once every rank had been idle for the hang time, soon after (a look, a report, a sample).
+    found = (fault.detected_at - fault.occurred_at).total_seconds()
+    assert HANG_AFTER <= found, found
+    # The blamed rank's stack is in the incident; every rank's is in the run directory, and the one
+    # that waits shows where.
+    assert f"rank {fault.rank} on {fault.node} went idle first" in fault.reason
+    assert "Current thread" in fault.stack and "inplace_checkpoints.py" in fault.stack
+    stuck = run.stacks_file(0, 2).read_text()
+    assert "wait_for_the_peer_that_never_comes" in stuck, stuck
+    for rank in (0, 1, 3):
+        assert "in main" in run.stacks_file(0, rank).read_text()
+    # Recovered: the next incarnation trained from the script's newest checkpoint to the end.
+    assert incident.outcome == "recovered" and incident.new_assignment.incarnation == 1
+    steps = [int(s) for s, _ in STEP_LINE.findall(run.log_file(1, 0).read_text())]
+    assert steps == list(range(11, 31))

@@ -1,0 +1,100 @@
+"""A stalled step under a derived hang time: hung only on evidence besides the stall (a stopped
+process, every rank idle) or past busy_hang_seconds; the policy's own hang time works as before."""
+
+from __future__ import annotations
+
+from lazarus.activities.health import judge
+from lazarus.schema import RecoveryPolicy
+from tests.unit.test_health import NOW, observe, rank
+
+DERIVED = RecoveryPolicy(startup_grace_seconds=60, busy_hang_seconds=100)
+HANG_AFTER = 1.5  # what activities/pace.py derived from the run's step times
+
+
+def look(*ranks, policy=DERIVED):
+    return judge(observe(*ranks), policy, NOW, NOW - 0.1, 400, hang_after=HANG_AFTER)
+
+
+def idle(r, step=12, beat_age=2.0, idle_age=2.0):
+    quiet = rank(r, step=step, beat_age=beat_age, alive_age=0.05)
+    return quiet.model_copy(update={"idle_since": NOW - idle_age})
+
+
+def test_a_stopped_process_is_found_at_the_derived_hang_time_and_its_node_blamed():
+    waiting = [rank(r, step=120, beat_age=1.6, alive_age=0.05) for r in (0, 1, 3)]
+    stopped = rank(2, step=120, beat_age=1.55, alive_age=1.55)
+    verdict = look(*waiting[:2], stopped, waiting[2])
+    fault = verdict.fault
+    assert fault.kind == "hang" and fault.nodes == ["node-2"] and fault.rank == 2
+    assert not verdict.dump_stacks  # a stopped process cannot answer a dump
+    assert "its process has not run for 1.6 s" in fault.reason and "hang time 1.5 s" in fault.reason
+    # Before the hang time nothing is judged, stopped or not.
+    early = [rank(r, step=120, beat_age=1.2, alive_age=0.05) for r in (0, 1)] + [rank(2, step=120, alive_age=1.2)]
+    assert look(*early).fault is None
+
+
+def test_a_stall_with_every_process_running_and_busy_is_a_save_until_busy_hang_seconds():
+    # Rank 0 writes a large checkpoint (CPU busy) while the others wait for it: not a hang.
+    saving = rank(0, step=500, beat_age=30, alive_age=0.05)
+    waiting = [idle(r, step=500, beat_age=30, idle_age=29) for r in (1, 2)]
+    assert look(saving, *waiting).fault is None
+    past = [rank(0, step=500, beat_age=101, alive_age=0.05), *(idle(r, step=500, beat_age=101) for r in (1, 2))]
+    fault = look(*past).fault
+    assert fault.kind == "hang" and "busy_hang_seconds 100" in fault.reason
+
+
+def test_every_rank_idle_for_the_hang_time_is_a_hang_blaming_the_one_that_went_idle_first():
+    # Rank 1 entered a collective the others never join (or deadlocked) first; they followed.
+    ranks = [idle(0, idle_age=1.7), idle(1, step=11, idle_age=2.4), idle(2, idle_age=1.6)]
+    verdict = look(*ranks)
+    fault = verdict.fault
+    assert verdict.dump_stacks  # every process runs: each one's stack says where it waits
+    assert fault.kind == "hang" and fault.nodes == ["node-1"]
+    assert "every rank has sat idle" in fault.reason and "went idle first" in fault.reason
+    # One rank still working (no idle_since past the hang time): not every rank is idle.
+    assert look(idle(0), idle(1, idle_age=0.3)).fault is None
+
+
+def test_a_rank_that_reports_no_steps_is_judged_by_idleness_alone():
+    quiet = [
+        rank(r, step=None, beat_age=5, alive_age=None).model_copy(update={"idle_since": NOW - 5}) for r in range(2)
+    ]
+    fault = look(*quiet).fault
+    assert fault.kind == "hang" and "every rank has sat idle" in fault.reason
+    busy = [quiet[0], quiet[1].model_copy(update={"idle_since": NOW - 0.2})]
+    assert look(*busy).fault is None
+
+
+def test_the_first_step_after_a_restore_gets_the_startup_grace():
+    restoring = [rank(r, step=40, beat_age=30, phase="restored", alive_age=0.05) for r in range(2)]
+    assert look(*restoring).fault is None
+    stopped = [rank(0, step=40, beat_age=30, phase="restored", alive_age=30), restoring[1]]
+    assert look(*stopped).fault is None  # loading a checkpoint may hold the GIL: the grace holds
+    late = [rank(r, step=40, beat_age=61, phase="restored", alive_age=0.05) for r in range(2)]
+    assert look(*late).fault.kind == "hang"
+
+
+def test_the_policys_own_hang_time_blames_a_stale_rank_whatever_else_is_seen():
+    explicit = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=60)
+    busy = [rank(r, step=12, beat_age=9, alive_age=0.05) for r in range(2)]
+    assert judge(observe(*busy), explicit, NOW, NOW - 0.1, 400).fault is None
+    busy = [rank(r, step=12, beat_age=11, alive_age=0.05) for r in range(2)]
+    verdict = judge(observe(*busy), explicit, NOW, NOW - 0.1, 400)
+    assert verdict.fault.kind == "hang" and "no heartbeat for 11.0 s" in verdict.fault.reason
+
+
+def test_a_rank_done_or_stopped_is_not_hung_however_long_it_takes_to_exit():
+    # Rank 1 trained its last step and sits in its teardown (its liveness thread ended with it):
+    # the exit grace deals with it, not the hang time.
+    done = rank(1, step=8, beat_age=5, phase="done", alive_age=5)
+    exited = rank(0, step=8, beat_age=5, phase="done", alive_age=5)
+    assert look(exited, done).fault is None
+    stopping = [rank(r, step=30, beat_age=5, phase="stopped", alive_age=5) for r in range(2)]
+    assert look(*stopping).fault is None
+
+
+def test_once_a_rank_exited_0_the_ranks_left_are_in_their_teardown_not_hung():
+    # A script that reports by its output (no phases): rank 0 is done, rank 1 sits idle forever.
+    exited = rank(0, step=8, alive=False, beat_age=3, exit={"code": 0, "time": NOW - 1.5, "step": 8})
+    stuck = idle(1, step=8, beat_age=3, idle_age=3)
+    assert look(exited, stuck).fault is None

@@ -1,0 +1,86 @@
+"""What detect learns of a run's pace: the hang time derived from its step times, and stragglers."""
+
+from __future__ import annotations
+
+from lazarus.activities.pace import MIN_GAPS, Pace
+from lazarus.infra.backend import Observation
+from lazarus.schema import RecoveryPolicy
+from lazarus.schema.node_reports import NodeReading, NodeSummary
+
+POLICY = RecoveryPolicy(startup_grace_seconds=60, stragglers={"window_seconds": 5})  # factor 1.2
+
+
+def node_look(step: int, work: dict[str, float]) -> Observation:
+    """A look at a healthy run whose nodes report `work` seconds per step, all at `step`."""
+    nodes = []
+    for name, seconds in work.items():
+        summary = NodeSummary(
+            node=name,
+            steady=True,
+            lowest_step=step,
+            highest_step=step,
+            oldest_beat=0.0,
+            newest_beat=0.0,
+            oldest_alive=None,
+            by_rank=True,
+            trained=True,
+            compute_seconds=seconds,
+        )
+        nodes.append(NodeReading(summary=summary))
+    return Observation(incarnation=0, launched_at=0.0, resume_step=0, nodes=nodes)
+
+
+def run(pace: Pace, steps: int, step_seconds: float, work, start: float = 1000.0, first_step: int = 1):
+    """Feed `steps` steps of `step_seconds` each; `work(step)` gives each node's work. Returns the
+    first straggler found, and the time it was found."""
+    for i in range(steps):
+        now = start + i * step_seconds
+        found = pace.observe(node_look(first_step + i, work(first_step + i)), first_step + i, now)
+        if found is not None:
+            return found, now
+    return None, None
+
+
+def test_the_hang_time_is_the_startup_grace_until_enough_steps_then_a_multiple_of_their_p99():
+    pace = Pace(POLICY)
+    assert pace.hang_after() == 60
+    run(pace, MIN_GAPS + 1, 0.12, lambda _: {})
+    assert pace.hang_after() == 60  # the first advance ends the restore: it is not a step time
+    run(pace, 200, 0.12, lambda _: {}, start=2000.0, first_step=100)
+    assert abs(pace.hang_after() - 1.0) < 1e-9  # 5 x 0.12 s is under the floor
+    # A checkpoint every 10 steps takes 0.4 s: the 99th percentile holds it.
+    pace = Pace(POLICY)
+    for i in range(201):
+        now = 3000 + i * 0.12 + (i // 10) * 0.28
+        pace.observe(node_look(i, {}), i, now)
+    assert abs(pace.hang_after() - 5 * 0.40) < 1e-6
+    assert Pace(POLICY.model_copy(update={"hang_after_seconds": 30.0})).hang_after() == 30.0
+
+
+def test_a_node_twice_as_slow_as_its_peers_for_the_window_is_a_straggler_with_its_cost():
+    pace = Pace(POLICY)
+    fast = {"node-0": 0.1, "node-1": 0.11, "node-2": 0.1, "node-3": 0.1}
+    found, _ = run(pace, 100, 0.12, lambda _: fast)
+    assert found is None
+    found, at = run(pace, 200, 0.22, lambda _: {**fast, "node-2": 0.2}, start=1100.0, first_step=200)
+    assert found is not None and found.node == "node-2"
+    assert found.work == 0.2 and abs(found.peers - 0.1) < 1e-9
+    assert 5 <= at - found.since < 5 + 0.22 * 6  # the window, plus the readings to fill its median
+    assert abs(found.cost_seconds - 0.1 * found.steps) < 1e-9 and found.steps >= 20
+    assert "node-2's work per step took 0.200 s against its peers' 0.100 s (2.0x" in found.describe(5)
+
+
+def test_a_run_slow_everywhere_or_a_node_slow_for_a_moment_has_no_straggler():
+    pace = Pace(POLICY)
+    assert run(pace, 500, 0.24, lambda _: {f"node-{i}": 0.2 for i in range(4)})[0] is None
+    # node-1 slow for 3 s of every 6 (a noisy neighbour that comes and goes): never the whole window.
+    comes_and_goes = lambda step: {"node-0": 0.1, "node-1": 0.3 if (step // 25) % 2 else 0.1, "node-2": 0.1}  # noqa: E731
+    assert run(Pace(POLICY), 500, 0.12, comes_and_goes)[0] is None
+    # Nodes a few percent apart, as nodes sharing a machine's cores are: none is slow.
+    few_percent = {"node-0": 0.1, "node-1": 0.112, "node-2": 0.095, "node-3": 0.1}
+    assert run(Pace(POLICY), 500, 0.12, lambda _: few_percent)[0] is None
+
+
+def test_stragglers_off_looks_for_none():
+    pace = Pace(POLICY.model_copy(update={"stragglers": POLICY.stragglers.model_copy(update={"action": "off"})}))
+    assert run(pace, 300, 0.12, lambda _: {"node-0": 0.1, "node-1": 0.5})[0] is None

@@ -1,0 +1,125 @@
+"""Since when each rank of a node has sat idle: used no CPU and written no output
+(RankObservation.idle_since), read from the process by its node's launcher (trainer/node_report.py).
+
+That is the evidence of a hang in a script that reports no steps: a rank waiting in a collective
+for a peer that will never come sleeps in the kernel and prints nothing, while a rank that trains,
+loads data or saves a checkpoint uses CPU or writes. What a rank counts as, per sample:
+- CPU: utime + stime + cutime + cstime of /proc/PID/stat (all its threads, and the children it
+  has reaped), plus the same of each live child and their children (/proc/PID/task/PID/children).
+  The rank's tree, not the rank alone: a rank waiting on its data-loader workers is not hung while
+  they work, and a worker's CPU moves into the rank's cutime when it is reaped, so the sum does not
+  jump back then. Children forked by a thread other than the main one are seen only once reaped.
+- output: the size and modification time of its log (its stdout and stderr, children's included).
+The clock ticks of /proc are 10 ms: a rank that wakes for microseconds now and then (a timer
+thread) stays idle until its wakings add up to a tick.
+
+A sample costs two /proc reads per process of the rank's tree (stat and children) and a stat of
+its log, taken at most every `sample_seconds`. idle_since is the time of the sample that last saw
+the rank change (the first sample of a process counts as one): a time in the past that stays put
+while the rank is idle, so an idle rank does not make its node's report be rewritten.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from lazarus.schema.files import read_json
+from lazarus.schema.rundir import RunDir
+
+MAX_TREE_PROCESSES = 64
+"""The most processes of one rank's tree read per sample: a rank that forks more is rare, and its
+first 64 show its activity as well."""
+
+
+@dataclass
+class _Seen:
+    pid: int
+    start_time: int
+    activity: tuple | None = None  # (CPU ticks, log size, log mtime) at the last sample
+    since: float | None = None  # idle_since
+    sampled_at: float = float("-inf")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (field 3 first), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].decode().split()
+    except (OSError, IndexError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as children:
+            return [int(child) for child in children.read().split()]
+    except OSError:
+        return []
+
+
+def _cpu_ticks(fields: list[str]) -> int:
+    """utime + stime + cutime + cstime (fields 14 to 17) in clock ticks."""
+    return sum(int(value) for value in fields[11:15])
+
+
+def tree_cpu_ticks(pid: int, start_time: int) -> int | None:
+    """CPU time used by process `pid` and its live descendants (and the children each reaped), in
+    clock ticks; None when `pid` is gone, a zombie, or another process than the one started at
+    `start_time` (kernel clock ticks since boot)."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X") or int(fields[19]) != start_time:
+        return None
+    total, pending, seen = _cpu_ticks(fields), _children(pid), 1
+    while pending and seen < MAX_TREE_PROCESSES:
+        child = pending.pop()
+        seen += 1
+        if (child_fields := _stat_fields(child)) is not None:
+            total += _cpu_ticks(child_fields)
+            pending += _children(child)
+    return total
+
+
+def _log_state(path) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
+class IdleWatch:
+    """Idle times of a node's ranks of one incarnation, by the pids their launchers recorded
+    (`RunDir.pid_file`: cold-started and forked ranks alike)."""
+
+    def __init__(self, run: RunDir, incarnation: int, sample_seconds: float):
+        self.run, self.incarnation, self.sample_seconds = run, incarnation, sample_seconds
+        self._seen: dict[int, _Seen] = {}
+
+    def _process(self, rank: int) -> _Seen | None:
+        """The rank's process as its launcher recorded it (once read, kept: a rank runs once per incarnation)."""
+        seen = self._seen.get(rank)
+        if seen is None:
+            record = read_json(self.run.pid_file(self.incarnation, rank))
+            if not record or record.get("start_time") is None:
+                return None
+            seen = self._seen[rank] = _Seen(int(record["pid"]), int(record["start_time"]))
+        return seen
+
+    def idle_since(self, rank: int, now: float) -> float | None:
+        """Since when `rank` has used no CPU and written no output (seconds since the epoch), as
+        of `now`; None while it has not started or once its process is gone."""
+        seen = self._process(rank)
+        if seen is None:
+            return None
+        if now - seen.sampled_at < self.sample_seconds:
+            return seen.since
+        seen.sampled_at = now
+        ticks = tree_cpu_ticks(seen.pid, seen.start_time)
+        if ticks is None:
+            seen.activity = seen.since = None
+            return None
+        activity = (ticks, _log_state(self.run.log_file(self.incarnation, rank)))
+        if activity != seen.activity:
+            seen.activity, seen.since = activity, now
+        return seen.since
