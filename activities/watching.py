@@ -21,6 +21,7 @@ from lazarus.activities.pace import Pace
 from lazarus.activities.running import in_thread, look
 from lazarus.infra.backend import ClusterBackend
 from lazarus.schema.records import FaultReport, RankProgress
+from lazarus.schema.stacks import odd_ones_out, where_it_waited
 from lazarus.schema.stages import DetectInput
 
 EXIT_SETTLE_SECONDS = 0.01
@@ -77,9 +78,21 @@ async def keep_stacks(cluster: ClusterBackend, run_id: str, incarnation: int, ve
     rank's in its fault report, so the operator sees where it waited."""
     fault = verdict.fault
     stacks = await in_thread(cluster.capture_stacks, run_id, incarnation)
-    fault.stack = stacks.get(fault.rank, "")[-STACK_KEPT_CHARACTERS:]
     dumped = ", ".join(str(rank) for rank in sorted(stacks)) or "none (no rank answered)"
     fault.reason += f"; Python stacks of ranks {dumped} in incarnations/{incarnation}/stacks/"
+    # Ranks stalled in one collective go idle within moments of each other, so which went first
+    # is a guess; where most wait at one place and a node's ranks elsewhere, that node is the one.
+    odd = odd_ones_out(stacks)
+    assignment = await in_thread(cluster.assignment, run_id, incarnation) if odd else None
+    nodes = {assignment.nodes[rank // assignment.layout.ranks_per_node] for rank in odd} if odd else set()
+    if len(nodes) == 1 and odd[0] != fault.rank:
+        [node] = nodes
+        fault.reason += (
+            f"; blamed on rank {odd[0]} on {node} instead, which waits where no other rank does: "
+            f"{where_it_waited(stacks[odd[0]], frames=1)}"
+        )
+        fault.rank, fault.node, fault.nodes = odd[0], node, [node]
+    fault.stack = stacks.get(fault.rank, "")[-STACK_KEPT_CHARACTERS:]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from rich.text import Text
 from lazarus.console import table
 from lazarus.schema.records import STAGES, Incident, RunStatus
 from lazarus.schema.rundir import RunDir
+from lazarus.schema.stacks import where_it_waited
 from lazarus.schema.tally import IncidentTally, downtime, read_archived
 
 STAGE_COLORS = {
@@ -140,6 +141,8 @@ def _incident_notes(incident: Incident) -> list[str]:
     kept = [discarded and f"discarded half-written {discarded}", skipped and f"skipped {skipped}"]
     if any(kept):
         notes.append("checkpoints: " + "; ".join(filter(None, kept)))
+    if incident.fault.stack:
+        notes.append(f"rank {incident.fault.rank} waited in: {where_it_waited(incident.fault.stack)}")
     if incident.resumed_from_step is None and incident.outcome == "recovered":
         # The script reports no steps: whether it restored anything of its own was not seen.
         notes.append("restart point unknown (the script reports no steps), lost work unknown; outcome: recovered")

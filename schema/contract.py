@@ -130,10 +130,11 @@ class RankObservation(Record):
     idle_since: float | None = Field(
         None,
         description=(
-            "Since when its process (every thread, and the processes it started) has used no CPU time and its log "
-            "has not changed, as its node's launcher samples it (trainer/idle.py), in seconds since the epoch: the "
-            "sample that last saw a change, or the first one; it stays put while the rank stays idle. None where "
-            "unknown (not started yet, the process is gone, or no launcher watches it)."
+            "Since when its process (every thread, and the processes it started) has used next to no CPU (under 2% "
+            "of a core: threads that wake now and then) and its log has not changed, as its node's launcher samples "
+            "it (trainer/idle.py), in seconds since the epoch: the sample that last saw it active, or the first one; "
+            "it stays put while the rank stays idle. None where unknown (not started yet, the process is gone, or "
+            "no launcher watches it)."
         ),
     )
 

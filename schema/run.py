@@ -256,13 +256,15 @@ class FaultInjection(Strict):
         ),
     )
     incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
-    effect: Literal["kill", "raise", "disk_full"] = Field(
+    effect: Literal["kill", "raise", "disk_full", "stuck"] = Field(
         "kill",
         description=(
             "kill: every rank of the node dies by SIGKILL, as on a dead node; raise: each rank of the node raises "
             "a Python exception at that point (a bug in a rank whose peers and node are fine; the built-in "
             "trainer and lazarus.session scripts); disk_full: the node's ranks' writes of the checkpoint of `step` "
-            "fail with ENOSPC, as on a full volume (point: checkpoint; the built-in trainer)."
+            "fail with ENOSPC, as on a full volume (point: checkpoint; the built-in trainer); stuck: each rank of "
+            "the node waits at that point, forever, in a receive no peer answers, its peers behind it in the "
+            "step's collective (point: step; the built-in trainer and lazarus.session scripts)."
         ),
     )
 
@@ -276,12 +278,14 @@ class FaultInjection(Strict):
             raise ValueError(f"faults.effect: {self.effect} needs a step, not after_seconds (the ranks raise it)")
         if self.effect == "disk_full" and self.point != "checkpoint":
             raise ValueError("faults.effect: disk_full fails a checkpoint's write; set point: checkpoint")
+        if self.effect == "stuck" and self.point != "step":
+            raise ValueError("faults.effect: stuck holds a rank in a collective before its step; set point: step")
         return self
 
     @property
     def planned(self) -> str:
-        """The fault as LAZARUS_FAIL_AT says it: `step:N`, `checkpoint:N` or `after:S`, then `:raise`
-        or `:disk_full` for those effects."""
+        """The fault as LAZARUS_FAIL_AT says it: `step:N`, `checkpoint:N` or `after:S`, then `:raise`,
+        `:disk_full` or `:stuck` for those effects."""
         if self.after_seconds is not None:
             return f"after:{self.after_seconds:g}"
         return f"{self.point}:{self.step}" + ("" if self.effect == "kill" else f":{self.effect}")
@@ -350,9 +354,9 @@ class RunSpec(Strict):
                     "faults.point: survivor_save needs a trainer that saves survivors' state "
                     "(the built-in trainer, or trainer.survivor_state: true)"
                 )
-            if fault.effect == "raise" and self.trainer.progress_pattern is not None:
+            if fault.effect in ("raise", "stuck") and self.trainer.progress_pattern is not None:
                 raise ValueError(
-                    "faults.effect: raise needs ranks that carry out planned faults themselves (the built-in "
+                    f"faults.effect: {fault.effect} needs ranks that carry out planned faults themselves (the built-in "
                     "trainer or a lazarus.session script); with trainer.progress_pattern the launcher kills them"
                 )
             if fault.effect == "disk_full" and not self.trainer.built_in:

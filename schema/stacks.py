@@ -40,3 +40,28 @@ def read_stack_request(run: RunDir, incarnation: int) -> StackRequest | None:
         return StackRequest.model_validate_json(text)
     except ValueError:
         return None
+
+
+def main_thread_frames(dump: str) -> list[str]:
+    """The frames of the thread that took the dump's signal (faulthandler's `Current thread`, the
+    main one) in a dump, innermost first, as `"FILE", line N in FUNCTION`; [] when it has none."""
+    block = dump.rsplit("Current thread", 1)[-1].splitlines()[1:] if "Current thread" in dump else []
+    return [line.strip().removeprefix("File ") for line in block if line.strip().startswith("File ")]
+
+
+def where_it_waited(dump: str, frames: int = 3) -> str:
+    """The innermost frames of the main thread in a dump, innermost first, in one line."""
+    return " <- ".join(main_thread_frames(dump)[:frames]) or "(no frame in the dump)"
+
+
+def odd_ones_out(dumps: dict[int, str]) -> list[int]:
+    """Of ranks stalled together, those whose main thread waits somewhere no other rank does: where
+    most wait at one place (the step's collective) and a few elsewhere (the collective nobody
+    joins), the few; [] when no place holds a majority over the rest."""
+    where = {rank: (main_thread_frames(dump) or [""])[0] for rank, dump in dumps.items()}
+    places = sorted(set(where.values()), key=lambda place: -sum(1 for w in where.values() if w == place))
+    if len(places) < 2:
+        return []
+    common = places[0]
+    odd = sorted(rank for rank, place in where.items() if place != common)
+    return odd if len(odd) < len(where) - len(odd) else []

@@ -10,12 +10,13 @@ loads data or saves a checkpoint uses CPU or writes. What a rank counts as, per 
   they work, and a worker's CPU moves into the rank's cutime when it is reaped, so the sum does not
   jump back then. Children forked by a thread other than the main one are seen only once reaped.
 - output: the size and modification time of its log (its stdout and stderr, children's included).
-The clock ticks of /proc are 10 ms: a rank that wakes for microseconds now and then (a timer
-thread) stays idle until its wakings add up to a tick.
+The clock ticks of /proc are 10 ms, and a rank waiting in a collective still has threads that wake
+now and then: a rank stays idle while its CPU time since it went idle stays under 2% of one core
+and two ticks (IDLE_CPU_SHARE, IDLE_CPU_TICKS).
 
 A sample costs two /proc reads per process of the rank's tree (stat and children) and a stat of
 its log, taken at most every `sample_seconds`. idle_since is the time of the sample that last saw
-the rank change (the first sample of a process counts as one): a time in the past that stays put
+the rank active (the first sample of a process counts as one): a time in the past that stays put
 while the rank is idle, so an idle rank does not make its node's report be rewritten.
 """
 
@@ -32,11 +33,22 @@ MAX_TREE_PROCESSES = 64
 first 64 show its activity as well."""
 
 
+IDLE_CPU_SHARE = 0.02
+"""A rank counts as idle while its tree's CPU time since it went idle stays under this share of one
+core (dimensionless), plus IDLE_CPU_TICKS: a rank that waits in a collective still has threads
+that wake now and then (lazarus.session's liveness thread, gloo's), which add a tick every few
+seconds; a rank that trains, loads data or saves uses far more."""
+IDLE_CPU_TICKS = 2
+"""Clock ticks (10 ms each) an idle rank may use besides IDLE_CPU_SHARE."""
+TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class _Seen:
     pid: int
     start_time: int
-    activity: tuple | None = None  # (CPU ticks, log size, log mtime) at the last sample
+    output: tuple | None = None  # (log size, log mtime) at the last sample
+    ticks: int | None = None  # CPU ticks when it went idle
     since: float | None = None  # idle_since
     sampled_at: float = float("-inf")
 
@@ -117,9 +129,11 @@ class IdleWatch:
         seen.sampled_at = now
         ticks = tree_cpu_ticks(seen.pid, seen.start_time)
         if ticks is None:
-            seen.activity = seen.since = None
+            seen.output = seen.ticks = seen.since = None
             return None
-        activity = (ticks, _log_state(self.run.log_file(self.incarnation, rank)))
-        if activity != seen.activity:
-            seen.activity, seen.since = activity, now
+        output = _log_state(self.run.log_file(self.incarnation, rank))
+        idle_for = now - seen.since if seen.since is not None else 0.0
+        allowed = IDLE_CPU_TICKS + IDLE_CPU_SHARE * idle_for * TICKS_PER_SECOND
+        if seen.since is None or output != seen.output or ticks - seen.ticks > allowed:
+            seen.output, seen.ticks, seen.since = output, ticks, now
         return seen.since

@@ -60,14 +60,28 @@ class PlannedFault(RuntimeError):
 
 
 def maybe_fail(point: str, step: int, environ=os.environ) -> None:
-    """A planned fault (LAZARUS_FAIL_AT=point:step[:raise], `faults` in the spec) at this point: die
-    as a dead node's process does, by SIGKILL, or raise PlannedFault as a buggy rank would."""
+    """A planned fault (LAZARUS_FAIL_AT=point:step[:raise|:stuck], `faults` in the spec) at this point:
+    die as a dead node's process does, by SIGKILL, raise PlannedFault as a buggy rank would, or wait
+    forever in a collective as a hung one does."""
     planned = environ.get(ENV_FAIL_AT, "")
     if planned == f"{point}:{step}:raise":
         raise PlannedFault(f"planned fault: this rank raises at {point} {step}")
+    if planned == f"{point}:{step}:stuck":
+        wait_for_the_peer_that_never_comes()
     if planned == f"{point}:{step}":
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_for_the_peer_that_never_comes() -> None:
+    """A planned `stuck` fault: receive from a peer that never sends, so this rank waits in a
+    collective forever and its peers wait behind it in the step's (a mismatched collective, a rank
+    on the wrong code path)."""
+    import torch
+    import torch.distributed as dist
+
+    print("lazarus trainer: planned fault: waiting in a receive no peer answers", file=sys.stderr, flush=True)
+    dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
 
 
 def planned_disk_full(step: int, environ=os.environ) -> bool:

@@ -303,6 +303,14 @@ SCENARIOS = [
     Scenario(
         "sick-node", "a node's health check failing mid-run, swapped at a step boundary", node_sick, health=SICK_CHECK
     ),
+    Scenario(
+        "rank-in-collective",
+        "one rank waiting forever in a collective its peers never join, every process running",
+        node_killed,
+        faults=lambda spec, kill_at: [
+            FaultInjection(node="node-2", step=kill_at, effect="stuck").model_dump(mode="json")
+        ],
+    ),
     Scenario("rank-hung", "one rank stopped (SIGSTOP)", rank_hung),
     Scenario("node-hung", "every process of a node stopped (a partitioned host)", node_hung),
     Scenario(

@@ -3,8 +3,9 @@
 backend, the real trainer. A row passes only if the run recovered, no rank process was started
 twice, no spare was claimed twice, no complete checkpoint was lost, the losses are those of the
 run without a fault (bit for bit, or within 1e-4 after a reshard), and what the scenario adds
-holds (a hang found in time and blamed right, a sick node swapped with no step lost, no corrupt
-checkpoint loaded, a full disk told);
+holds (a hang found in time and blamed right, a rank stuck in a collective found with the stacks
+that show it, a sick node swapped with no step lost, no corrupt checkpoint loaded, a full disk
+told);
 bench/chaos.py prints the whole matrix."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ QUICK = [
     "second-node-in-resume",
     "spare-before-claim",
     "node-hung",
+    "rank-in-collective",
     "sick-node",
     "rank-raises",
     "newest-checkpoint-corrupt",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lazarus.activities.health import judge
 from lazarus.schema import RecoveryPolicy
+from lazarus.schema.stacks import odd_ones_out, where_it_waited
 from tests.unit.test_health import NOW, observe, rank
 
 DERIVED = RecoveryPolicy(startup_grace_seconds=60, busy_hang_seconds=100)
@@ -98,3 +99,32 @@ def test_once_a_rank_exited_0_the_ranks_left_are_in_their_teardown_not_hung():
     exited = rank(0, step=8, alive=False, beat_age=3, exit={"code": 0, "time": NOW - 1.5, "step": 8})
     stuck = idle(1, step=8, beat_age=3, idle_age=3)
     assert look(exited, stuck).fault is None
+
+
+def test_the_report_names_where_the_blamed_rank_waited_innermost_first():
+    dump = (
+        "Thread 0x00007f0000000001 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
+        "Current thread 0x00007f0000000002 (most recent call first):\n"
+        '  File "/venv/torch/distributed/distributed_c10d.py", line 2300 in recv\n'
+        '  File "/job/train.py", line 70 in wait_for_the_peer_that_never_comes\n'
+        '  File "/job/train.py", line 100 in main\n'
+        '  File "/job/train.py", line 130 in <module>\n'
+    )
+    assert where_it_waited(dump) == (
+        '"/venv/torch/distributed/distributed_c10d.py", line 2300 in recv <- '
+        '"/job/train.py", line 70 in wait_for_the_peer_that_never_comes <- "/job/train.py", line 100 in main'
+    )
+    assert where_it_waited("Fatal Python error: Segmentation fault") == "(no frame in the dump)"
+
+
+def test_of_ranks_stalled_together_the_one_that_waits_elsewhere_is_the_odd_one_out():
+    def dump(*frames):
+        return "Current thread 0x1 (most recent call first):\n" + "".join(f"  File {f}\n" for f in frames)
+
+    in_step = dump('"/t/c10d.py", line 2500 in all_reduce', '"/t/train.py", line 190 in _sum_over_replicas')
+    stuck = dump('"/t/c10d.py", line 2300 in recv', '"/t/session.py", line 80 in wait_for_the_peer_that_never_comes')
+    assert odd_ones_out({0: in_step, 1: in_step, 2: stuck, 3: in_step}) == [2]
+    assert odd_ones_out({0: in_step, 1: in_step, 2: in_step}) == []  # all at one place: no odd one
+    assert odd_ones_out({0: in_step, 1: stuck}) == []  # one against one: no majority
+    assert odd_ones_out({0: in_step, 1: in_step, 2: stuck, 3: stuck}) == []
