@@ -7,9 +7,11 @@ else is seen. Without it the hang time is derived from the run's own step times
 evidence besides the stall, since a checkpoint save stalls a step too:
 - a rank's process stopped: its liveness thread (Heartbeat.alive_at) fell silent while the step
   stalled (a SIGSTOPped or frozen process, a host that stopped running);
-- every running rank sat idle for the hang time: no CPU, no output (RankObservation.idle_since):
-  a collective that waits on a rank that will never come, a deadlock (this one also under the
-  policy's own hang time, for a script that reports no steps, whose ranks have no heartbeat);
+- every running rank sat idle for the hang time: next to no CPU, no output
+  (RankObservation.idle_since): a collective that waits on a rank that will never come, a
+  deadlock (this one also under the policy's own hang time, for a script that reports no steps,
+  whose ranks have no heartbeat); the rank that went idle first is blamed, unless the ranks'
+  stacks show one node's ranks waiting where no other does (activities/watching.py keep_stacks);
 - the step stalled for `busy_hang_seconds`, whatever the ranks do (a rank spinning in a loop looks
   busy, as a long save does).
 The first step after a start or a restore gets the startup grace: loading and warm-up are slow.
