@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 
 ENV_FAILPOINTS = "LAZARUS_FAILPOINTS"
+"""Tests only: the failpoints armed in this worker, comma-separated (STAGE_FAILPOINTS)."""
 ENV_FAILPOINT_DIR = "LAZARUS_FAILPOINT_DIR"
+"""Tests only: where a worker that reached an armed failpoint writes its marker and waits."""
 
 STAGE_FAILPOINTS = {
     "detect": "detect.after_fault",

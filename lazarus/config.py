@@ -7,14 +7,36 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV_ADDRESS = "LAZARUS_TEMPORAL_ADDRESS"
+"""Temporal frontend host:port (default 127.0.0.1:7233)."""
 ENV_NAMESPACE = "LAZARUS_NAMESPACE"
+"""Temporal namespace (default: default)."""
 ENV_TASK_QUEUE = "LAZARUS_TASK_QUEUE"
+"""Task queue of the Lazarus worker (default: lazarus)."""
 ENV_HOME = "LAZARUS_HOME"
+"""State folder: runs, the pool, the dev server's database (default: ./.lazarus). On Slurm, a path every
+node shares."""
 ENV_UI_URL = "LAZARUS_UI_URL"
+"""Web UI base URL for links (default: http://<host>:<port+1000> of the Temporal address)."""
 ENV_TLS_CERT = "LAZARUS_TEMPORAL_TLS_CERT"
+"""Client certificate for mutual TLS (PEM file); any TLS variable set connects with TLS."""
 ENV_TLS_KEY = "LAZARUS_TEMPORAL_TLS_KEY"
+"""Client key for mutual TLS (PEM file)."""
 ENV_TLS_CA = "LAZARUS_TEMPORAL_TLS_CA"
+"""The Temporal server's CA (PEM file); any TLS variable set connects with TLS."""
 ENV_TLS_SERVER_NAME = "LAZARUS_TEMPORAL_TLS_SERVER_NAME"
+"""Server name for SNI and the certificate check (default: the address's host)."""
+ENV_BACKEND = "LAZARUS_BACKEND"
+"""`lazarus worker --backend`'s default: local, kubernetes or slurm (default: local)."""
+ENV_METRICS_PORT = "LAZARUS_METRICS_PORT"
+"""`lazarus worker --metrics-port`'s default: serve Prometheus metrics on this port (default: off)."""
+ENV_METRICS_ADDRESS = "LAZARUS_METRICS_ADDRESS"
+"""`lazarus worker --metrics-address`'s default: the address the metrics server binds (default: 127.0.0.1)."""
+ENV_KUBE_QPS = "LAZARUS_KUBE_QPS"
+"""`lazarus worker --kube-qps`'s default: Kubernetes API requests a second, at most (default: 100)."""
+ENV_KUBE_BURST = "LAZARUS_KUBE_BURST"
+"""`lazarus worker --kube-burst`'s default: Kubernetes API requests at once before pacing (default: 200)."""
+ENV_SLURM_CONF = "SLURM_CONF"
+"""Slurm's own: the slurm.conf of the cluster the Slurm backend drives (default: Slurm's)."""
 
 HELP = f"""environment:
   {ENV_ADDRESS}   Temporal frontend host:port (default 127.0.0.1:7233)

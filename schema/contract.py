@@ -18,15 +18,28 @@ from lazarus.schema.files import read_text, write_json_atomic, write_once
 from lazarus.schema.rundir import RunDir
 
 ENV_RUN_DIR = "LAZARUS_RUN_DIR"
+"""The run directory (set for every rank and launcher)."""
 ENV_INCARNATION = "LAZARUS_INCARNATION"
+"""The launch counter: 0 at start, one more per recovery (set for every rank)."""
 ENV_NODE = "LAZARUS_NODE"
+"""The name of the node the rank runs on (set for every rank)."""
 ENV_RESUME_STEP = "LAZARUS_RESUME_STEP"
+"""The step to restore, 0 for a start from scratch; the controller chooses and records it (set for every
+rank)."""
 ENV_FAIL_AT = "LAZARUS_FAIL_AT"
+"""A planned fault on this node (`faults` in the spec): `step:N`, `checkpoint:N`, `survivor_save:N` or
+`after:S`, with an optional effect suffix (`:raise`, `:disk_full`, `:stuck`); set only on its node."""
 ENV_NODE_INDEX = "LAZARUS_NODE_INDEX"
+"""The node's index in its incarnation, for a launcher the backend starts (Kubernetes, Slurm)."""
 ENV_STANDBY_NODES = "LAZARUS_STANDBY_NODES"
+"""The nodes one forked standby serves, comma-separated (local backend)."""
 ENV_STANDBY_LOCK_FDS = "LAZARUS_STANDBY_LOCK_FDS"
+"""The descriptors of the standby locks a forked standby inherits, one per node it serves (local backend)."""
 ENV_STANDBY_ADDRESS = "LAZARUS_STANDBY_ADDRESS"
+"""The address a node's standby listens on for orders, where a FIFO does not cross machines (Kubernetes,
+Slurm)."""
 ENV_LAUNCHER_LOCKS = "LAZARUS_LAUNCHER_LOCKS"
+"""`1`: the launcher takes its node's lock itself, as no parent passed it one (Slurm)."""
 
 Phase = Literal["starting", "joined", "restored", "training", "done", "stopped"]
 

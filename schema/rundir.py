@@ -29,6 +29,7 @@ class RunDir:
 
     @property
     def spec_file(self) -> Path:
+        """The run spec the run was started with (JSON), written once at its start."""
         return self.root / "spec.json"
 
     @property
@@ -44,6 +45,7 @@ class RunDir:
 
     @property
     def metrics_file(self) -> Path:
+        """Rank 0's report of every optimizer step (schema/contract.py MetricsLine), one JSON line each."""
         return self.root / "metrics.jsonl"
 
     @property
@@ -53,6 +55,7 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
+        """The run's checkpoints: `step-N.incarnation-K/` folders, each counted once `COMMITTED` is in it."""
         return self.root / "checkpoints"
 
     def incarnation(self, k: int) -> Path:
@@ -60,6 +63,7 @@ class RunDir:
         return self.root / "incarnations" / str(k)
 
     def assignment_file(self, k: int) -> Path:
+        """Which node each rank of incarnation k runs on, and the layout (schema/records.py Assignment)."""
         return self.incarnation(k) / "assignment.json"
 
     def launch_file(self, k: int) -> Path:
@@ -67,21 +71,27 @@ class RunDir:
         return self.incarnation(k) / "launch.json"
 
     def lock_file(self, k: int, rank: int) -> Path:
+        """Held by rank R's process for its whole life: a rank is alive exactly while it is locked."""
         return self.incarnation(k) / "ranks" / f"{rank}.lock"
 
     def pid_file(self, k: int, rank: int) -> Path:
+        """Rank R's process id, written by its launcher."""
         return self.incarnation(k) / "ranks" / f"{rank}.pid"
 
     def heartbeat_file(self, k: int, rank: int) -> Path:
+        """Rank R's newest progress (schema/contract.py Heartbeat), rewritten atomically."""
         return self.incarnation(k) / "heartbeat" / f"{rank}.json"
 
     def exit_file(self, k: int, rank: int) -> Path:
+        """How rank R ended (schema/contract.py RankExit), written by its launcher."""
         return self.incarnation(k) / "exit" / f"{rank}.json"
 
     def log_file(self, k: int, rank: int) -> Path:
+        """Rank R's standard output and error."""
         return self.incarnation(k) / "logs" / f"{rank}.log"
 
     def samples_file(self, k: int, rank: int) -> Path:
+        """The global sample ids rank R trained on at each step (built-in trainer), one JSON line a step."""
         return self.incarnation(k) / "samples" / f"{rank}.jsonl"
 
     def stacks_file(self, k: int, rank: int) -> Path:
@@ -95,6 +105,8 @@ class RunDir:
         return self.incarnation(k) / "stacks" / "request.json"
 
     def stop_file(self, k: int) -> Path:
+        """Asks incarnation k to stop at a step boundary (pause, abort, reshard): rank 0 checkpoints and
+        every rank exits."""
         return self.incarnation(k) / "stop"
 
     def error_file(self, k: int, rank: int) -> Path:
@@ -106,6 +118,7 @@ class RunDir:
         return self.incarnation(k) / "nodes" / f"{node_index}.lock"
 
     def node_pid_file(self, k: int, node_index: int) -> Path:
+        """The process id of node `node_index`'s launcher."""
         return self.incarnation(k) / "nodes" / f"{node_index}.pid"
 
     def launcher_exit_file(self, k: int, node_index: int) -> Path:

@@ -23,6 +23,7 @@ ENV_STACKS_FILE = "LAZARUS_STACKS_FILE"
 that registers, so that its own child processes do not register over it."""
 
 ENV_PYTHONPATH = "PYTHONPATH"
+"""Python's own: the launcher puts HOOK_DIR first on it, so that every rank registers its stack dump."""
 
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_hook")
 """The folder the launcher puts first on a rank's PYTHONPATH: it holds only `sitecustomize.py`,

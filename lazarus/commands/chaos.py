@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from lazarus.commands.common import UserError, node_name, run_id
+from lazarus.commands.common import RUN_HELP, UserError, node_name, run_id
 from lazarus.config import Settings
 
 
@@ -14,7 +14,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos = commands.add_parser("chaos", help="break things on purpose (local backend)")
     chaos_commands = chaos.add_subparsers(dest="chaos_command", required=True, metavar="ACTION")
     kill = chaos_commands.add_parser("kill-node", help="SIGKILL every process of a node and mark it dead")
-    kill.add_argument("run_id", metavar="RUN", type=run_id)
+    kill.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     kill.add_argument("node", metavar="NODE", type=node_name, help="node name, e.g. node-2")
     kill.set_defaults(handler=kill_node)
     slow = chaos_commands.add_parser(
@@ -24,14 +24,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         "launcher and ranks get the CPU 1/FACTOR of the time, in cycles of 0.1 s, following the node into each "
         "new incarnation, until --seconds pass or Ctrl-C (or SIGTERM). Every process is left running at the end.",
     )
-    slow.add_argument("run_id", metavar="RUN", type=run_id)
+    slow.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     slow.add_argument("node", metavar="NODE", type=node_name, help="node name, e.g. node-2")
     slow.add_argument("--factor", type=float, default=2.0, help="how many times slower, more than 1 (default 2)")
     slow.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
     slow.set_defaults(handler=slow_node)
     back = chaos_commands.add_parser("return-node", help="return a repaired node to the pool as a healthy spare")
-    back.add_argument("run_id", metavar="RUN", type=run_id)
-    back.add_argument("node", metavar="NODE", type=node_name)
+    back.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
+    back.add_argument("node", metavar="NODE", type=node_name, help="the repaired node, e.g. node-2")
     back.set_defaults(handler=return_node)
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from lazarus.config import Settings
+from lazarus.config import ENV_SLURM_CONF, Settings
 
 
 class UserError(Exception):
@@ -26,6 +26,9 @@ def _checked(check, value: str) -> str:
         return check(value)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+RUN_HELP = "the run's id: its workflow id, and its folder under LAZARUS_HOME/runs"
 
 
 def run_id(value: str) -> str:
@@ -71,7 +74,7 @@ def slurm_cluster(settings: Settings):
     from lazarus.infra.backend import ClusterError
     from lazarus.infra.slurm import SlurmCluster
 
-    conf = os.environ.get("SLURM_CONF")
+    conf = os.environ.get(ENV_SLURM_CONF)
     if conf and not Path(conf).is_file():
         # Slurm's clients would retry reading it for a minute before they say so.
         raise UserError(f"--backend slurm: SLURM_CONF names {conf}, which is not a file")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from lazarus.commands.common import UserError, connect_client, node_name, run_id
+from lazarus.commands.common import RUN_HELP, UserError, connect_client, node_name, run_id
 from lazarus.config import Settings
 
 
@@ -67,7 +67,7 @@ def _control(run_commands: argparse._SubParsersAction, name: str, update: str, r
         ABORT_WITHOUT_A_WORKER if update == "abort" else f"{helptext[0].upper()}{helptext[1:]}. {NEEDS_A_WORKER}"
     )
     command = run_commands.add_parser(name, help=helptext, description=description)
-    command.add_argument("run_id", metavar="RUN", type=run_id)
+    command.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     command.set_defaults(handler=send_update, update=update, request=request)
     return command
 
@@ -88,20 +88,24 @@ def register(run_commands: argparse._SubParsersAction) -> None:
         _drain_node,
         "treat a node as faulty: the same recovery as a detected fault",
     )
-    drain.add_argument("node", metavar="NODE", type=node_name)
+    drain.add_argument("node", metavar="NODE", type=node_name, help="the node to treat as faulty, e.g. node-2")
     drain.add_argument("--reason", default="", help="why (recorded on the incident)")
     back_node = _control(
         run_commands, "return-node", "return_node", _return_node, "a repaired node rejoins the run's spare pool"
     )
-    back_node.add_argument("node", metavar="NODE", type=node_name)
+    back_node.add_argument("node", metavar="NODE", type=node_name, help="the repaired node, e.g. node-2")
     reshard = _control(
         run_commands, "reshard", "reshard", _reshard, "run at DP replicas: checkpoint, stop, re-plan, resume"
     )
-    reshard.add_argument("dp", type=int, metavar="DP")
+    reshard.add_argument("dp", type=int, metavar="DP", help="data-parallel replicas to run at")
     approve = _control(
         run_commands, "approve", "approve", _approve, "answer an escalation (state WAITING_FOR_APPROVAL)"
     )
-    approve.add_argument("action", choices=["reshard-below-minimum", "wait-longer"])
+    approve.add_argument(
+        "action",
+        choices=["reshard-below-minimum", "wait-longer"],
+        help="reshard below recovery.min_dp, or wait --wait-seconds longer for capacity",
+    )
     approve.add_argument(
         "--wait-seconds", type=float, default=600.0, help="with wait-longer: how much longer (default 600)"
     )
@@ -112,7 +116,9 @@ def register(run_commands: argparse._SubParsersAction) -> None:
         _set_policy,
         "change recovery policy fields, e.g. hang_after_seconds=60 stages.drain.max_attempts=9",
     )
-    policy.add_argument("changes", nargs="+", metavar="FIELD=VALUE")
+    policy.add_argument(
+        "changes", nargs="+", metavar="FIELD=VALUE", help="recovery policy fields, e.g. hang_after_seconds=60"
+    )
 
 
 def policy_changes(pairs: list[str]) -> dict:

@@ -28,13 +28,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     listing.add_argument("--json", action="store_true", help="print the pool's record as JSON")
     listing.set_defaults(handler=list_pool)
     add = actions.add_parser("add", help="add COUNT free healthy nodes (hot spares for every run)")
-    add.add_argument("count", metavar="COUNT", type=positive_int)
+    add.add_argument("count", metavar="COUNT", type=positive_int, help="how many nodes to add")
     add.set_defaults(handler=add_nodes)
     back = actions.add_parser(
         "return",
         help="a repaired node rejoins the pool as a free spare; a run that quarantined it and still runs is told",
     )
-    back.add_argument("node", metavar="NODE", type=node_name)
+    back.add_argument("node", metavar="NODE", type=node_name, help="the repaired node, e.g. node-2")
     back.set_defaults(handler=return_node)
 
 

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from datetime import datetime
 
-from lazarus.commands.common import UserError, connect_client, load_run_spec, node_name, positive_int, run_id
+from lazarus.commands.common import RUN_HELP, UserError, connect_client, load_run_spec, node_name, positive_int, run_id
 from lazarus.config import Settings
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "ABORTED")
@@ -28,10 +28,10 @@ def register(run_commands: argparse._SubParsersAction) -> None:
             "owner record) and takes it up as the cluster holds it."
         ),
     )
-    adopt.add_argument("run_id", metavar="RUN", type=run_id)
+    adopt.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     adopt.set_defaults(handler=adopt_run)
     status = run_commands.add_parser("status", help="state, step, assignment and incidents of a run")
-    status.add_argument("run_id", metavar="RUN", type=run_id)
+    status.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
     status.set_defaults(handler=show_status)
     listing = run_commands.add_parser("list", help="runs known to Temporal, newest first, with state and incidents")
@@ -43,10 +43,10 @@ def register(run_commands: argparse._SubParsersAction) -> None:
     watch = run_commands.add_parser(
         "watch", help="follow a run live: progress bar, state, incidents (Ctrl-C stops watching)"
     )
-    watch.add_argument("run_id", metavar="RUN", type=run_id)
+    watch.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     watch.set_defaults(handler=watch_run)
     logs = run_commands.add_parser("logs", help="the ranks' stdout and stderr (local backend: read from LAZARUS_HOME)")
-    logs.add_argument("run_id", metavar="RUN", type=run_id)
+    logs.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     logs.add_argument(
         "--node", type=node_name, help="only this node's ranks (default incarnation: the newest it ran in)"
     )
@@ -56,7 +56,7 @@ def register(run_commands: argparse._SubParsersAction) -> None:
     report = run_commands.add_parser(
         "report", help="what elasticity cost this run: stage table, ETTR, lost steps, timeline"
     )
-    report.add_argument("run_id", metavar="RUN", type=run_id)
+    report.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     report.add_argument("--plot", metavar="FILE", help="write the timeline as a PNG")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
     report.set_defaults(handler=show_report)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 
+from lazarus import config
 from lazarus.commands.common import UserError, connect_client, slurm_cluster
 from lazarus.config import Settings
 
@@ -16,7 +17,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     worker.add_argument(
         "--backend",
         choices=["local", "kubernetes", "slurm"],
-        default=os.environ.get("LAZARUS_BACKEND", "local"),
+        default=os.environ.get(config.ENV_BACKEND, "local"),
         help="cluster the activities drive: local rank processes, pods through the Kubernetes API "
         "(in-cluster service account, else ~/.kube/config), or job steps of the Slurm cluster SLURM_CONF "
         "names (LAZARUS_HOME on a path every node shares) (default: LAZARUS_BACKEND, else local)",
@@ -24,25 +25,25 @@ def register(commands: argparse._SubParsersAction) -> None:
     worker.add_argument(
         "--metrics-port",
         type=int,
-        default=int(os.environ.get("LAZARUS_METRICS_PORT", "0")) or None,
+        default=int(os.environ.get(config.ENV_METRICS_PORT, "0")) or None,
         help="serve Prometheus metrics on ADDRESS:PORT/metrics (default: LAZARUS_METRICS_PORT, else off)",
     )
     worker.add_argument(
         "--metrics-address",
-        default=os.environ.get("LAZARUS_METRICS_ADDRESS", "127.0.0.1"),
+        default=os.environ.get(config.ENV_METRICS_ADDRESS, "127.0.0.1"),
         help="address the metrics server binds: 0.0.0.0 in a pod, so that Prometheus can scrape it "
         "(default: LAZARUS_METRICS_ADDRESS, else 127.0.0.1)",
     )
     worker.add_argument(
         "--kube-qps",
         type=float,
-        default=os.environ.get("LAZARUS_KUBE_QPS", "100"),
+        default=os.environ.get(config.ENV_KUBE_QPS, "100"),
         help="Kubernetes API requests a second the backend makes at most (default: LAZARUS_KUBE_QPS, else 100)",
     )
     worker.add_argument(
         "--kube-burst",
         type=int,
-        default=os.environ.get("LAZARUS_KUBE_BURST", "200"),
+        default=os.environ.get(config.ENV_KUBE_BURST, "200"),
         help="Kubernetes API requests the backend makes at once before --kube-qps paces it "
         "(default: LAZARUS_KUBE_BURST, else 200)",
     )
