@@ -73,7 +73,9 @@ def type_name(annotation: object) -> str:
     if origin is dict:
         return f"map of {type_name(args[0])} to {type_name(args[1])}" if args else "map"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
+        # A spec model (a record's Layout) is described on the spec page; any other on the page at hand.
+        page = "spec.md" if annotation in nested_models(RunSpec) else ""
+        return f"[{annotation.__name__}]({page}#{annotation.__name__.lower()})"
     return getattr(annotation, "__name__", str(annotation))
 
 
@@ -186,11 +188,13 @@ def records_page(table: Table, generated: str) -> str:
     parts = [
         generated,
         "# Run directory\n\n",
-        "Each run keeps its state in `runs/RUN/` under `LAZARUS_HOME` (paths below are relative to it): the controller and the ranks meet there "
-        "(trainer/CONTRACT.md says who writes and who reads each file). `K` is the incarnation, `R` the "
-        "global rank, `N` the node's index in the incarnation.\n\n",
+        "Each run keeps its state in `runs/RUN/` under `LAZARUS_HOME` (paths below are relative to it): the "
+        "controller and the ranks meet there (trainer/CONTRACT.md says who writes and who reads each file). "
+        "`K` is the incarnation, `R` the global rank, `N` the node's index in the incarnation.\n\n",
         table(["path", "RunDir", "what it holds"], run_directory_paths()),
         "\n# Records\n\n",
     ]
-    parts += [model_section(m, table, "##") + "\n" for m in RUN_DIRECTORY_RECORDS]
+    spec_models = nested_models(RunSpec)
+    held = [m for record in RUN_DIRECTORY_RECORDS for m in nested_models(record) if m not in spec_models]
+    parts += [model_section(m, table, "##") + "\n" for m in dict.fromkeys(held)]
     return "".join(parts)
