@@ -20,7 +20,7 @@ from tests.support.runs import REPO
 from tests.support.waiting import wait_until
 from tests.support.workers import lazarus_env
 
-SCRIPT = REPO / "tests" / "user_script" / "torchrun_snapshot.py"
+SCRIPT = REPO / "examples" / "torchrun_snapshot.py"
 STEPS_SCRIPT = REPO / "tests" / "user_script" / "inplace_checkpoints.py"
 LAUNCH = [sys.executable, "-m", "lazarus.cli", "launch"]
 NOWHERE = "127.0.0.1:9"  # no Temporal server: a mistake must be refused before one is needed

@@ -22,7 +22,7 @@ from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker
 from tests.support.runs import REPO
 
-SCRIPT = REPO / "tests" / "user_script" / "torchrun_snapshot.py"
+SCRIPT = REPO / "examples" / "torchrun_snapshot.py"
 EPOCHS, SAVE_EVERY = 30, 5
 EPOCH_LINE = re.compile(r"^epoch (\d+) loss (\S+)$", re.MULTILINE)
 

@@ -108,7 +108,7 @@ def user_project(folder: Path) -> None:
     """A user's project: the DDP script as `train.py` beside modules named like Lazarus's floors,
     each of which fails loudly if anything imports it."""
     folder.mkdir()
-    shutil.copy(REPO / "tests" / "user_script" / "train_ddp.py", folder / "train.py")
+    shutil.copy(REPO / "examples" / "train_ddp.py", folder / "train.py")
     for name in SHADOWS:
         path = folder / name
         path.parent.mkdir(exist_ok=True)

@@ -148,8 +148,8 @@ def test_any_mistake_is_one_line_and_exit_code_2(lazarus, argv):
         (["run", "status", "ok", "extra\nline"], ["unrecognized arguments: extra\\nline"]),
         (["run"], ["the following arguments are required: ACTION"]),
         (["lunch"], ["argument COMMAND: invalid choice: 'lunch'"]),
-        (["launch", "--nnodes", "²", "tests/user_script/train_ddp.py"], ["--nnodes: '²' is not a number of nodes"]),
-        (["launch", "--rdzv-id", "../x", "tests/user_script/train_ddp.py"], ["--rdzv-id: '../x' is not a run id"]),
+        (["launch", "--nnodes", "²", "examples/train_ddp.py"], ["--nnodes: '²' is not a number of nodes"]),
+        (["launch", "--rdzv-id", "../x", "examples/train_ddp.py"], ["--rdzv-id: '../x' is not a run id"]),
         (["launch", "--max-restarts", "many", "x.py"], ["argument --max-restarts/--max_restarts: invalid int value"]),
     ],
 )
