@@ -3,10 +3,12 @@
 #   make test       the test suite (CI runs this, after make lint)
 #   make test-fast  unit and workflow tests only (under a minute)
 #   make lint       ruff: lint and format check
+#   make typecheck  pyright (standard mode) on the controller and the trainer: 0 errors (CI runs it after make lint)
+#   make docs       the docs site into .site/ with mkdocs --strict (a broken link or an orphan page fails)
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test test-fast lint format setup tls-proxy browser slurm-packages slurm slurm-down bench clean-state
+.PHONY: demo test test-fast lint typecheck format docs docs-serve setup tls-proxy browser slurm-packages slurm slurm-down bench clean-state
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -83,9 +85,19 @@ lint: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
+typecheck: $(STAMP)
+	.venv/bin/pyright
+
 format: $(STAMP)
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
+
+# NO_MKDOCS_2_WARNING: the Material theme's banner about MkDocs 2.0 is news, not a warning of the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs serve --dev-addr 127.0.0.1:8000
 
 bench: $(STAMP)
 	$(PY) bench/recovery.py $(ARGS)

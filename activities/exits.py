@@ -4,13 +4,9 @@ linger in their teardown. Part of judge (activities/health.py), which passes eac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from lazarus.activities.look import Look, Verdict
 from lazarus.infra.backend import RankObservation
 from lazarus.schema.contract import RankExit
-
-if TYPE_CHECKING:
-    from lazarus.activities.health import Verdict, _Look
 
 PROGRAM_ERROR_SETTLE_SECONDS = 2.0
 """How long after the first rank of a fresh run fails before its first step the others get to
@@ -62,7 +58,19 @@ def ended_words(rank: RankObservation) -> str:
     return f"rank {rank.rank} on {rank.node} exited with code {rank.exit.code}{error}"
 
 
-def judge_exits(look: _Look) -> Verdict | None:
+def exit_of(rank: RankObservation) -> RankExit:
+    """The exit record of a rank the checks kept for having one."""
+    assert rank.exit is not None, f"rank {rank.rank} was judged by an exit record it does not have"
+    return rank.exit
+
+
+def exit_step(rank: RankObservation, resume_step: int) -> int:
+    """The step an ended rank reached: its exit record's, else the resume step (it reported none)."""
+    step = exit_of(rank).step
+    return resume_step if step is None else step
+
+
+def judge_exits(look: Look) -> Verdict | None:
     """Ranks that ended before the last step: killed, failed on their own, or lost a peer."""
     # A rank gone without an exit record while its launcher lives: the launcher is about to
     # write one. Judge it on the next look, when the record says how it ended.
@@ -70,25 +78,25 @@ def judge_exits(look: _Look) -> Verdict | None:
     killed = [r for r in gone if r.exit is None or r.exit.signal]
     if killed:
         return look.fault("rank_exit", killed, look.last_poll, "; ".join(ended_words(r) for r in killed))
-    failed = sorted((r for r in gone if r.exit.code != 0), key=lambda r: r.exit.time)
+    failed = sorted((r for r in gone if exit_of(r).code != 0), key=lambda r: exit_of(r).time)
     if not failed:
         return None
     first = failed[0]
     never_started = [r for r in look.ranks if not r.launched]
-    if never_started and all(waited_in_vain(r.exit) for r in failed):
+    if never_started and all(waited_in_vain(exit_of(r)) for r in failed):
         # Ranks give up on a rendezvous whose peers never came: the node that did not start its
         # ranks (its standby or launcher hung) is the one at fault, not those that waited for it.
         reason = f"rank(s) {', '.join(str(r.rank) for r in never_started)} never started; then {ended_words(first)}"
-        return look.fault("rank_exit", never_started, first.exit.time, reason)
+        return look.fault("rank_exit", never_started, exit_of(first).time, reason)
     if look.fresh_and_untrained:
         # The run's first launch failing before a step: if every rank ends on its own within
         # a moment of the first, it is the program (a bad flag, a missing file), not a node.
         if not look.steady and all(r.exit is not None and not r.alive for r in look.ranks):
             reason = f"every rank ended before training a step; first: {ended_words(first)}"
-            return look.fault("program_error", [first], first.exit.time, reason)
-        if look.now - first.exit.time < PROGRAM_ERROR_SETTLE_SECONDS:
+            return look.fault("program_error", [first], exit_of(first).time, reason)
+        if look.now - exit_of(first).time < PROGRAM_ERROR_SETTLE_SECONDS:
             return look.verdict()
-    own = [r for r in failed if not waited_in_vain(r.exit)]
+    own = [r for r in failed if not waited_in_vain(exit_of(r))]
     if own:
         # The root cause: the first rank that failed for a reason of its own; its peers' broken
         # collectives follow it, sometimes by a few milliseconds before its own record.
@@ -96,51 +104,51 @@ def judge_exits(look: _Look) -> Verdict | None:
         followers = len(failed) - 1
         then = f"; then {followers} other rank(s) failed" if followers else ""
         reason = f"{ended_words(culprit)} (the program's failure on a healthy node: no node is blamed){then}"
-        return look.fault("rank_error", [culprit], culprit.exit.time, reason, nodes=[])
-    if all(lost_a_peer(r.exit) for r in failed):
+        return look.fault("rank_error", [culprit], exit_of(culprit).time, reason, nodes=[])
+    if all(lost_a_peer(exit_of(r)) for r in failed):
         verdict = _silent_peer(look, failed)
         if verdict is not None:
             return verdict
-    if look.now - first.exit.time < PEER_LOSS_SETTLE_SECONDS:
+    if look.now - exit_of(first).time < PEER_LOSS_SETTLE_SECONDS:
         return look.verdict()  # the rank whose failure they witnessed may be about to record it
     reason = f"{ended_words(first)}; no rank failed for a reason of its own and no node went silent"
-    return look.fault("rank_error", [first], first.exit.time, reason, nodes=[])
+    return look.fault("rank_error", [first], exit_of(first).time, reason, nodes=[])
 
 
-def _silent_peer(look: _Look, failed: list[RankObservation]) -> Verdict | None:
+def _silent_peer(look: Look, failed: list[RankObservation]) -> Verdict | None:
     """Every rank that failed lost a peer: blame the nodes gone silent (once their ranks had time
     to report), those the errors name where they name any; None when no node is silent."""
     first = failed[0]
-    silent_nodes = look.silent_nodes(since=first.exit.time)
+    silent_nodes = look.silent_nodes(since=exit_of(first).time)
     # Where the errors name the lost peer's address (gloo does), a silent node they name is the
     # dead one; one they do not name is a survivor slow to notice.
     named = {
         node
         for node, address in look.observation.node_addresses.items()
-        if any(f"[{address}]" in r.exit.error for r in failed)
+        if any(f"[{address}]" in exit_of(r).error for r in failed)
     }
     if silent_nodes & named:
         silent_nodes &= named
     if not silent_nodes:
         return None
-    if look.now - first.exit.time < PEER_LOSS_SETTLE_SECONDS:
+    if look.now - exit_of(first).time < PEER_LOSS_SETTLE_SECONDS:
         return look.verdict()
     silent = look.ranks_on(silent_nodes)
     reason = (
         f"node {', '.join(sorted(silent_nodes))} went silent (no exit record, no heartbeat) "
         f"while its peers lost their connections to it; first: {ended_words(first)}"
     )
-    return look.fault("node_down", silent, first.exit.time, reason, sorted(silent_nodes))
+    return look.fault("node_down", silent, exit_of(first).time, reason, sorted(silent_nodes))
 
 
-def judge_lingering(look: _Look) -> Verdict | None:
+def judge_lingering(look: Look) -> Verdict | None:
     """Some ranks exited with code 0 and the others are still running `exit_grace_seconds` later:
     the run is done (a script decides its end; a trainer is past its last step) and those ranks are
     stuck in their teardown. Completion, with a warning that names them; they are to be ended."""
     clean = [r for r in look.ranks if r.exit is not None and r.exit.code == 0 and not r.alive]
     if not clean:
         return None
-    first_clean = min(r.exit.time for r in clean)
+    first_clean = min(exit_of(r).time for r in clean)
     if look.now - first_clean < look.policy.exit_grace_seconds:
         return None
     every = [r for node in look.observation.nodes for r in node.ranks]  # steady nodes' too: rare, at the end
@@ -148,7 +156,7 @@ def judge_lingering(look: _Look) -> Verdict | None:
     if not running or any(r.exit is not None and r.exit.code != 0 for r in every):
         return None
     if look.source == "trainer":
-        last = min(r.exit.step if r.exit.step is not None else look.observation.resume_step for r in clean)
+        last = min(exit_step(r, look.observation.resume_step) for r in clean)
         if last < look.total_steps:
             return None  # a rank ended early: not the end of training (a stop, or a fault to come)
     names = ", ".join(f"{r.rank} on {r.node}" for r in running)

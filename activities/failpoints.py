@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 ENV_FAILPOINTS = "LAZARUS_FAILPOINTS"
@@ -31,7 +32,7 @@ STAGE_FAILPOINTS = {
 class Failpoints:
     """The failpoints armed in this worker (none by default)."""
 
-    def __init__(self, armed: set[str] = frozenset(), marker_dir: Path | None = None):
+    def __init__(self, armed: Iterable[str] = frozenset(), marker_dir: Path | None = None):
         self.armed = set(armed)
         self.marker_dir = marker_dir
 
@@ -51,6 +52,7 @@ class Failpoints:
         """Return at once unless `name` is armed; if it is, announce it and never return."""
         if name not in self.armed:
             return
+        assert self.marker_dir is not None, "a failpoint is armed with the folder for its marker"
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         (self.marker_dir / name).write_text(str(os.getpid()))
         await asyncio.Event().wait()

@@ -20,12 +20,9 @@ The first step after a start or a restore gets the startup grace: loading and wa
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
+from lazarus.activities.look import Look, Verdict
 from lazarus.infra.backend import RankObservation
-
-if TYPE_CHECKING:
-    from lazarus.activities.health import Verdict, _Look
 
 FIRST_STEP_PHASES = ("starting", "joined", "restored")
 """Phases before a rank's first step of an incarnation: under a derived hang time they get the
@@ -37,7 +34,7 @@ is not judged hung (its liveness thread ends there too); one that never exits is
 `exit_grace_seconds` (activities/exits.py judge_lingering) or the stop's own timeout."""
 
 
-def judge_hangs(look: _Look) -> Verdict | None:
+def judge_hangs(look: Look) -> Verdict | None:
     """A hung rank, if the look shows one (module docstring). A rank that has written no heartbeat
     is watched only where the spec says it will (the built-in trainer, output as heartbeat): exit,
     idleness and node health are the signals of any other."""
@@ -66,6 +63,7 @@ def judge_hangs(look: _Look) -> Verdict | None:
     )
     if frozen and stale:
         culprit, age = min(frozen, key=_lag)
+        assert culprit.heartbeat is not None and culprit.heartbeat.alive_at is not None, "_frozen keeps only those"
         stopped = look.now - culprit.heartbeat.alive_at
         reason = (
             f"rank {culprit.rank} on {culprit.node}: its process has not run for {stopped:.1f} s and the run's step "
@@ -73,14 +71,14 @@ def judge_hangs(look: _Look) -> Verdict | None:
         )
         return look.fault("hang", [culprit], look.now - age, reason)
     if idle:
-        culprit = min(idle, key=lambda r: (_step(r), r.idle_since))
-        quiet = look.now - max(r.idle_since for r in idle)
+        culprit, went_idle = min(idle, key=lambda item: (_step(item[0]), item[1]))
+        quiet = look.now - max(since for _, since in idle)
         reason = (
             f"every rank has sat idle (no CPU, no output) for {quiet:.1f} s or more ({limit}); rank {culprit.rank} on "
-            f"{culprit.node} went idle first, {look.now - culprit.idle_since:.1f} s ago"
+            f"{culprit.node} went idle first, {look.now - went_idle:.1f} s ago"
             + (f", at step {_step(culprit)}" if _step(culprit) >= 0 else "")
         )
-        return dataclasses.replace(look.fault("hang", [culprit], culprit.idle_since, reason), dump_stacks=dump)
+        return dataclasses.replace(look.fault("hang", [culprit], went_idle, reason), dump_stacks=dump)
     busy = [(r, age) for r, age in stale if age > look.policy.busy_hang_seconds]
     if not busy:
         return None
@@ -92,7 +90,7 @@ def judge_hangs(look: _Look) -> Verdict | None:
     return dataclasses.replace(look.fault("hang", [culprit], look.now - age, reason), dump_stacks=dump)
 
 
-def _stalled(look: _Look, derived: bool) -> tuple[list, list]:
+def _stalled(look: Look, derived: bool) -> tuple[list, list]:
     """(rank, age) of the running ranks whose heartbeat is older than the hang time (stale), and of
     those not yet past their first step older than the startup grace (late_start)."""
     slow_start = FIRST_STEP_PHASES if derived else ("starting",)
@@ -123,7 +121,7 @@ def _lag(item: tuple[RankObservation, float]) -> tuple[int, float]:
     return (_step(rank), -age)
 
 
-def _frozen(look: _Look) -> list[tuple[RankObservation, float]]:
+def _frozen(look: Look) -> list[tuple[RankObservation, float]]:
     """Ranks whose process stopped: their liveness thread has not written for `stopped_after`.
 
     Every rank stalls behind a hung one in the next collective; where the ranks say when their
@@ -143,10 +141,10 @@ def _frozen(look: _Look) -> list[tuple[RankObservation, float]]:
     ]
 
 
-def _every_rank_idle(look: _Look) -> list[RankObservation]:
-    """Every running rank, when each has used no CPU and written no output for the hang time; else
-    none. Only where every rank is read (a steady node's ranks trained a moment ago) and each
-    rank's launcher says since when it sat idle."""
+def _every_rank_idle(look: Look) -> list[tuple[RankObservation, float]]:
+    """(rank, idle since) of every running rank, when each has used no CPU and written no output for
+    the hang time; else none. Only where every rank is read (a steady node's ranks trained a moment
+    ago) and each rank's launcher says since when it sat idle."""
     if look.steady:
         return []
     running = [
@@ -154,6 +152,7 @@ def _every_rank_idle(look: _Look) -> list[RankObservation]:
         for r in look.ranks
         if r.launched and r.alive and r.exit is None and not (r.heartbeat and r.heartbeat.phase in ENDING_PHASES)
     ]
-    if not running or any(r.idle_since is None or look.now - r.idle_since <= look.hang_after for r in running):
-        return []
-    return running
+    idle = [
+        (r, r.idle_since) for r in running if r.idle_since is not None and look.now - r.idle_since > look.hang_after
+    ]
+    return idle if running and len(idle) == len(running) else []

@@ -15,7 +15,7 @@ BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 6
 class Span:
     """One successful activity attempt as the activity itself timed it (wall clock, seconds since the epoch)."""
 
-    workflow_id: str
+    workflow_id: str | None  # None for an activity no workflow started (activity.Info)
     stage: str
     attempt: int
     started: float

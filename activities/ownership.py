@@ -105,11 +105,13 @@ def take_over_run(cluster: ClusterBackend, request: TakeOverInput, wait_seconds:
     incarnation (whether its ranks were started, whether the backend ended it, the newest step
     they reported), the quarantined nodes and the newest complete checkpoint."""
     run = cluster.run_dir(request.run_id)
+    owner = request.owner
+    assert owner is not None, "the take_over activity refuses a request without one"
     previous = request.previous
     if previous is None:  # an adoption takes the run from whoever holds it
         record = read_owner(run)
-        previous = record.owner.execution if record is not None else request.owner.execution
-    _, replaced = take_over(run, request.owner, previous, request.kind, wait_seconds)
+        previous = record.owner.execution if record is not None else owner.execution
+    _, replaced = take_over(run, owner, previous, request.kind, wait_seconds)
     result = TakeOverResult(previous_owner=replaced, run_dir=str(run.root))
     if not run.spec_file.exists():
         return result  # never launched: the new owner launches it

@@ -131,7 +131,7 @@ class Pace:
                     continue
                 node = reading.ranks[0].node
                 step = max(beat.step for beat in beats if beat.step is not None) if beats else None
-                work = max(beat.compute_seconds for beat in beats)
+                work = max(beat.compute_seconds for beat in beats if beat.compute_seconds is not None)
             if work is None or step is None or self._work_step.get(node) == step:
                 continue
             self._work_step[node] = step

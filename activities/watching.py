@@ -20,7 +20,7 @@ from lazarus.activities.health import Verdict
 from lazarus.activities.pace import Pace
 from lazarus.activities.running import in_thread, look
 from lazarus.infra.backend import ClusterBackend
-from lazarus.schema.records import FaultReport, RankProgress
+from lazarus.schema.records import FaultKind, FaultReport, RankProgress
 from lazarus.schema.stacks import odd_ones_out, where_it_waited
 from lazarus.schema.stages import DetectInput
 
@@ -49,7 +49,7 @@ async def watch(
         if verdict.fault is not None and verdict.fault.rank is not None:
             verdict.fault.log_tail = await in_thread(cluster.log_tail, run_id, incarnation, verdict.fault.rank)
         if verdict.fault is not None and verdict.dump_stacks:
-            await keep_stacks(cluster, run_id, incarnation, verdict)
+            await keep_stacks(cluster, run_id, incarnation, verdict.fault)
         if verdict.completed:
             if verdict.lingering:  # stuck in their teardown past the exit grace: the run is done without them
                 await in_thread(cluster.stop_incarnation, run_id, incarnation)
@@ -73,18 +73,19 @@ STACK_KEPT_CHARACTERS = 4000
 main thread comes last in faulthandler's dump); every rank's whole dump stays in the run directory."""
 
 
-async def keep_stacks(cluster: ClusterBackend, run_id: str, incarnation: int, verdict: Verdict) -> None:
+async def keep_stacks(cluster: ClusterBackend, run_id: str, incarnation: int, fault: FaultReport) -> None:
     """Dump the Python stacks of a hang's ranks (kept in incarnations/K/stacks/) and put the blamed
     rank's in its fault report, so the operator sees where it waited."""
-    fault = verdict.fault
     stacks = await in_thread(cluster.capture_stacks, run_id, incarnation)
     dumped = ", ".join(str(rank) for rank in sorted(stacks)) or "none (no rank answered)"
     fault.reason += f"; Python stacks of ranks {dumped} in incarnations/{incarnation}/stacks/"
     # Ranks stalled in one collective go idle within moments of each other, so which went first
     # is a guess; where most wait at one place and a node's ranks elsewhere, that node is the one.
     odd = odd_ones_out(stacks)
-    assignment = await in_thread(cluster.assignment, run_id, incarnation) if odd else None
-    nodes = {assignment.nodes[rank // assignment.layout.ranks_per_node] for rank in odd} if odd else set()
+    nodes: set[str] = set()
+    if odd:
+        assignment = await in_thread(cluster.assignment, run_id, incarnation)
+        nodes = {assignment.nodes[rank // assignment.layout.ranks_per_node] for rank in odd}
     if len(nodes) == 1 and odd[0] != fault.rank:
         [node] = nodes
         fault.reason += (
@@ -100,7 +101,7 @@ class PlannedSwap:
     """A node to swap for a free spare though nothing died: sick (its health check or a health
     agent's condition) or a straggler."""
 
-    kind: str  # a FaultKind of schema/faults.py PLANNED_KINDS
+    kind: FaultKind  # one of schema/faults.py PLANNED_KINDS
     node: str
     reason: str
     cost_seconds: float | None = None  # what it cost the run before it was found (a straggler's)
@@ -188,7 +189,9 @@ class _ReportDue:
         """The pool has the spares a regrow needs, that no other run's recovery needs, within the run's quota."""
         inventory = self.cluster.inventory(self.request.run_id)
         spares, _ = inventory.spares_for(None, self.request.node_limit)
-        return len(spares) >= self.request.regrow_nodes
+        wanted = self.request.regrow_nodes
+        assert wanted is not None, "asked only for a request that wants nodes"
+        return len(spares) >= wanted
 
 
 async def watch_until_reported(

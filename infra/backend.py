@@ -10,6 +10,7 @@ but wait_for_exit blocks, so the activities call them in a thread.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -95,33 +96,41 @@ class ClusterBackend(Protocol):
 
     def run_dir(self, run_id: str) -> RunDir:
         """The run's directory (it may not exist yet)."""
+        ...
 
     def create(self, run_id: str, spec: RunSpec) -> RunDir:
         """Create the run's state (directory, spec, inventory, claims of its active nodes), once."""
+        ...
 
     def inventory(self, run_id: str) -> Inventory:
         """The run's nodes: active, its hot spares, and what it quarantined."""
+        ...
 
     def assignment(self, run_id: str, incarnation: int) -> Assignment | None:
         """The recorded assignment of an incarnation, if any."""
+        ...
 
     def rendezvous_port(self, run_id: str) -> int:
         """The port rank 0's store of the run's next incarnation listens on."""
+        ...
 
     def commit_assignment(
-        self, run_id: str, assignment: Assignment, claims: list[str] = (), releases: list[str] = ()
+        self, run_id: str, assignment: Assignment, claims: Sequence[str] = (), releases: Sequence[str] = ()
     ) -> Assignment:
         """Claim the spares, record the incarnation's assignment and release leftover nodes, exactly
         once, and mark the run's want of spares placed; returns the assignment recorded first.
         Claiming a node that is neither a free spare nor already the run's raises ClusterError (a
         retry of a claim that succeeded succeeds)."""
+        ...
 
     def want_spares(self, run_id: str, want: SpareWant) -> None:
         """Lodge the run's need of the pool's spares for a recovery (it replaces the run's earlier
         one), so that every run's reschedule sees it in its inventory's `wants`."""
+        ...
 
     def drop_want(self, run_id: str) -> None:
         """The run's recovery is over (or the run is): its want goes. Idempotent."""
+        ...
 
     def start_ranks(
         self,
@@ -135,47 +144,60 @@ class ClusterBackend(Protocol):
         """Start every rank of an incarnation that is not running; returns the launch record in
         force (the first launch's). `policy` is the recovery policy in force; `survivors`, where
         the ranks load the resume step's state from instead of its checkpoint."""
+        ...
 
     def observe(self, run_id: str, incarnation: int) -> Observation:
         """One look at the incarnation's ranks and nodes."""
+        ...
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
         """Return True as soon as something of the incarnation ends (a rank, a launcher, a node),
         or False after `timeout` seconds."""
+        ...
 
     def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float) -> tuple[int | None, bool]:
         """If a checkpoint was being written at the fault, give it `grace` seconds to commit while a
         rank lives; returns its step (None if none) and whether it committed."""
+        ...
 
     def await_survivors(self, run_id: str, incarnation: int, grace: float) -> dict[int, int]:
         """Give the ranks that outlived the fault `grace` seconds to save their state and end while
         a rank lives; returns rank -> the step each saved."""
+        ...
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
         """End every rank of the incarnation and return once none can still write anything; returns
         the ranks that were alive. Idempotent."""
+        ...
 
     def remove_partial_checkpoints(self, run_id: str) -> list[int]:
         """Delete checkpoint folders that never committed; returns their steps."""
+        ...
 
     def remove_stale_survivors(self, run_id: str, incarnation: int) -> list[int]:
         """Delete the survivors' states of incarnations before `incarnation`; returns those incarnations."""
+        ...
 
     def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
         """Hold the nodes out of the run and of every spare pool."""
+        ...
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node rejoins the pool as a hot spare."""
+        ...
 
     def release_standbys(self, run_id: str) -> None:
         """Stop what the backend keeps warm for the run (it has ended)."""
+        ...
 
     def release_nodes(self, run_id: str) -> list[str]:
         """The run ended: its active nodes go back to the pool as free spares (what it quarantined
         stays out until returned); returns them. Idempotent."""
+        ...
 
     def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
         """The last lines of a rank's log ('' if it has none)."""
+        ...
 
     def capture_stacks(
         self, run_id: str, incarnation: int, ranks: list[int] | None = None, wait_seconds: float = STACKS_WAIT_SECONDS
@@ -183,9 +205,12 @@ class ClusterBackend(Protocol):
         """Each running rank's Python stacks (all threads, faulthandler's text), dumped now: rank ->
         text, for those of `ranks` (None: every rank) whose dump came within `wait_seconds`. A rank
         that is not Python, or did not register the dump, is never signalled and is left out."""
+        ...
 
     def record_stage(self, run_id: str, stage: str, message: str) -> None:
         """Note a recovery stage where the cluster's own tools show it."""
+        ...
 
     def close(self) -> None:
         """Release what the backend holds for its lifetime."""
+        ...

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar, cast
 
+from kubernetes import client as k8s
 from kubernetes import watch
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
+
+from lazarus.infra.kubernetes_objects import meta, name_of
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,10 @@ RETRY_SECONDS = 1.0
 """Pause before listing again after a failed list or a broken stream (seconds)."""
 
 
-class Informer:
+Obj = TypeVar("Obj", k8s.V1Node, k8s.V1Pod)
+
+
+class Informer(Generic[Obj]):
     """Objects of one `list_*` call of the official client (with its selector), kept current by a thread.
 
     `on_event(kind, obj)` runs in the informer's thread for every ADDED, MODIFIED and DELETED
@@ -39,11 +46,11 @@ class Informer:
     stream was down, or in the moment between a stream's end and the next list, is not lost.
     """
 
-    def __init__(self, list_objects: Callable, name: str, on_event: Callable[[str, object], None], **selector):
+    def __init__(self, list_objects: Callable, name: str, on_event: Callable[[str, Obj], None], **selector):
         self._list = list_objects
         self._selector = selector
         self._on_event = on_event
-        self._objects: dict[str, object] = {}
+        self._objects: dict[str, Obj] = {}
         self._lock = threading.Lock()
         self._synced = threading.Event()
         self._stopped = threading.Event()
@@ -63,7 +70,7 @@ class Informer:
         """Wait until the first list has filled the cache; False after `timeout` seconds."""
         return self._synced.wait(timeout)
 
-    def objects(self) -> dict[str, object] | None:
+    def objects(self) -> dict[str, Obj] | None:
         """A copy of the cache by name, or None while it is not synced."""
         with self._lock:
             return dict(self._objects) if self._synced.is_set() else None
@@ -98,7 +105,7 @@ class Informer:
 
     def _relist(self) -> str | None:
         listed = self._list(**self._selector)
-        current = {obj.metadata.name: obj for obj in listed.items}
+        current: dict[str, Obj] = {name_of(obj): obj for obj in listed.items}
         with self._lock:
             before, self._objects = self._objects, current
         self._synced.set()
@@ -106,7 +113,7 @@ class Informer:
             known = before.get(name)
             if known is None:
                 self._on_event("ADDED", obj)
-            elif known.metadata.resource_version != obj.metadata.resource_version:
+            elif meta(known).resource_version != meta(obj).resource_version:
                 self._on_event("MODIFIED", obj)
         for name, obj in before.items():
             if name not in current:
@@ -118,28 +125,32 @@ class Informer:
         self._watch = watch.Watch()
         if self._stopped.is_set():  # stop() came before this watch existed
             return version
-        arguments = dict(self._selector, timeout_seconds=WATCH_SECONDS, _request_timeout=(10, WATCH_SECONDS + 30))
+        arguments: dict[str, Any] = dict(
+            self._selector, timeout_seconds=WATCH_SECONDS, _request_timeout=(10, WATCH_SECONDS + 30)
+        )
         if version:
             arguments["resource_version"] = version
         try:
-            for event in self._watch.stream(self._list, **arguments):
+            # The client leaves stream() untyped: of a list call it yields events, not log lines.
+            events = cast(Iterator[dict[str, Any]], self._watch.stream(self._list, **arguments))
+            for event in events:
                 if self._stopped.is_set():
                     break
                 kind, obj = event["type"], event["object"]  # an ERROR event (410 Gone too) raises in stream()
-                version = obj.metadata.resource_version or version
+                version = meta(obj).resource_version or version
                 if kind == "BOOKMARK":
                     continue
                 with self._lock:
-                    known = self._objects.get(obj.metadata.name)
+                    known = self._objects.get(name_of(obj))
                     if kind == "DELETED":
-                        self._objects.pop(obj.metadata.name, None)
+                        self._objects.pop(name_of(obj), None)
                     else:
-                        self._objects[obj.metadata.name] = obj
+                        self._objects[name_of(obj)] = obj
                 # A watch that starts by replaying what exists (one without a resourceVersion,
                 # or the test emulator's) says ADDED for objects the list already gave: only a
                 # change against the cache is reported, and as what it is.
                 if kind == "ADDED" and known is not None:
-                    if known.metadata.resource_version == obj.metadata.resource_version:
+                    if meta(known).resource_version == meta(obj).resource_version:
                         continue
                     kind = "MODIFIED"
                 self._on_event(kind, obj)

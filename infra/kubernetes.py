@@ -21,16 +21,19 @@ both win: the loser's patch gets 409 Conflict.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from lazarus.infra.backend import ClusterError, Observation
 from lazarus.infra.kubernetes_objects import (
     POOL_LABEL,
     QUARANTINE_LABEL,
     RUN_LABEL,
+    labels_of,
+    name_of,
     node_address,
     node_ready,
     node_states,
@@ -109,7 +112,7 @@ class KubernetesCluster(RunFiles):
     def _pool_nodes(self, settings: KubernetesSettings) -> dict[str, k8s.V1Node]:
         """The pool's nodes by name: from the watch while it is synced, else from a list."""
         cached = self.watches.cached("nodes", settings.pool)
-        return cached if cached is not None else {n.metadata.name: n for n in self._pool(settings)}
+        return cached if cached is not None else {name_of(n): n for n in self._pool(settings)}
 
     def _read_node(self, name: str) -> k8s.V1Node:
         try:
@@ -150,7 +153,7 @@ class KubernetesCluster(RunFiles):
             pool, run_label(run_id), spec.cluster.active_nodes, lambda n: self._claim(n, run_id, spare_only=False)
         )
         if len(mine) < spec.cluster.active_nodes:
-            fan_out([lambda n=n: self._release(n.metadata.name, run_id) for n in mine])
+            fan_out([lambda n=n: self._release(name_of(n), run_id) for n in mine])
             raise ClusterError(
                 f"pool {settings.pool!r} has {len(mine)} free ready node(s); the run needs "
                 f"{spec.cluster.active_nodes} (label more nodes {POOL_LABEL}={settings.pool})"
@@ -191,7 +194,7 @@ class KubernetesCluster(RunFiles):
         return self._settings(run_id).master_port
 
     def commit_assignment(
-        self, run_id: str, assignment: Assignment, claims: list[str] = (), releases: list[str] = ()
+        self, run_id: str, assignment: Assignment, claims: Sequence[str] = (), releases: Sequence[str] = ()
     ) -> Assignment:
         """Claim the spares, record the assignment exactly once (rank 0's node address filled in),
         and release leftover nodes to the spare pool."""
@@ -206,11 +209,7 @@ class KubernetesCluster(RunFiles):
         # Completes an attempt that crashed between its writes: claims what is not labelled the
         # run's yet (a claim of a node held already only confirms it).
         pool = self._pool_nodes(self._settings(run_id))
-        missing = [
-            n
-            for n in recorded.nodes
-            if n not in pool or (pool[n].metadata.labels or {}).get(RUN_LABEL) != run_label(run_id)
-        ]
+        missing = [n for n in recorded.nodes if n not in pool or labels_of(pool[n]).get(RUN_LABEL) != run_label(run_id)]
         held = fan_out([lambda n=n: self._claim(n, run_id, spare_only=False) for n in missing])
         lost = [n for n, took in zip(missing, held, strict=True) if not took]
         if lost:
@@ -290,7 +289,7 @@ class KubernetesCluster(RunFiles):
         doomed = self.node_pods.stop(run, settings, assignment, lost)
         pods = self.node_pods.rank_pods(run_id, settings.namespace, incarnation)
         for grace, lost_node in ((0, True), (settings.delete_grace_seconds, False)):
-            names = [pod.metadata.name for i, pod in pods.items() if (assignment.nodes[i] in lost) == lost_node]
+            names = [name_of(pod) for i, pod in pods.items() if (assignment.nodes[i] in lost) == lost_node]
             self.node_pods.delete(names, settings.namespace, grace)
         deadline = time.monotonic() + PODS_GONE_SECONDS
         while self.node_pods.rank_pods(run_id, settings.namespace, incarnation) or doomed & set(
@@ -309,9 +308,9 @@ class KubernetesCluster(RunFiles):
         watch: the quarantine drain wrote a moment ago must be seen."""
         label = run_label(run_id)
         return {
-            n.metadata.name
+            name_of(n)
             for n in self._pool(self._settings(run_id))
-            if (n.metadata.labels or {}).get(QUARANTINE_LABEL) == label or not node_ready(n)[0]
+            if labels_of(n).get(QUARANTINE_LABEL) == label or not node_ready(n)[0]
         }
 
     def _survivors_run(self, run_id: str, incarnation: int):
@@ -346,9 +345,7 @@ class KubernetesCluster(RunFiles):
         """The run ended: unlabel its nodes, which go back to the pool as hot spares; returns them."""
         self._existing(run_id)
         mine = [
-            n.metadata.name
-            for n in self._pool(self._settings(run_id))
-            if (n.metadata.labels or {}).get(RUN_LABEL) == run_label(run_id)
+            name_of(n) for n in self._pool(self._settings(run_id)) if labels_of(n).get(RUN_LABEL) == run_label(run_id)
         ]
         fan_out([lambda name=name: self._release(name, run_id) for name in mine])
         self.drop_want(run_id)

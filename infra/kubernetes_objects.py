@@ -49,6 +49,41 @@ def utc(value) -> datetime:
     return datetime.now(UTC)
 
 
+Object = k8s.V1Node | k8s.V1Pod | k8s.V1ConfigMap
+"""The kinds of object Lazarus reads back from the API server."""
+
+
+def meta(obj: Object) -> k8s.V1ObjectMeta:
+    """An object's metadata: every object the API server returns has it (the client's models make it
+    optional, for an object a client sends)."""
+    assert obj.metadata is not None, f"a {type(obj).__name__} from the API server without metadata"
+    return obj.metadata
+
+
+def name_of(obj: Object) -> str:
+    """An object's name (every stored object has one)."""
+    name = meta(obj).name
+    assert name is not None, f"a {type(obj).__name__} from the API server without a name"
+    return name
+
+
+def labels_of(obj: Object) -> dict[str, str]:
+    """An object's labels ({} where it has none)."""
+    return meta(obj).labels or {}
+
+
+def annotations_of(obj: Object) -> dict[str, str]:
+    """An object's annotations ({} where it has none)."""
+    return meta(obj).annotations or {}
+
+
+def pod_node(pod: k8s.V1Pod) -> str:
+    """The node a pod of Lazarus's runs on: each is pinned to its node (spec.nodeName)."""
+    node = pod.spec.node_name if pod.spec else None
+    assert node is not None, f"pod {name_of(pod)} is not pinned to a node"
+    return node
+
+
 NAME_LIMIT = 63
 """The longest object name and label value Lazarus writes (a DNS-1123 label; characters)."""
 
@@ -146,7 +181,7 @@ def sick_nodes(nodes: dict[str, k8s.V1Node], names: list[str], conditions: list[
 
 def node_free(node: k8s.V1Node) -> bool:
     """Ready, schedulable, and neither held nor quarantined by a run."""
-    labels = node.metadata.labels or {}
+    labels = labels_of(node)
     return (
         RUN_LABEL not in labels
         and QUARANTINE_LABEL not in labels
@@ -168,7 +203,7 @@ def pod_running(pod: k8s.V1Pod | None) -> bool:
     """A pod not being deleted whose phase says its container may still run."""
     return (
         pod is not None
-        and not pod.metadata.deletion_timestamp
+        and not meta(pod).deletion_timestamp
         and (pod.status is None or pod.status.phase in (None, "Pending", "Running"))
     )
 

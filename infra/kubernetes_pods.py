@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from lazarus.infra.backend import ClusterError
 from lazarus.infra.kubernetes_objects import (
@@ -24,6 +24,9 @@ from lazarus.infra.kubernetes_objects import (
     NODE_INDEX_LABEL,
     ROLE_LABEL,
     RUN_LABEL,
+    labels_of,
+    name_of,
+    pod_node,
     pod_running,
     run_label,
     standby_pod,
@@ -60,7 +63,7 @@ class NodePods:
     def pods(self, run_id: str, namespace: str, watched: bool = True) -> dict[str, k8s.V1Pod]:
         """The run's standby pods by node name: from the watch if `watched` and it is synced, else a list."""
         mine = {RUN_LABEL: run_label(run_id), ROLE_LABEL: "standby"}
-        return {p.spec.node_name: p for p in self._listed(mine, namespace, watched)}
+        return {pod_node(p): p for p in self._listed(mine, namespace, watched)}
 
     def ensure(self, run: RunDir, spec: RunSpec, nodes: dict[str, str], held: set[str], policy: RecoveryPolicy) -> None:
         """Give each of `nodes` (name: address) a running standby pod, and delete the run's
@@ -75,13 +78,13 @@ class NodePods:
         foreign = [
             p
             for p in self._listed({ROLE_LABEL: "standby"}, namespace, watched=False)
-            if p.spec.node_name in held and (p.metadata.labels or {}).get(RUN_LABEL) != run_label(run_id)
+            if pod_node(p) in held and labels_of(p).get(RUN_LABEL) != run_label(run_id)
         ]
-        self.delete([p.metadata.name for p in stale + foreign], namespace, grace=0)
+        self.delete([name_of(p) for p in stale + foreign], namespace, grace=0)
         wanted = [node for node in nodes if node not in existing or not pod_running(existing[node])]
         if not wanted:
             return
-        self._wait_gone(run_id, namespace, {p.spec.node_name for p in stale} & set(wanted))
+        self._wait_gone(run_id, namespace, {pod_node(p) for p in stale} & set(wanted))
 
         def create(node: str) -> None:
             home = run.standby(node)
@@ -129,12 +132,12 @@ class NodePods:
         """The incarnation's rank pods by node index: from the watch if `watched` and it is synced,
         else from a list (drain's deletions and its wait for them use a list: the API server's word)."""
         mine = {RUN_LABEL: run_label(run_id), INCARNATION_LABEL: str(incarnation)}
-        return {int(p.metadata.labels[NODE_INDEX_LABEL]): p for p in self._listed(mine, namespace, watched)}
+        return {int(labels_of(p)[NODE_INDEX_LABEL]): p for p in self._listed(mine, namespace, watched)}
 
     def _listed(self, labels: dict[str, str], namespace: str, watched: bool) -> list[k8s.V1Pod]:
         cached = self.watches.cached("pods", namespace) if watched else None
         if cached is not None:
-            return [p for p in cached.values() if all((p.metadata.labels or {}).get(k) == v for k, v in labels.items())]
+            return [p for p in cached.values() if all(labels_of(p).get(k) == v for k, v in labels.items())]
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
         return self.core.list_namespaced_pod(namespace, label_selector=selector).items
 
@@ -186,12 +189,12 @@ class NodePods:
         answers = fan_out([lambda n=n: self.order(run, namespace, n, {"stop": k}, STOP_ANSWER_SECONDS) for n in warm])
         silent = {node for node, answer in zip(warm, answers, strict=True) if answer is None or answer.get("alive")}
         for grace, nodes in ((0, lost), (settings.delete_grace_seconds, silent - lost)):
-            self.delete([standbys[n].metadata.name for n in nodes if n in standbys], namespace, grace)
+            self.delete([name_of(standbys[n]) for n in nodes if n in standbys], namespace, grace)
         return (lost | silent) & set(standbys)
 
     def release(self, run_id: str, settings: KubernetesSettings) -> None:
         """Delete the run's standby pods, with the spec's grace; does not wait."""
-        names = [p.metadata.name for p in self.pods(run_id, settings.namespace, watched=False).values()]
+        names = [name_of(p) for p in self.pods(run_id, settings.namespace, watched=False).values()]
         self.delete(names, settings.namespace, grace=settings.delete_grace_seconds)
 
     def prefetch(self, run: RunDir, namespace: str, assignment: Assignment, inventory: Inventory) -> None:

@@ -10,7 +10,7 @@ being claimed twice is the claim's guarded patch.
 from __future__ import annotations
 
 from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from lazarus.infra.kubernetes_objects import (
     POOL_LABEL,
@@ -19,6 +19,10 @@ from lazarus.infra.kubernetes_objects import (
     REASON_ANNOTATION,
     RUN_LABEL,
     SPARE_LABEL,
+    annotations_of,
+    labels_of,
+    meta,
+    name_of,
     node_free,
     node_ready,
     other_taints,
@@ -40,18 +44,18 @@ def claim_node(core: k8s.CoreV1Api, node_name: str, label: str, spare_only: bool
     since (another run's claim), the API server refuses it with 409 and this one loses.
     """
     node = core.read_node(node_name)
-    labels = node.metadata.labels or {}
+    labels = labels_of(node)
     if labels.get(RUN_LABEL) == label:
         return "held"
     if not node_free(node) or (spare_only and labels.get(SPARE_LABEL) != "true"):
         return "refused"
-    claim = {"labels": {RUN_LABEL: label, SPARE_LABEL: None}, "resourceVersion": node.metadata.resource_version}
+    claim = {"labels": {RUN_LABEL: label, SPARE_LABEL: None}, "resourceVersion": meta(node).resource_version}
     try:
         core.patch_node(node_name, {"metadata": claim})
     except ApiException as error:
         if error.status != 409:
             raise
-        return "held" if (core.read_node(node_name).metadata.labels or {}).get(RUN_LABEL) == label else "refused"
+        return "held" if labels_of(core.read_node(node_name)).get(RUN_LABEL) == label else "refused"
     return "claimed"
 
 
@@ -60,17 +64,17 @@ def node_records(pool: list[k8s.V1Node], label: str) -> list[NodeRecord]:
     quarantined, and the pool's free hot spares."""
     records = []
     for node in pool:
-        labels = node.metadata.labels or {}
+        labels = labels_of(node)
         ready, since = node_ready(node)
         if labels.get(RUN_LABEL) == label:
             role, note = "active", ""
         elif labels.get(QUARANTINE_LABEL) == label:
-            role, note = "quarantined", (node.metadata.annotations or {}).get(REASON_ANNOTATION, "")
+            role, note = "quarantined", annotations_of(node).get(REASON_ANNOTATION, "")
         elif labels.get(SPARE_LABEL) == "true" and node_free(node):
             role, note = "spare", "hot spare of the pool"
         else:
             continue
-        records.append(NodeRecord(name=node.metadata.name, role=role, healthy=ready, died_at=since, note=note))
+        records.append(NodeRecord(name=name_of(node), role=role, healthy=ready, died_at=since, note=note))
     return records
 
 
@@ -99,7 +103,7 @@ def return_patch(node: k8s.V1Node) -> dict:
 def release_node(core: k8s.CoreV1Api, node_name: str, label: str) -> bool:
     """Give a node the run labelled `label` holds back to the pool as a hot spare; False if it held none."""
     node = core.read_node(node_name)
-    if (node.metadata.labels or {}).get(RUN_LABEL) != label:
+    if labels_of(node).get(RUN_LABEL) != label:
         return False
     core.patch_node(node_name, {"metadata": {"labels": {RUN_LABEL: None, SPARE_LABEL: "true"}}})
     return True
@@ -128,14 +132,14 @@ class PoolWants:
     def place(self, namespace: str, run_id: str, got: int) -> None:
         """Mark the run's want placed with the spares it claimed: it no longer competes."""
         config_map = self.core.read_namespaced_config_map(run_object_name(run_id), namespace)
-        text = (config_map.metadata.annotations or {}).get(WANT_ANNOTATION)
+        text = annotations_of(config_map).get(WANT_ANNOTATION)
         if text is None:
             return
         want = SpareWant.model_validate_json(text)
         if not want.placed:
             self.lodge(
                 namespace,
-                config_map.metadata.labels.get(POOL_LABEL, ""),
+                labels_of(config_map).get(POOL_LABEL, ""),
                 want.model_copy(update={"placed": True, "got": got}),
             )
 
@@ -144,7 +148,7 @@ class PoolWants:
         listed = self.core.list_namespaced_config_map(namespace, label_selector=f"{POOL_LABEL}={pool}").items
         wants = []
         for config_map in listed:
-            text = (config_map.metadata.annotations or {}).get(WANT_ANNOTATION)
+            text = annotations_of(config_map).get(WANT_ANNOTATION)
             if text is not None:
                 want = SpareWant.model_validate_json(text)
                 if want.run_id != run_id:
@@ -155,15 +159,15 @@ class PoolWants:
 def claim_free_nodes(pool: list[k8s.V1Node], label: str, count: int, claim) -> list[k8s.V1Node]:
     """The nodes of `pool` held by the run labelled `label`, with free ones claimed (`claim(name)`:
     True if taken) until it holds `count`; fewer if the pool has not that many free."""
-    mine = [n for n in pool if (n.metadata.labels or {}).get(RUN_LABEL) == label]
+    mine = [n for n in pool if labels_of(n).get(RUN_LABEL) == label]
     # Spares last: a run takes ordinary free nodes first and leaves the hot spares for recoveries.
     candidates = sorted(
         (n for n in pool if node_free(n)),
-        key=lambda n: ((n.metadata.labels or {}).get(SPARE_LABEL) == "true", n.metadata.name),
+        key=lambda n: (labels_of(n).get(SPARE_LABEL) == "true", name_of(n)),
     )
     while candidates and len(mine) < count:
         # As many claims at once as nodes are missing; another run's claim can refuse some.
         batch, candidates = candidates[: count - len(mine)], candidates[count - len(mine) :]
-        claimed = fan_out([lambda n=n: claim(n.metadata.name) for n in batch])
+        claimed = fan_out([lambda n=n: claim(name_of(n)) for n in batch])
         mine += [n for n, took in zip(batch, claimed, strict=True) if took]
     return mine

@@ -15,7 +15,7 @@ import threading
 from kubernetes import client as k8s
 
 from lazarus.infra.informer import Informer
-from lazarus.infra.kubernetes_objects import POOL_LABEL, RUN_LABEL, node_ready, pod_running, run_label
+from lazarus.infra.kubernetes_objects import POOL_LABEL, RUN_LABEL, labels_of, node_ready, pod_running, run_label
 
 
 class RunWatches:
@@ -55,11 +55,11 @@ class RunWatches:
 
     def _node_event(self, kind: str, node: k8s.V1Node) -> None:
         if kind == "DELETED" or not node_ready(node)[0]:
-            self._changed((node.metadata.labels or {}).get(RUN_LABEL))
+            self._changed(labels_of(node).get(RUN_LABEL))
 
     def _pod_event(self, kind: str, pod: k8s.V1Pod) -> None:
         if kind == "DELETED" or not pod_running(pod):
-            self._changed((pod.metadata.labels or {}).get(RUN_LABEL))
+            self._changed(labels_of(pod).get(RUN_LABEL))
 
     def _changed(self, label: str | None) -> None:
         """Count an event that calls for a look at the run whose RUN_LABEL value is `label`, and

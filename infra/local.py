@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -92,7 +93,7 @@ class LocalCluster(RunFiles):
         return free_port()
 
     def commit_assignment(
-        self, run_id: str, assignment: Assignment, claims: list[str] = (), releases: list[str] = ()
+        self, run_id: str, assignment: Assignment, claims: Sequence[str] = (), releases: Sequence[str] = ()
     ) -> Assignment:
         """Record an incarnation's assignment, claim the nodes it uses and release leftover nodes to
         the pool, exactly once, whatever other runs of the home do at the same time.
@@ -268,7 +269,7 @@ class LocalCluster(RunFiles):
             order_prefetch(run, assignment, self.pool.inventory(run_id), found[1], self._standby_sender(run))
         return saved
 
-    def _standby_sender(self, run: RunDir):
+    def _standby_sender(self, run: RunDir) -> Callable[[str, dict], object] | None:
         """How an order reaches a node's standby, `send(node, order)`: None for the FIFO in its folder."""
         return None
 

@@ -20,7 +20,7 @@ import fcntl
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Literal
 
 from lazarus.infra.backend import ClusterError
 from lazarus.schema.files import write_json_atomic
@@ -123,7 +123,7 @@ def hold(run: RunDir, owner: Owner) -> Ownership:
 
 
 def take_over(
-    run: RunDir, owner: Owner, previous: str, kind: str, wait_seconds: float = 60.0
+    run: RunDir, owner: Owner, previous: str, kind: Literal["reset", "adopt"], wait_seconds: float = 60.0
 ) -> tuple[Ownership, Owner | None]:
     """Make `owner` the run's owner in place of execution `previous` (the one whose refusal the
     caller saw), once no stage acts on the run (StillActing after `wait_seconds`); returns the

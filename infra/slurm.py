@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -182,7 +183,13 @@ class SlurmCluster(LocalCluster):
         return record
 
     def _start_launcher(
-        self, run: RunDir, incarnation: int, index: int, node: str, resume_step: int, allocated: set[str] = frozenset()
+        self,
+        run: RunDir,
+        incarnation: int,
+        index: int,
+        node: str,
+        resume_step: int,
+        allocated: Collection[str] = frozenset(),
     ) -> None:
         """Start the node's launcher as a step of the run's allocation on that node (a job of its own on a
         node the allocation lacks), unless one runs; the launcher takes its lock itself."""
@@ -207,7 +214,7 @@ class SlurmCluster(LocalCluster):
             )
         )
 
-    def _srun(self, run: RunDir, node: str, name: str, allocated: set[str]) -> list[str]:
+    def _srun(self, run: RunDir, node: str, name: str, allocated: Collection[str]) -> list[str]:
         """srun's flags for one task on `node` named `name`: a step of the run's allocation, or a job
         of its own on a node the allocation lacks (one the run regrew onto)."""
         job = self.job_id(run.root.name)
@@ -280,7 +287,7 @@ class SlurmCluster(LocalCluster):
             return None
         return order_standby(run, node, order, timeout, lambda: self._standby_lives(run, node))
 
-    def _standby_sender(self, run: RunDir):
+    def _standby_sender(self, run: RunDir) -> Callable[[str, dict], object] | None:
         return lambda node, order: self._order(run, node, order, CONNECT_SECONDS)
 
     def node_addresses(self) -> dict[str, str]:

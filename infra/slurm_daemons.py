@@ -44,7 +44,7 @@ class SlurmDaemonsError(RuntimeError):
 
 def why_not_startable() -> str | None:
     """Why a cluster cannot start on this machine (missing binaries, not root), or None."""
-    missing = [name for name in BINARIES if _binary(name) is None]
+    missing = [name for name in BINARIES if _found(name) is None]
     if missing:
         return f"Slurm is not installed ({', '.join(missing)} missing): `make slurm` installs {PACKAGES} as root"
     if os.geteuid() != 0:
@@ -56,10 +56,18 @@ def why_not_startable() -> str | None:
     return None
 
 
-def _binary(name: str) -> str | None:
+def _found(name: str) -> str | None:
     return shutil.which(name) or next(
         (p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if os.access(p, os.X_OK)), None
     )
+
+
+def _binary(name: str) -> str:
+    """The path of a Slurm or munge program (why_not_startable has checked that each is installed)."""
+    found = _found(name)
+    if found is None:
+        raise SlurmDaemonsError(f"{name} is not installed: `make slurm` installs {PACKAGES} as root")
+    return found
 
 
 @dataclass
@@ -306,7 +314,9 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """`up` starts a cluster in --folder, `down` stops it."""
-    parser = argparse.ArgumentParser(prog="python -m lazarus.infra.slurm_daemons", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lazarus.infra.slurm_daemons", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("--folder", default=".lazarus/slurm", help="where the cluster keeps its files")
     parser.add_argument("--nodes", type=int, default=5, help="nodes node-0.. (default 5: 4 active and a spare)")

@@ -132,6 +132,7 @@ async def adopt_run(client: Client, settings: Settings, run_id: str) -> tuple[Wo
 
     description = await client.get_workflow_handle(run_id).describe()
     ended = description.status
+    assert ended is not None, "the server says how every workflow stands"
     if ended not in ADOPTABLE:
         why = "its workflow still drives it" if ended == WorkflowExecutionStatus.RUNNING else "the run itself ended"
         raise NotAdoptable(f"run {run_id}'s workflow is {ended.name.lower()}: {why}, nothing to adopt")
@@ -166,4 +167,4 @@ def static_summary(spec: RunSpec) -> str:
 
 async def run_status(client: Client, run_id: str) -> RunStatus:
     """The run's status from its workflow (needs a worker to answer the query)."""
-    return await client.get_workflow_handle(run_id).query(TrainingRun.status, result_type=RunStatus)
+    return await client.get_workflow_handle(run_id).query(TrainingRun.status)

@@ -149,6 +149,7 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
     say(f"web UI: {settings.workflow_url(run_id)}")
     # SIGTERM ends the demo as Ctrl-C does: the run goes with it (abandon), then the CLI exits 130.
     loop, demo_task, terminated = asyncio.get_running_loop(), asyncio.current_task(), []
+    assert demo_task is not None, "a coroutine runs in a task"
     loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(True), demo_task.cancel()))
     try:
         async with build_worker(client, settings.task_queue, cluster):

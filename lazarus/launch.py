@@ -78,6 +78,7 @@ def _flag(group, name: str, **options) -> None:
 
 def build_parser() -> LaunchParser:
     """torchrun's flags (dash and underscore spellings), Lazarus's own, the script and its arguments."""
+    assert __doc__ is not None, "the module's docstring is the help's description (python -OO drops it)"
     parser = LaunchParser(
         prog="lazarus launch",
         usage="lazarus launch [torchrun's flags] [--backend local|slurm] [--spares N ...] SCRIPT [script arguments]",
@@ -85,7 +86,7 @@ def build_parser() -> LaunchParser:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         epilog="torchrun flags accepted and ignored, with why: "
         + "; ".join(
-            f"{', '.join(SHORT_FLAGS.get(f, '--' + f) for f in flags)} ({why})" for why, flags in IGNORED_FLAGS.items()
+            f"{', '.join(SHORT_FLAGS.get(f, f'--{f}') for f in flags)} ({why})" for why, flags in IGNORED_FLAGS.items()
         ),
     )
     torchrun = parser.add_argument_group("torchrun's flags, with their torchrun meaning")
@@ -290,7 +291,9 @@ async def launch(args: argparse.Namespace, settings) -> int:
         except asyncio.CancelledError:
             if interruption.received is None:
                 raise
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None, "a coroutine runs in a task"
+            task.uncancel()
             code = 128 + interruption.received.value
             say(f"ended by {interruption.received.name} (exit status {code})")
             return code

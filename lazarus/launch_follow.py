@@ -195,6 +195,7 @@ class Interruption:
     def installed(self):
         """Handle the signals in the running loop, for the current task, while the block runs."""
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        assert task is not None, "a coroutine runs in a task"
         for sig in self.SIGNALS:
             loop.add_signal_handler(sig, self._received, sig, task)
         try:

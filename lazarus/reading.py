@@ -78,6 +78,7 @@ async def read_status(client: Client, run_id: str, home: Path | None = None) -> 
     handle = client.get_workflow_handle(run_id, result_type=RunStatus)
     description = await handle.describe()
     task_queue = description.task_queue
+    assert description.status is not None, "the server says how every workflow stands"
     if description.status == WorkflowExecutionStatus.COMPLETED:
         status = await handle.result()
         return StatusReading(status, "the workflow's result (the run is closed)", served=False)
@@ -102,7 +103,7 @@ async def ask_worker(client: Client, run_id: str, task_queue: str) -> tuple[RunS
     handle = client.get_workflow_handle(run_id)
     try:
         timeout = timedelta(seconds=QUERY_SECONDS)
-        return await handle.query(TrainingRun.status, result_type=RunStatus, rpc_timeout=timeout), ""
+        return await handle.query(TrainingRun.status, rpc_timeout=timeout), ""
     except RPCError as error:
         return None, f"no worker on task queue {task_queue!r} answered its status query ({error.message})"
 
@@ -136,11 +137,12 @@ def step_in_run_directory(status: RunStatus, home: Path | None) -> RankProgress 
         return None
     nodes = range(len(status.assignment.nodes))
     readings = read_node_reports(RunDir(root), status.assignment.incarnation, nodes)
-    summaries = [reading.summary for reading in readings.values()]
-    if len(summaries) != len(nodes) or any(s.lowest_step is None or s.newest_beat is None for s in summaries):
+    summaries = [reading.summary for reading in readings.values() if reading.summary is not None]
+    beats = [s.newest_beat for s in summaries if s.newest_beat is not None]
+    steps = [s.lowest_step for s in summaries if s.lowest_step is not None]
+    if not len(beats) == len(steps) == len(nodes):
         return None  # a node without a report, or ranks that report no step: nothing to say
-    at = datetime.fromtimestamp(min(s.newest_beat for s in summaries), UTC)
-    return RankProgress(step=min(s.lowest_step for s in summaries), at=at, source=status.steps_from)
+    return RankProgress(step=min(steps), at=datetime.fromtimestamp(min(beats), UTC), source=status.steps_from)
 
 
 async def replayed_status(client: Client, run_id: str) -> RunStatus:

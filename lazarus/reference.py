@@ -164,7 +164,7 @@ def stale(folder: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lazarus.reference", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lazarus.reference", description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("folder", nargs="?", type=Path, default=DEFAULT_DIR, help="where the pages go")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
     args = parser.parse_args(argv)

@@ -107,8 +107,11 @@ def nested_models(model: type[BaseModel]) -> list[type[BaseModel]]:
         if m in found:
             return
         found.append(m)
-        for field in m.model_fields.values():
-            for inner in _models_in(field.annotation):
+        # The hints, not field.annotation: pydantic may hold a model defined further down as a forward
+        # reference until something validates the model, so the order would depend on what ran before.
+        hints = typing.get_type_hints(m)
+        for name, field in m.model_fields.items():
+            for inner in _models_in(hints.get(name, field.annotation)):
                 visit(inner)
 
     visit(model)
@@ -174,6 +177,8 @@ def run_directory_paths() -> list[list[str]]:
         if name.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
             continue
         getter = member.fget if isinstance(member, property) else member
+        if getter is None:
+            continue
         parameters = list(inspect.signature(getter).parameters.values())[1:]
         if typing.get_type_hints(getter).get("return") is not Path:
             continue

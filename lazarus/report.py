@@ -79,7 +79,8 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     # A script that reports no steps leaves lost steps and the step time unknown: they are left
     # out of the bill (None), never guessed.
     lost = [tally.lost_steps] + [incident.lost_steps for incident in status.incidents]
-    lost_steps = sum(lost) if None not in lost else None
+    known = [steps for steps in lost if steps is not None]
+    lost_steps = sum(known) if len(known) == len(lost) else None
     training = max(wall - sum(recoveries) - paused - regrowing, 0.0)
     steps_trained = None if status.step is None or lost_steps is None else status.step + lost_steps
     step_seconds = training / steps_trained if steps_trained else None
@@ -257,6 +258,7 @@ def plot_timeline(status: RunStatus, summary: dict, path: str, now: datetime | N
 
     end = status.ended_at or now or datetime.now(UTC)
     origin = status.started_at
+    assert origin is not None, "the summary refused a run never launched"
 
     def at(moment: datetime) -> float:
         return _seconds(origin, moment)
@@ -267,8 +269,9 @@ def plot_timeline(status: RunStatus, summary: dict, path: str, now: datetime | N
         fault_at, back_at = downtime(incident, end)
         axis.broken_barh([(at(fault_at), _seconds(fault_at, back_at))], (1.2, 0.8), color="#7f7f7f", alpha=0.5)
         for name, stage in incident.stages.items():
-            if stage.ended_at is not None:
-                axis.broken_barh([(at(stage.started_at), max(stage.seconds, 0.01))], (0, 1), color=STAGE_COLORS[name])
+            seconds = stage.seconds  # None until the stage ended
+            if seconds is not None:
+                axis.broken_barh([(at(stage.started_at), max(seconds, 0.01))], (0, 1), color=STAGE_COLORS[name])
         axis.annotate(
             f"#{incident.number} {incident.fault.kind}\n{', '.join(incident.fault.nodes)}",
             (at(fault_at), 2.05),

@@ -235,11 +235,11 @@ def plot(result: dict, path: str) -> None:
 
     names = [p["name"] for p in result["policies"]]
     bottom = [0.0] * len(names)
-    colors = plt.get_cmap("tab20").colors
+    palette = plt.get_cmap("tab20")  # 20 colours: an index picks one
     for index, cause in enumerate(CAUSES):
         values = [p["lost_gpu_hours"][cause] / 1000 for p in result["policies"]]
         if any(values):
-            right.bar(names, values, bottom=bottom, label=cause, color=colors[index % len(colors)])
+            right.bar(names, values, bottom=bottom, label=cause, color=palette(index % palette.N))
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     right.set_ylabel("lost GPU-hours per run (thousands)")
     right.set_title("Where the lost GPU-hours went")

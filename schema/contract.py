@@ -9,7 +9,7 @@ the session helper of user scripts and the backends alike.
 from __future__ import annotations
 
 import json
-from typing import IO, Literal
+from typing import IO, Literal, TypeVar
 
 from pydantic import ConfigDict, Field, ValidationError
 
@@ -67,10 +67,10 @@ class Heartbeat(Record):
         default_factory=dict, description="When this rank first reported each phase (seconds since the epoch)."
     )
     first_step_at: float | None = Field(
-        None, description="When this process completed its first step (seconds since the epoch); None before."
+        default=None, description="When this process completed its first step (seconds since the epoch); None before."
     )
     first_step: int | None = Field(
-        None,
+        default=None,
         ge=0,
         description=(
             "The first step this process completed (so it restored the step before; 0 from a script that counts "
@@ -78,7 +78,7 @@ class Heartbeat(Record):
         ),
     )
     advanced_at: float | None = Field(
-        None,
+        default=None,
         description=(
             "When the rank's output first named a step above its first (seconds since the epoch): for a script "
             "whose output shows the restored count before it trains (a progress bar's 10/40 after a restore), "
@@ -86,18 +86,18 @@ class Heartbeat(Record):
         ),
     )
     by: Literal["rank", "launcher"] = Field(
-        "rank",
+        default="rank",
         description="Who wrote it: the rank (lazarus.session, the built-in trainer) or its launcher, from its output.",
     )
     warning: str | None = Field(
-        None,
+        default=None,
         description=(
             "Something the operator should know though the rank trains on, such as a checkpoint lost to a full "
             "disk; the newest one the rank had, None when none."
         ),
     )
     compute_seconds: float | None = Field(
-        None,
+        default=None,
         ge=0,
         description=(
             "How long the rank's own work on its newest step took, before it waited for its peers in the step's "
@@ -106,7 +106,7 @@ class Heartbeat(Record):
         ),
     )
     alive_at: float | None = Field(
-        None,
+        default=None,
         description=(
             "When the rank's process last ran (seconds since the epoch), rewritten by a thread of its own every "
             "heartbeat interval even while a step waits in a collective: of ranks whose steps stall, the one whose "
@@ -122,9 +122,9 @@ class RankExit(Record):
     code: int = Field(description="Exit code; negative when a signal ended the process (as Popen reports it).")
     step: int | None = Field(ge=0, description="Newest step the rank completed; None when it reported none.")
     time: float = Field(description="When it ended (seconds since the epoch).")
-    error: str = Field("", description="Last line of the exception that ended it, if any.")
-    signal: str | None = Field(None, description="The signal that ended it, e.g. SIGKILL.")
-    by: Literal["rank", "launcher"] = Field("rank", description="Who wrote the record.")
+    error: str = Field(default="", description="Last line of the exception that ended it, if any.")
+    signal: str | None = Field(default=None, description="The signal that ended it, e.g. SIGKILL.")
+    by: Literal["rank", "launcher"] = Field(default="rank", description="Who wrote the record.")
 
 
 class RankObservation(Record):
@@ -135,13 +135,13 @@ class RankObservation(Record):
     node: str = Field(description="The node that hosts it.")
     launched: bool = Field(description="Its launcher started it (or recorded that it could not).")
     alive: bool = Field(description="Its process runs.")
-    heartbeat: Heartbeat | None = Field(None, description="Its newest heartbeat; None before its first.")
-    exit: RankExit | None = Field(None, description="How it ended; None while it runs.")
+    heartbeat: Heartbeat | None = Field(default=None, description="Its newest heartbeat; None before its first.")
+    exit: RankExit | None = Field(default=None, description="How it ended; None while it runs.")
     launcher_alive: bool = Field(
-        False, description="The launcher of its node runs (it writes the exit record of a rank it outlives)."
+        default=False, description="The launcher of its node runs (it writes the exit record of a rank it outlives)."
     )
     idle_since: float | None = Field(
-        None,
+        default=None,
         description=(
             "Since when its process (every thread, and the processes it started) has used next to no CPU (under 2% "
             "of a core: threads that wake now and then) and its log has not changed, as its node's launcher samples "
@@ -161,7 +161,8 @@ class LaunchRecord(Record):
     )
     launched_at: float = Field(description="When the first launch started the ranks (seconds since the epoch).")
     survivors: SurvivorSource | None = Field(
-        None, description="Restore the resume step from an earlier incarnation's survivors (None: the checkpoint)."
+        default=None,
+        description="Restore the resume step from an earlier incarnation's survivors (None: the checkpoint).",
     )
 
 
@@ -201,7 +202,10 @@ class MetricsLine(Record):
     dp: int = Field(ge=1, description="Data-parallel degree it trained with (replicas).")
 
 
-def _parsed(model: type[Record], text: str | None, where) -> Record | None:
+_R = TypeVar("_R", bound=Record)
+
+
+def _parsed(model: type[_R], text: str | None, where) -> _R | None:
     if text is None:
         return None
     try:
@@ -237,7 +241,9 @@ def write_launch(run: RunDir, incarnation: int, proposed: LaunchRecord) -> Launc
     """Record the incarnation's launch unless one is recorded; returns the record in force, so a
     retried launch restores the same checkpoint as the ranks the first attempt may have started."""
     write_once(run.launch_file(incarnation), proposed.model_dump_json())
-    return read_launch(run, incarnation)
+    in_force = read_launch(run, incarnation)
+    assert in_force is not None, "written once just above, never removed"
+    return in_force
 
 
 def read_launch(run: RunDir, incarnation: int) -> LaunchRecord | None:

@@ -59,26 +59,26 @@ class ControlRequest(Record):
 class PauseRequest(ControlRequest):
     """`pause`: checkpoint, stop the ranks, hold the nodes."""
 
-    reason: Reason = Field("", description="Why, in the operator's words (recorded on the intervention).")
+    reason: Reason = Field(default="", description="Why, in the operator's words (recorded on the intervention).")
 
 
 class ResumeRequest(ControlRequest):
     """`resume`: continue a paused run on the nodes it held."""
 
-    reason: Reason = Field("", description="Why, in the operator's words.")
+    reason: Reason = Field(default="", description="Why, in the operator's words.")
 
 
 class AbortRequest(ControlRequest):
     """`abort`: stop the run cleanly; the newest checkpoint is kept."""
 
-    reason: Reason = Field("", description="Why, in the operator's words (part of the run's final reason).")
+    reason: Reason = Field(default="", description="Why, in the operator's words (part of the run's final reason).")
 
 
 class DrainNodeRequest(ControlRequest):
     """`drain_node`: treat a node as faulty, with the same recovery as a detected fault."""
 
     node: NodeName = Field(description="Node of the current assignment to drain.")
-    reason: Reason = Field("", description="Why, in the operator's words (recorded on the incident).")
+    reason: Reason = Field(default="", description="Why, in the operator's words (recorded on the incident).")
 
 
 class ReturnNodeRequest(ControlRequest):
@@ -91,7 +91,7 @@ class ReshardRequest(ControlRequest):
     """`reshard`: run at `dp` replicas (checkpoint, stop, re-plan, resume)."""
 
     dp: int = Field(ge=1, description="Data-parallel degree to run at (replicas), at most the spec's layout.dp.")
-    reason: Reason = Field("", description="Why, in the operator's words.")
+    reason: Reason = Field(default="", description="Why, in the operator's words.")
 
 
 class ApproveRequest(ControlRequest):
@@ -101,7 +101,7 @@ class ApproveRequest(ControlRequest):
         description="reshard_below_minimum: reshard below recovery.min_dp; wait_longer: keep waiting for capacity."
     )
     wait_seconds: float = Field(
-        600.0,
+        default=600.0,
         gt=0,
         le=MAX_SECONDS,
         allow_inf_nan=False,
@@ -132,9 +132,9 @@ class FaultSignal(Record):
     nodes: list[str] = Field(
         min_length=1, description="Nodes to treat as faulty; names not in the current assignment are ignored."
     )
-    reason: Reason = Field("reported by signal", description="Why, in the reporter's words.")
+    reason: Reason = Field(default="reported by signal", description="Why, in the reporter's words.")
     occurred_at: datetime | None = Field(
-        None, description="When the fault happened, if the reporter knows (UTC); else when the signal arrived."
+        default=None, description="When the fault happened, if the reporter knows (UTC); else when the signal arrived."
     )
 
     @field_validator("occurred_at")

@@ -51,31 +51,31 @@ class FaultReport(Record):
         ),
     )
     last_heartbeat_at: datetime | None = Field(
-        None, description="Newest heartbeat of the blamed ranks before the fault (UTC)."
+        default=None, description="Newest heartbeat of the blamed ranks before the fault (UTC)."
     )
     reason: str = Field(
-        "", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words."
+        default="", description="Human-readable cause: exit code or signal, stale heartbeat age, operator's words."
     )
     rank: int | None = Field(
-        None,
+        default=None,
         description=(
             "The first rank blamed: of a failure, the rank that failed first for a reason of its own (an exception "
             "or exit code beats a peer's follow-on connection error)."
         ),
     )
-    node: str | None = Field(None, description="The node that rank ran on.")
-    exit_code: int | None = Field(None, description="That rank's exit code, when it exited on its own.")
-    signal: str | None = Field(None, description="The signal that ended that rank, e.g. SIGKILL.")
+    node: str | None = Field(default=None, description="The node that rank ran on.")
+    exit_code: int | None = Field(default=None, description="That rank's exit code, when it exited on its own.")
+    signal: str | None = Field(default=None, description="The signal that ended that rank, e.g. SIGKILL.")
     error: str = Field(
-        "",
+        default="",
         description=(
             "That rank's exception: what torch's @record wrote (TORCHELASTIC_ERROR_FILE), else the last line of "
             "the traceback in its log."
         ),
     )
-    log_tail: str = Field("", description="The last lines of that rank's log.")
+    log_tail: str = Field(default="", description="The last lines of that rank's log.")
     stack: str = Field(
-        "",
+        default="",
         description=(
             "Of a hang whose ranks still ran: that rank's Python stacks (every thread, faulthandler's dump, its "
             "last 4,000 characters) taken when the hang was found; every rank's dump is in the run directory's "
@@ -83,7 +83,7 @@ class FaultReport(Record):
         ),
     )
     cost_seconds: float | None = Field(
-        None,
+        default=None,
         ge=0,
         description=(
             "What the fault cost the run before it was found, where it ran on (a straggler: its extra work on "

@@ -21,10 +21,13 @@ class HealthChecks(Strict):
         ),
     )
     interval_seconds: float = Field(
-        60.0, gt=0, le=MAX_SECONDS, description="How often each node runs the command (seconds)."
+        default=60.0, gt=0, le=MAX_SECONDS, description="How often each node runs the command (seconds)."
     )
     timeout_seconds: float = Field(
-        30.0, gt=0, le=MAX_SECONDS, description="How long one run of the command may take before it fails (seconds)."
+        default=30.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="How long one run of the command may take before it fails (seconds).",
     )
     node_conditions: list[str] = Field(
         default_factory=list,

@@ -21,7 +21,7 @@ class Layout(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dp: int = Field(
-        4,
+        default=4,
         ge=1,
         description=(
             "Data-parallel replicas (torchtitan's dp_replicate): full copies of the model training on different "
@@ -29,10 +29,10 @@ class Layout(BaseModel):
         ),
     )
     pp: int = Field(
-        1, ge=1, description="Pipeline-parallel degree: stages one replica is cut into (stages per replica)."
+        default=1, ge=1, description="Pipeline-parallel degree: stages one replica is cut into (stages per replica)."
     )
     dp_shard: int = Field(
-        1,
+        default=1,
         ge=1,
         description=(
             "FSDP degree inside a replica: ranks each stage's parameters, gradients and optimizer state are sharded "
@@ -40,11 +40,11 @@ class Layout(BaseModel):
         ),
     )
     tp: int = Field(
-        1,
+        default=1,
         ge=1,
         description="Tensor-parallel degree: ranks sharing each stage's matrices, always inside one node (ranks).",
     )
-    ranks_per_node: int = Field(1, ge=1, description="Rank processes that run on one node (ranks).")
+    ranks_per_node: int = Field(default=1, ge=1, description="Rank processes that run on one node (ranks).")
 
     @model_validator(mode="after")
     def _replica_fills_whole_nodes(self) -> Layout:

@@ -29,7 +29,8 @@ class NodeReport(Record):
     time: float = Field(description="When it was written (seconds since the epoch).")
     ranks: list[RankObservation] = Field(description="The node's ranks, in rank order.")
     sick: str | None = Field(
-        None, description="Why the node's health check (the spec's health.command) failed; None: healthy so far."
+        default=None,
+        description="Why the node's health check (the spec's health.command) failed; None: healthy so far.",
     )
 
 
@@ -55,9 +56,12 @@ class NodeSummary(Record):
     by_rank: bool = Field(description="Some rank wrote a heartbeat with a step itself (not its launcher).")
     trained: bool = Field(description="Some rank's process completed its first step (first_step_at is set).")
     compute_seconds: float | None = Field(
-        None, description="The longest own work per step a rank reports (Heartbeat.compute_seconds; None: none does)."
+        default=None,
+        description="The longest own work per step a rank reports (Heartbeat.compute_seconds; None: none does).",
     )
-    sick: str | None = Field(None, description="Why the node's health check failed (NodeReport.sick); None: healthy.")
+    sick: str | None = Field(
+        default=None, description="Why the node's health check failed (NodeReport.sick); None: healthy."
+    )
 
     @classmethod
     def of(cls, node: str, ranks: list[RankObservation], sick: str | None = None) -> NodeSummary:

@@ -38,7 +38,7 @@ class Owner(Record):
         description="Temporal run id of the first execution of its continue-as-new chain (a reset keeps it)."
     )
     continued_from: str | None = Field(
-        None, description="Temporal run id of the execution it continued as new from; None for a first run."
+        default=None, description="Temporal run id of the execution it continued as new from; None for a first run."
     )
 
 

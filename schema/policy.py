@@ -18,13 +18,17 @@ class StagePolicy(Strict):
         gt=0, le=MAX_SECONDS, description="An attempt that does not heartbeat for this long is presumed lost (seconds)."
     )
     max_attempts: int = Field(
-        5, ge=0, le=MAX_ATTEMPTS, description="Attempts before the stage counts as failed; 0 means unlimited."
+        default=5, ge=0, le=MAX_ATTEMPTS, description="Attempts before the stage counts as failed; 0 means unlimited."
     )
     initial_retry_seconds: float = Field(
-        0.5, gt=0, le=MAX_SECONDS, description="Wait before the first retry (seconds)."
+        default=0.5, gt=0, le=MAX_SECONDS, description="Wait before the first retry (seconds)."
     )
-    retry_backoff: float = Field(2.0, ge=1, description="Factor by which each retry's wait grows (dimensionless).")
-    max_retry_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS, description="Longest wait between retries (seconds).")
+    retry_backoff: float = Field(
+        default=2.0, ge=1, description="Factor by which each retry's wait grows (dimensionless)."
+    )
+    max_retry_seconds: float = Field(
+        default=10.0, gt=0, le=MAX_SECONDS, description="Longest wait between retries (seconds)."
+    )
 
     @model_validator(mode="after")
     def _retries_grow_to_their_longest(self) -> StagePolicy:
@@ -101,17 +105,19 @@ class StragglerPolicy(Strict):
     straggler."""
 
     action: Literal["swap", "report", "off"] = Field(
-        "swap",
+        default="swap",
         description=(
             "swap: a planned recovery puts a free spare in its place (checkpoint at a step boundary, no step "
             "lost), else it is reported; report: a warning on the run; off: not looked for."
         ),
     )
     factor: float = Field(
-        1.2, gt=1, description="How many times its peers' median work per step makes a node slow (dimensionless)."
+        default=1.2,
+        gt=1,
+        description="How many times its peers' median work per step makes a node slow (dimensionless).",
     )
     window_seconds: float = Field(
-        60.0,
+        default=60.0,
         gt=0,
         le=MAX_SECONDS,
         description="How long a node must stay that slow, judged on its median over this window (seconds).",
@@ -122,13 +128,13 @@ class RecoveryPolicy(Strict):
     """How faults are detected and how recovery behaves; every stage's timeouts and retries."""
 
     heartbeat_interval_seconds: float = Field(
-        0.1,
+        default=0.1,
         gt=0,
         le=60,
         description="How often detect reads rank heartbeats and node health, and heartbeats to Temporal (seconds).",
     )
     hang_after_seconds: float | None = Field(
-        None,
+        default=None,
         gt=0,
         le=MAX_SECONDS,
         description=(
@@ -137,7 +143,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     hang_step_multiple: float = Field(
-        5.0,
+        default=5.0,
         gt=1,
         description=(
             "Derived hang time: this multiple of the 99th percentile of the run's recent step times, at least "
@@ -145,9 +151,11 @@ class RecoveryPolicy(Strict):
             "rank sits idle (no CPU, no output) (dimensionless)."
         ),
     )
-    hang_floor_seconds: float = Field(1.0, gt=0, le=MAX_SECONDS, description="The least derived hang time (seconds).")
+    hang_floor_seconds: float = Field(
+        default=1.0, gt=0, le=MAX_SECONDS, description="The least derived hang time (seconds)."
+    )
     busy_hang_seconds: float = Field(
-        300.0,
+        default=300.0,
         gt=0,
         le=MAX_SECONDS,
         description=(
@@ -156,13 +164,13 @@ class RecoveryPolicy(Strict):
         ),
     )
     startup_grace_seconds: float = Field(
-        120.0,
+        default=120.0,
         gt=0,
         le=MAX_SECONDS,
         description="Time a new incarnation may take to its first heartbeat before it counts as hung (seconds).",
     )
     progress_every_seconds: float = Field(
-        3600.0,
+        default=3600.0,
         gt=0,
         le=MAX_SECONDS,
         description=(
@@ -170,18 +178,21 @@ class RecoveryPolicy(Strict):
             "happened (seconds): a safety interval. Between reports the step is in detect's heartbeat details."
         ),
     )
-    min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
+    min_dp: int = Field(default=1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
     capacity_wait_seconds: float = Field(
-        300.0, ge=0, le=MAX_SECONDS, description="How long to wait for a free spare before the run fails (seconds)."
+        default=300.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="How long to wait for a free spare before asking an operator (WAITING_FOR_APPROVAL) (seconds).",
     )
     capacity_poll_seconds: float = Field(
-        5.0,
+        default=5.0,
         gt=0,
         le=MAX_SECONDS,
         description="How often the inventory is read again while waiting for capacity (seconds).",
     )
     regrow: bool = Field(
-        True,
+        default=True,
         description=(
             "A run below its spec's layout.dp (or the dp of an operator's reshard) grows back once the pool has the "
             "nodes (a node returned, a spare freed, a run ended): at a step boundary it checkpoints, stops, claims "
@@ -190,7 +201,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     approval_wait_seconds: float = Field(
-        3600.0,
+        default=3600.0,
         ge=0,
         le=MAX_SECONDS,
         description=(
@@ -199,7 +210,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     stop_grace_seconds: float = Field(
-        120.0,
+        default=120.0,
         gt=0,
         le=MAX_SECONDS,
         description=(
@@ -208,7 +219,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     history_limit_events: int = Field(
-        10000,
+        default=10000,
         ge=100,
         description=(
             "The workflow continues as new once its history has this many events, or when Temporal suggests it "
@@ -216,7 +227,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     max_incidents: int = Field(
-        20,
+        default=20,
         ge=0,
         description=(
             "Recoveries after which the run fails instead of recovering again (incidents); 0: the first fault fails "
@@ -224,7 +235,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     crash_loop: Literal["fail", "pause"] = Field(
-        "fail",
+        default="fail",
         description=(
             "What a crash loop does to the run: the program failed again after a restart in place, the same way "
             "(the same exception type and message, or the same exit code) or before a step was trained between "
@@ -233,7 +244,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     exit_grace_seconds: float = Field(
-        20.0,
+        default=20.0,
         gt=0,
         le=MAX_SECONDS,
         description=(
@@ -243,7 +254,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     save_grace_seconds: float = Field(
-        1.0,
+        default=1.0,
         ge=0,
         le=MAX_SECONDS,
         description=(
@@ -252,7 +263,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     survivor_grace_seconds: float = Field(
-        2.0,
+        default=2.0,
         ge=0,
         le=MAX_SECONDS,
         description=(
@@ -262,7 +273,7 @@ class RecoveryPolicy(Strict):
         ),
     )
     not_ready_toleration_seconds: int = Field(
-        10,
+        default=10,
         ge=0,
         le=MAX_SECONDS,
         description=(

@@ -38,11 +38,11 @@ class SpareWant(Record):
     run_id: str = Field(description="Run that needs the spares.")
     incarnation: int = Field(ge=0, description="Incarnation the fault ended.")
     needed: int = Field(ge=0, description="Spares that would replace every node it lost (nodes).")
-    priority: int = Field(0, description="The run's cluster.priority: the higher comes first.")
+    priority: int = Field(default=0, description="The run's cluster.priority: the higher comes first.")
     lost_ranks: int = Field(ge=0, description="Ranks of the replicas the fault broke: what it loses until it recovers.")
     fault_at: datetime = Field(description="When the fault happened (UTC): the earlier comes first on a tie.")
-    placed: bool = Field(False, description="Its recovery has claimed what it got: it no longer competes.")
-    got: int = Field(0, ge=0, description="Spares it claimed, once placed (nodes).")
+    placed: bool = Field(default=False, description="Its recovery has claimed what it got: it no longer competes.")
+    got: int = Field(default=0, ge=0, description="Spares it claimed, once placed (nodes).")
 
     def outranks(self, other: SpareWant) -> bool:
         """Whether this need comes before `other`'s: priority, then who lost more, then who lost first."""
@@ -70,18 +70,20 @@ class PoolNode(Record):
             "quarantined: held out of every run after `owner`'s fault, until returned."
         )
     )
-    owner: str | None = Field(None, description="Run id that holds the node (active) or quarantined it; None if free.")
-    healthy: bool = Field(True, description="False once the node was seen to die.")
-    died_at: datetime | None = Field(None, description="When the node was seen to die (UTC).")
+    owner: str | None = Field(
+        default=None, description="Run id that holds the node (active) or quarantined it; None if free."
+    )
+    healthy: bool = Field(default=True, description="False once the node was seen to die.")
+    died_at: datetime | None = Field(default=None, description="When the node was seen to die (UTC).")
     since: datetime = Field(description="When the node took its role (UTC).")
-    note: str = Field("", description="Why the node has its role (for quarantine: the fault).")
+    note: str = Field(default="", description="Why the node has its role (for quarantine: the fault).")
 
 
 class PoolRecord(Record):
     """Every node of the pool. `generation` grows by one with each write, so a reader can tell
     whether the pool changed between two reads."""
 
-    generation: int = Field(0, ge=0, description="Writes of the record so far.")
+    generation: int = Field(default=0, ge=0, description="Writes of the record so far.")
     nodes: list[PoolNode] = Field(default_factory=list, description="Every node, in the order they were added.")
     wants: list[SpareWant] = Field(
         default_factory=list, description="Runs' needs of spares, from their drain to the end of their resume."

@@ -30,7 +30,7 @@ class Assignment(Record):
         description="Node names in rank order: node i hosts ranks i*ranks_per_node .. (i+1)*ranks_per_node-1."
     )
     layout: Layout = Field(description="The parallel layout this incarnation runs.")
-    master_addr: str = Field("127.0.0.1", description="Address of rank 0's rendezvous store.")
+    master_addr: str = Field(default="127.0.0.1", description="Address of rank 0's rendezvous store.")
     master_port: int = Field(ge=1, le=65535, description="TCP port of rank 0's rendezvous store.")
 
 
@@ -41,9 +41,9 @@ class NodeRecord(Record):
     role: Literal["active", "spare", "quarantined"] = Field(
         description="active: in the current assignment; spare: free; quarantined: held out after a fault."
     )
-    healthy: bool = Field(True, description="False once the backend saw the node die.")
-    died_at: datetime | None = Field(None, description="When the node was seen to die (UTC).")
-    note: str = Field("", description="Why the node has its role (for quarantine: the fault).")
+    healthy: bool = Field(default=True, description="False once the backend saw the node die.")
+    died_at: datetime | None = Field(default=None, description="When the node was seen to die (UTC).")
+    note: str = Field(default="", description="Why the node has its role (for quarantine: the fault).")
 
 
 class Inventory(Record):
@@ -97,7 +97,7 @@ class RankProgress(Record):
 
     step: int | None = Field(ge=0, description="Last step every rank had completed; None when no rank reports steps.")
     at: datetime = Field(description="When the snapshot was taken (UTC).")
-    source: StepSource | None = Field("trainer", description="Who reported the step; None when nobody does.")
+    source: StepSource | None = Field(default="trainer", description="Who reported the step; None when nobody does.")
     warnings: list[str] = Field(
         default_factory=list, description="What the ranks' heartbeats ask the operator to know (a lost checkpoint)."
     )
@@ -106,10 +106,14 @@ class RankProgress(Record):
 class DetectResult(Record):
     """What one detect attempt returns: a fault, completion, or a progress snapshot."""
 
-    fault: FaultReport | None = Field(None, description="Set when a fault was found.")
-    completed: bool = Field(False, description="True when every rank finished the last step and exited cleanly.")
+    fault: FaultReport | None = Field(default=None, description="Set when a fault was found.")
+    completed: bool = Field(
+        default=False, description="True when every rank finished the last step and exited cleanly."
+    )
     progress: RankProgress = Field(description="Progress at the time of return.")
-    capacity: bool = Field(False, description="The pool has the spares the watch was asked about (regrow_nodes).")
+    capacity: bool = Field(
+        default=False, description="The pool has the spares the watch was asked about (regrow_nodes)."
+    )
 
 
 class Decision(Record):
@@ -135,7 +139,7 @@ class Decision(Record):
         default_factory=list, description="Healthy nodes of broken replicas returned to the spare pool (reshard)."
     )
     below_target_dp: bool = Field(
-        False, description="The next incarnation runs with fewer replicas than the spec's layout.dp."
+        default=False, description="The next incarnation runs with fewer replicas than the spec's layout.dp."
     )
     rivals: list[str] = Field(
         default_factory=list, description="Other runs whose recoveries needed the pool's spares at the time."
@@ -147,7 +151,7 @@ class StageRecord(Record):
     """Start and end of one stage of an incident."""
 
     started_at: datetime = Field(description="Stage start (UTC).")
-    ended_at: datetime | None = Field(None, description="Stage end (UTC); None while running.")
+    ended_at: datetime | None = Field(default=None, description="Stage end (UTC); None while running.")
 
     @property
     def seconds(self) -> float | None:
@@ -163,17 +167,17 @@ class Incident(Record):
     stages: dict[str, StageRecord] = Field(
         default_factory=dict, description="Stage name -> its timing; detect spans fault to report."
     )
-    decision: Decision | None = Field(None, description="Reschedule's decision.")
+    decision: Decision | None = Field(default=None, description="Reschedule's decision.")
     old_assignment: Assignment = Field(description="Assignment of the incarnation that failed.")
-    new_assignment: Assignment | None = Field(None, description="Assignment of the incarnation that resumed.")
+    new_assignment: Assignment | None = Field(default=None, description="Assignment of the incarnation that resumed.")
     checkpoint_in_flight: int | None = Field(
-        None, description="Step of a checkpoint being written when the fault hit, if any."
+        default=None, description="Step of a checkpoint being written when the fault hit, if any."
     )
     discarded_checkpoints: list[int] = Field(
         default_factory=list, description="Half-written checkpoints drain deleted (never loaded)."
     )
     resumed_from_step: int | None = Field(
-        None,
+        default=None,
         description=(
             "Step the new incarnation restored (0: from scratch): the Lazarus checkpoint it was given, else the step "
             "before the first it reported; None when the script restores its own snapshot and reports no steps."
@@ -184,18 +188,21 @@ class Incident(Record):
         description="Newer checkpoints that were not restored, with the reason (incomplete or corrupt).",
     )
     restored_from: RestoreSource | None = Field(
-        None,
+        default=None,
         description=(
             "Where the restored state came from: survivors (the ranks that outlived the fault saved their last "
             "step), checkpoint (the newest periodic one), scratch; None when the script restores its own."
         ),
     )
     lost_steps: int | None = Field(
-        None, description="Steps trained after that checkpoint and lost to the fault (steps); None when unknown."
+        default=None,
+        description="Steps trained after that checkpoint and lost to the fault (steps); None when unknown.",
     )
-    first_step_at: datetime | None = Field(None, description="When the new incarnation completed its first step (UTC).")
+    first_step_at: datetime | None = Field(
+        default=None, description="When the new incarnation completed its first step (UTC)."
+    )
     outcome: Literal["recovering", "recovered", "interrupted", "failed", "taken over"] = Field(
-        "recovering",
+        default="recovering",
         description=(
             "recovered: trained past the checkpoint; interrupted: a new fault hit before that (see the next "
             "incident); failed: the run failed; taken over: a reset or an adoption took the run over mid-recovery."
@@ -226,14 +233,16 @@ class Regrowth(Record):
     from_dp: int = Field(ge=1, description="Replicas before.")
     to_dp: int = Field(ge=1, description="Replicas after (from_dp while it is being decided).")
     nodes: NodeList = Field(default_factory=list, description="Nodes it claimed from the pool.")
-    reason: str = Field("", description="The decision, in words.")
+    reason: str = Field(default="", description="The decision, in words.")
     stages: dict[str, StageRecord] = Field(
         default_factory=dict, description="reschedule, stop, replace_or_reshard, resume: when each ran."
     )
-    stopped_at_step: int | None = Field(None, description="Step the ranks checkpointed and stopped at.")
-    resumed_from_step: int | None = Field(None, description="Step the larger incarnation restored.")
-    first_step_at: datetime | None = Field(None, description="When the larger incarnation finished its first step.")
-    outcome: Literal["regrowing", "regrown", "capacity gone"] = Field("regrowing", description="How it ended.")
+    stopped_at_step: int | None = Field(default=None, description="Step the ranks checkpointed and stopped at.")
+    resumed_from_step: int | None = Field(default=None, description="Step the larger incarnation restored.")
+    first_step_at: datetime | None = Field(
+        default=None, description="When the larger incarnation finished its first step."
+    )
+    outcome: Literal["regrowing", "regrown", "capacity gone"] = Field(default="regrowing", description="How it ended.")
 
     @property
     def lost_steps(self) -> int | None:
@@ -258,30 +267,35 @@ class Intervention(Record):
     kind: InterventionKind = Field(
         description="The update called; reset, adopt: a reset execution, or an adopting workflow, took the run over."
     )
-    detail: str = Field("", description="Its arguments, in words.")
+    detail: str = Field(default="", description="Its arguments, in words.")
     requested_at: datetime = Field(description="When the update was accepted (UTC).")
-    done_at: datetime | None = Field(None, description="When it took effect (UTC).")
-    outcome: str = Field("", description="What happened.")
+    done_at: datetime | None = Field(default=None, description="When it took effect (UTC).")
+    outcome: str = Field(default="", description="What happened.")
 
 
 class RunStatus(Record):
     """The run as the workflow sees it; the `status` query and the workflow result."""
 
     run_id: str = Field(description="Run id; also the Temporal workflow id.")
-    run_dir: str | None = Field(None, description="Directory holding the run's checkpoints, metrics and rank files.")
-    state: RunState = Field(RunState.PENDING, description="State in the recovery state machine.")
+    run_dir: str | None = Field(
+        default=None, description="Directory holding the run's checkpoints, metrics and rank files."
+    )
+    state: RunState = Field(default=RunState.PENDING, description="State in the recovery state machine.")
     step: int | None = Field(
-        0,
+        default=0,
         ge=0,
         description="Last step every rank completed, as of the last progress report; None: the script reports none.",
     )
-    step_at: datetime | None = Field(None, description="When the step was reported (UTC); None before the first.")
+    step_at: datetime | None = Field(
+        default=None, description="When the step was reported (UTC); None before the first."
+    )
     steps_from: StepSource | None = Field(
-        "trainer", description="Who reports the step (trainer: it trains to total_steps); None when nobody does."
+        default="trainer",
+        description="Who reports the step (trainer: it trains to total_steps); None when nobody does.",
     )
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     layout: Layout = Field(description="Layout the run currently trains with.")
-    assignment: Assignment | None = Field(None, description="Current incarnation's nodes.")
+    assignment: Assignment | None = Field(default=None, description="Current incarnation's nodes.")
     incidents: list[Incident] = Field(
         default_factory=list,
         description=(
@@ -293,12 +307,15 @@ class RunStatus(Record):
         default_factory=IncidentTally,
         description="What the incidents archived from `incidents` add up to (numbers 1 .. its count).",
     )
-    reason: str = Field("", description="Why the run ended in FAILED or ABORTED.")
+    reason: str = Field(default="", description="Why the run ended in FAILED or ABORTED.")
     failure: FaultReport | None = Field(
-        None, description="The fault that failed the run, when one did (a program error, one recovery too many)."
+        default=None,
+        description="The fault that failed the run, when one did (a program error, one recovery too many).",
     )
-    started_at: datetime | None = Field(None, description="When the run was launched (UTC).")
-    ended_at: datetime | None = Field(None, description="When the run reached COMPLETED, FAILED or ABORTED (UTC).")
+    started_at: datetime | None = Field(default=None, description="When the run was launched (UTC).")
+    ended_at: datetime | None = Field(
+        default=None, description="When the run reached COMPLETED, FAILED or ABORTED (UTC)."
+    )
     interventions: list[Intervention] = Field(default_factory=list, description="Operators' requests, oldest first.")
     warnings: list[str] = Field(
         default_factory=list,
@@ -309,14 +326,16 @@ class RunStatus(Record):
         default_factory=list, description="Nodes this run quarantined and has not had returned."
     )
     awaiting_approval: Decision | None = Field(
-        None, description="The decision waiting for an operator's approve (state WAITING_FOR_APPROVAL)."
+        default=None, description="The decision waiting for an operator's approve (state WAITING_FOR_APPROVAL)."
     )
     policy: RecoveryPolicy | None = Field(
-        None, description="The recovery policy in force (the spec's, as changed by set_policy)."
+        default=None, description="The recovery policy in force (the spec's, as changed by set_policy)."
     )
-    segments: int = Field(1, ge=1, description="Workflow runs so far: 1 + continue-as-new count.")
+    segments: int = Field(default=1, ge=1, description="Workflow runs so far: 1 + continue-as-new count.")
     wanted_dp: int | None = Field(
-        None, ge=1, description="Replicas a regrow grows back to: the spec's layout.dp, or an operator's reshard's."
+        default=None,
+        ge=1,
+        description="Replicas a regrow grows back to: the spec's layout.dp, or an operator's reshard's.",
     )
     regrowths: list[Regrowth] = Field(default_factory=list, description="Every regrow, oldest first.")
 
@@ -343,20 +362,21 @@ class RunStart(Record):
     """Workflow input: the spec and the run's id, and the state carried over a continue-as-new."""
 
     run_id: RunId | None = Field(
-        None, description="Run id: may be left out; when given it must be the workflow id, else the start is refused."
+        default=None,
+        description="Run id: may be left out; when given it must be the workflow id, else the start is refused.",
     )
     spec: RunSpec = Field(description="The validated run spec.")
     carried: RunStatus | None = Field(
-        None, description="Status of the previous workflow run when continued as new; None at launch."
+        default=None, description="Status of the previous workflow run when continued as new; None at launch."
     )
     search_attributes: bool = Field(
-        False,
+        default=False,
         description=(
             "The namespace has Lazarus's search attributes (LazarusState, LazarusIncidents); the workflow keeps them "
             "current."
         ),
     )
     adopt: bool = Field(
-        False,
+        default=False,
         description="Take over a run whose workflow ended; `carried` holds its last status (`lazarus run adopt`).",
     )

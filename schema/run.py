@@ -51,7 +51,7 @@ class TrainerSettings(Strict):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for every rank.")
     workdir: str | None = Field(
-        None,
+        default=None,
         description=(
             "Folder the ranks run in: where the relative paths of a script (its own snapshot file, say) land. "
             "Default: `work/` in the run's directory, the same folder for every incarnation of the run and never "
@@ -60,7 +60,7 @@ class TrainerSettings(Strict):
         ),
     )
     progress_pattern: str | None = Field(
-        None,
+        default=None,
         description=(
             "For a script that does not use lazarus.session: a regular expression matched against every line a "
             "rank prints, whose group `step` (else its first group) is the step that rank just completed, e.g. "
@@ -68,7 +68,7 @@ class TrainerSettings(Strict):
         ),
     )
     survivor_state: bool = Field(
-        False,
+        default=False,
         description=(
             "The script saves its share of the last completed step with session.save_survivor_state when a "
             "collective breaks, and restores it with session.load_survivor_state (trainer/CONTRACT.md): drain "
@@ -77,7 +77,7 @@ class TrainerSettings(Strict):
         ),
     )
     output_is_heartbeat: bool = Field(
-        False,
+        default=False,
         description=(
             "Every line a rank prints counts as a heartbeat: a rank silent for recovery.hang_after_seconds "
             "(recovery.startup_grace_seconds before its first line) is judged hung. Off, a script that reports "
@@ -85,24 +85,28 @@ class TrainerSettings(Strict):
         ),
     )
 
-    vocab_size: int = Field(64, ge=8, le=65536, description="Vocabulary size of the synthetic token stream (tokens).")
-    seq_len: int = Field(32, ge=4, le=4096, description="Tokens per training sample.")
-    d_model: int = Field(64, ge=8, le=8192, description="Width of the transformer (hidden units).")
-    n_layers: int = Field(2, ge=1, le=128, description="Number of transformer blocks.")
-    n_heads: int = Field(4, ge=1, le=128, description="Attention heads per block; must divide d_model.")
-    steps: int = Field(60, ge=1, description="Optimizer steps the run trains for.")
-    global_batch: int = Field(
-        16, ge=1, description="Samples per optimizer step, summed over all data-parallel replicas."
+    vocab_size: int = Field(
+        default=64, ge=8, le=65536, description="Vocabulary size of the synthetic token stream (tokens)."
     )
-    learning_rate: float = Field(3e-3, gt=0, description="AdamW learning rate (dimensionless).")
-    seed: int = Field(0, ge=0, description="Seed for model initialisation and the token stream.")
-    checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints.")
-    keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept on disk; older ones are purged.")
+    seq_len: int = Field(default=32, ge=4, le=4096, description="Tokens per training sample.")
+    d_model: int = Field(default=64, ge=8, le=8192, description="Width of the transformer (hidden units).")
+    n_layers: int = Field(default=2, ge=1, le=128, description="Number of transformer blocks.")
+    n_heads: int = Field(default=4, ge=1, le=128, description="Attention heads per block; must divide d_model.")
+    steps: int = Field(default=60, ge=1, description="Optimizer steps the run trains for.")
+    global_batch: int = Field(
+        default=16, ge=1, description="Samples per optimizer step, summed over all data-parallel replicas."
+    )
+    learning_rate: float = Field(default=3e-3, gt=0, description="AdamW learning rate (dimensionless).")
+    seed: int = Field(default=0, ge=0, description="Seed for model initialisation and the token stream.")
+    checkpoint_every: int = Field(default=10, ge=1, description="Steps between checkpoints.")
+    keep_checkpoints: int = Field(
+        default=3, ge=1, description="Complete checkpoints kept on disk; older ones are purged."
+    )
     async_checkpoint: bool = Field(
-        True, description="Write checkpoints from a background thread so training does not wait for the disk."
+        default=True, description="Write checkpoints from a background thread so training does not wait for the disk."
     )
     microbatches: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description=(
             "Pipeline microbatches per replica and step, at most (default: 2 x pp); the trainer takes the "
@@ -187,7 +191,7 @@ class ClusterSpec(Strict):
     """Where the ranks run and how many nodes stand by."""
 
     backend: Literal["local", "kubernetes", "slurm"] = Field(
-        "local",
+        default="local",
         description=(
             "Cluster backend: `local` runs each node as rank processes on this machine; `kubernetes` runs a "
             "pod per node on the nodes labelled `lazarus.dev/pool`; `slurm` runs each node's ranks as a job "
@@ -200,9 +204,9 @@ class ClusterSpec(Strict):
     slurm: SlurmSettings = Field(
         default_factory=SlurmSettings, description="Settings of the slurm backend (ignored by the others)."
     )
-    active_nodes: int = Field(4, ge=1, description="Nodes that train at launch (nodes).")
+    active_nodes: int = Field(default=4, ge=1, description="Nodes that train at launch (nodes).")
     spare_nodes: int = Field(
-        1,
+        default=1,
         ge=0,
         description=(
             "Hot spares the pool keeps free for this run (nodes). They are the pool's, shared by every run that "
@@ -211,7 +215,7 @@ class ClusterSpec(Strict):
         ),
     )
     priority: int = Field(
-        0,
+        default=0,
         ge=-1000,
         le=1000,
         description=(
@@ -221,7 +225,7 @@ class ClusterSpec(Strict):
         ),
     )
     warm_standby: bool = Field(
-        True,
+        default=True,
         description=(
             "Keep one warm standby process per node (interpreter started, torch and the trainer imported) "
             "that forks the node's ranks when an incarnation starts, so a resume pays neither process start "
@@ -240,24 +244,26 @@ class FaultInjection(Strict):
     """
 
     node: str = Field(description="Node whose ranks die, e.g. node-1 (a node of the pool: `lazarus pool` lists them).")
-    step: int | None = Field(None, ge=1, description="Step at which they die (give this or after_seconds).")
+    step: int | None = Field(default=None, ge=1, description="Step at which they die (give this or after_seconds).")
     after_seconds: float | None = Field(
-        None,
+        default=None,
         gt=0,
         le=MAX_SECONDS,
         description="Or: seconds after the incarnation's ranks started, for a script that reports no steps (seconds).",
     )
     point: Literal["step", "checkpoint", "survivor_save"] = Field(
-        "step",
+        default="step",
         description=(
             "step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, "
             "while it is being written (the built-in trainer and lazarus.session scripts); survivor_save: while "
             "saving the state of `step` as a survivor of another node's fault (a trainer that saves survivors)."
         ),
     )
-    incarnation: int = Field(0, ge=0, description="Incarnation in which the fault happens (0: the first launch).")
+    incarnation: int = Field(
+        default=0, ge=0, description="Incarnation in which the fault happens (0: the first launch)."
+    )
     effect: Literal["kill", "raise", "disk_full", "stuck"] = Field(
-        "kill",
+        default="kill",
         description=(
             "kill: every rank of the node dies by SIGKILL, as on a dead node; raise: each rank of the node raises "
             "a Python exception at that point (a bug in a rank whose peers and node are fine; the built-in "

@@ -27,7 +27,7 @@ class LogNormal(Strict):
 
     dist: Literal["lognormal"]
     median: float = Field(gt=0, description="Median cost (seconds).")
-    sigma: float = Field(0.5, ge=0, description="Standard deviation of the cost's logarithm (dimensionless).")
+    sigma: float = Field(default=0.5, ge=0, description="Standard deviation of the cost's logarithm (dimensionless).")
 
 
 class Uniform(Strict):
@@ -89,25 +89,28 @@ class FailureModel(Strict):
         ),
     )
     hang_share: float = Field(
-        0.0, ge=0, le=1, description="Share of faults that are hangs, found only when heartbeats go stale (fraction)."
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Share of faults that are hangs, found only when heartbeats go stale (fraction).",
     )
     hang_detect_seconds: float = Field(
-        300.0, ge=0, description="Time to notice a hang: the staleness threshold (seconds)."
+        default=300.0, ge=0, description="Time to notice a hang: the staleness threshold (seconds)."
     )
 
 
 class CheckpointModel(Strict):
     """How often the job checkpoints and what that costs."""
 
-    interval_minutes: float = Field(30.0, gt=0, description="Training time between checkpoints (minutes).")
+    interval_minutes: float = Field(default=30.0, gt=0, description="Training time between checkpoints (minutes).")
     save_stall_seconds: float = Field(
-        10.0, ge=0, description="Time training stops for each save (seconds); small with asynchronous saves."
+        default=10.0, ge=0, description="Time training stops for each save (seconds); small with asynchronous saves."
     )
     load_seconds: float = Field(
-        60.0, ge=0, description="Time to load a checkpoint on resume, added to the resume stage (seconds)."
+        default=60.0, ge=0, description="Time to load a checkpoint on resume, added to the resume stage (seconds)."
     )
     step_seconds: float = Field(
-        10.0,
+        default=10.0,
         gt=0,
         description=(
             "Time of one optimizer step (seconds): under the survivors policy a crash loses the step in flight "
@@ -115,7 +118,7 @@ class CheckpointModel(Strict):
         ),
     )
     survivor_save_seconds: float = Field(
-        10.0,
+        default=10.0,
         ge=0,
         description="Survivors policy: time the surviving ranks take to save their state at a fault, added to drain "
         "(seconds).",
@@ -127,30 +130,33 @@ class Scenario(Strict):
 
     name: str = Field(description="Scenario name, printed with the results.")
     gpus: int = Field(gt=0, description="GPUs the job trains on at full size (GPUs).")
-    gpus_per_node: int = Field(8, gt=0, description="GPUs per node; a node is the unit of failure (GPUs).")
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree (GPUs per stage).")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree (stages per replica).")
+    gpus_per_node: int = Field(default=8, gt=0, description="GPUs per node; a node is the unit of failure (GPUs).")
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel degree (GPUs per stage).")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel degree (stages per replica).")
     dp: int = Field(ge=1, description="Data-parallel degree: model replicas (replicas).")
-    days: float = Field(54.0, gt=0, description="Wall-clock length of the run (days).")
+    days: float = Field(default=54.0, gt=0, description="Wall-clock length of the run (days).")
     failures: FailureModel = Field(description="Interruption rate and kinds.")
     costs: StageCosts = Field(default_factory=StageCosts, description="Cost of each recovery stage.")
     checkpoint: CheckpointModel = Field(default_factory=CheckpointModel, description="Checkpoint interval and costs.")
-    spare_nodes: int = Field(0, ge=0, description="Hot spare nodes held idle next to the job (nodes).")
-    repair_hours: float = Field(24.0, gt=0, description="Time until a failed node is back in the spare pool (hours).")
+    spare_nodes: int = Field(default=0, ge=0, description="Hot spare nodes held idle next to the job (nodes).")
+    repair_hours: float = Field(
+        default=24.0, gt=0, description="Time until a failed node is back in the spare pool (hours)."
+    )
     human_restart: Cost = Field(
         default_factory=lambda: Fixed(seconds=1200),
         description="Fault to training again when a person restarts the run (seconds).",
     )
-    min_dp: int = Field(1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
+    min_dp: int = Field(default=1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
     regrow: bool = Field(
-        True, description="When repaired or released nodes can hold a whole replica again, restart at a larger dp."
+        default=True,
+        description="When repaired or released nodes can hold a whole replica again, restart at a larger dp.",
     )
     policies: list[Literal["automatic", "survivors", "reshard-only", "wait-for-human"]] = Field(
         default_factory=lambda: list(POLICIES), description="Policies to compare."
     )
-    target_ettr: float = Field(0.9, gt=0, lt=1, description="ETTR the spare-count search aims for (fraction).")
-    repetitions: int = Field(200, ge=1, description="Monte Carlo repetitions per policy.")
-    seed: int = Field(0, ge=0, description="Random seed; the same seed gives the same numbers.")
+    target_ettr: float = Field(default=0.9, gt=0, lt=1, description="ETTR the spare-count search aims for (fraction).")
+    repetitions: int = Field(default=200, ge=1, description="Monte Carlo repetitions per policy.")
+    seed: int = Field(default=0, ge=0, description="Random seed; the same seed gives the same numbers.")
 
     @model_validator(mode="before")
     @classmethod

@@ -21,7 +21,7 @@ class RunRequest(Record):
 
     run_id: str = Field(description="Run id.")
     owner: Owner | None = Field(
-        None,
+        default=None,
         description=(
             "The workflow execution that asks; the activity acts only for the run's owner (schema/ownership.py). "
             "None from executions that began before runs had owners: no check."
@@ -49,14 +49,16 @@ class DetectInput(RunRequest):
     total_steps: int = Field(ge=1, description="Steps the run trains for; reaching them is completion.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval, hang threshold, progress interval.")
     regrow_nodes: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description=(
             "Return as soon as the pool has this many spares the run may take for a regrow (none that another run's "
             "recovery needs, within node_limit), read every capacity_poll_seconds; None: do not look."
         ),
     )
-    node_limit: int | None = Field(None, ge=1, description="Nodes the run may hold, active and quarantined (nodes).")
+    node_limit: int | None = Field(
+        default=None, ge=1, description="Nodes the run may hold, active and quarantined (nodes)."
+    )
     known_warnings: list[str] = Field(
         default_factory=list, description="Warnings the workflow has; a new one ends the watch, to be recorded."
     )
@@ -69,12 +71,12 @@ class DrainInput(RunRequest):
     nodes: NodeList = Field(description="Nodes to quarantine.")
     reason: str = Field(description="Why; recorded on the quarantined nodes.")
     save_grace_seconds: float = Field(
-        1.0,
+        default=1.0,
         ge=0,
         description="How long to let a checkpoint being written commit before the ranks are stopped (seconds).",
     )
     survivor_grace_seconds: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description=(
             "How long to let the surviving ranks save their state and end before they are stopped (seconds; 0: "
@@ -82,13 +84,14 @@ class DrainInput(RunRequest):
         ),
     )
     want: SpareWant | None = Field(
-        None, description="The run's need of the pool's spares, lodged before anything else (None: lodge nothing)."
+        default=None,
+        description="The run's need of the pool's spares, lodged before anything else (None: lodge nothing).",
     )
     detect_seconds: float = Field(
-        0.0, ge=0, description="The incident's fault-to-report time, for the detect metric (seconds)."
+        default=0.0, ge=0, description="The incident's fault-to-report time, for the detect metric (seconds)."
     )
     read_step: bool = Field(
-        False,
+        default=False,
         description=(
             "Look up the newest step a rank reported before stopping them: the fault came by signal or from an "
             "operator, and its step is only the workflow's last progress report."
@@ -103,16 +106,16 @@ class DrainResult(Record):
     stopped_ranks: RankList = Field(description="Ranks that were still alive and were killed.")
     removed_partial_checkpoints: list[int] = Field(description="Steps of half-written checkpoints deleted.")
     in_flight_checkpoint: int | None = Field(
-        None, description="Step of a checkpoint that was being written at the fault, if any."
+        default=None, description="Step of a checkpoint that was being written at the fault, if any."
     )
     in_flight_committed: bool = Field(
-        False, description="That checkpoint committed within the grace time (else it was discarded)."
+        default=False, description="That checkpoint committed within the grace time (else it was discarded)."
     )
     survivors: RankSteps = Field(
         default_factory=dict, description="Ranks that saved their state at the fault -> the step it holds."
     )
     step: int | None = Field(
-        None, description="With read_step: the newest step a rank reported before the stop (None: unknown)."
+        default=None, description="With read_step: the newest step a rank reported before the stop (None: unknown)."
     )
 
 
@@ -126,7 +129,7 @@ class ReplaceInput(RunRequest):
     decision: Decision = Field(description="Reschedule's decision.")
     old_assignment: Assignment = Field(description="Assignment of the failed incarnation.")
     fault_kind: str = Field(
-        "operator", description="Kind of the fault being recovered from; operator for an operator's restart."
+        default="operator", description="Kind of the fault being recovered from; operator for an operator's restart."
     )
 
 
@@ -137,17 +140,18 @@ class ResumeInput(RunRequest):
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval and hang thresholds while waiting.")
     steps_from: StepSource | None = Field(
-        "trainer",
+        default="trainer",
         description=(
             "Who reports steps: trainer (wait for a step past the checkpoint), output (wait for a reported step), "
             "None (wait until every rank runs: the script reports nothing)."
         ),
     )
     fault_step: int | None = Field(
-        None, description="The step the fault interrupted, as reported, for the lost-steps metric (None: unknown)."
+        default=None,
+        description="The step the fault interrupted, as reported, for the lost-steps metric (None: unknown).",
     )
     survivors_of: int | None = Field(
-        None,
+        default=None,
         description=(
             "The failed incarnation, when its survivors saved their state: restore from them if they hold a step "
             "newer than the newest checkpoint for every (pp, dp_shard, tp) place."
@@ -169,14 +173,20 @@ class ResumeResult(Record):
         default_factory=dict, description="Newer checkpoints not restored, with the reason (incomplete or corrupt)."
     )
     restored_from: RestoreSource | None = Field(
-        None, description="Where the restored state came from; None when the script restores its own."
+        default=None, description="Where the restored state came from; None when the script restores its own."
     )
     first_step_at: datetime | None = Field(
-        None, description="When every rank had completed its first step past the restored one (UTC)."
+        default=None, description="When every rank had completed its first step past the restored one (UTC)."
     )
-    fault: FaultReport | None = Field(None, description="A fault that hit the new incarnation before its first step.")
-    completed: bool = Field(False, description="The restored checkpoint was the last step: nothing left to train.")
-    step: int | None = Field(None, description="The step every reporting rank had completed when resume returned.")
+    fault: FaultReport | None = Field(
+        default=None, description="A fault that hit the new incarnation before its first step."
+    )
+    completed: bool = Field(
+        default=False, description="The restored checkpoint was the last step: nothing left to train."
+    )
+    step: int | None = Field(
+        default=None, description="The step every reporting rank had completed when resume returned."
+    )
 
 
 class StopInput(RunRequest):
@@ -186,7 +196,9 @@ class StopInput(RunRequest):
     total_steps: int = Field(ge=1, description="Steps the run trains for.")
     policy: RecoveryPolicy = Field(description="Heartbeat interval and hang thresholds while waiting.")
     timeout_seconds: float = Field(
-        120.0, gt=0, description="How long the ranks get to checkpoint and exit before they are killed (seconds)."
+        default=120.0,
+        gt=0,
+        description="How long the ranks get to checkpoint and exit before they are killed (seconds).",
     )
 
 
@@ -196,8 +208,8 @@ class StopResult(Record):
     step: int | None = Field(ge=0, description="Last step every rank completed; None when they report none.")
     checkpoint_step: int = Field(ge=0, description="Newest complete checkpoint after the stop (0: none).")
     clean: bool = Field(description="Every rank checkpointed and exited on its own (else they were killed).")
-    completed: bool = Field(False, description="The ranks had reached the last step anyway.")
-    reason: str = Field("", description="Why the stop was not clean.")
+    completed: bool = Field(default=False, description="The ranks had reached the last step anyway.")
+    reason: str = Field(default="", description="Why the stop was not clean.")
 
 
 class ReleaseInput(RunRequest):
@@ -233,17 +245,22 @@ class TakeOverResult(Record):
     """What the cluster holds of the run, as the new owner found it."""
 
     previous_owner: Owner | None = Field(
-        None, description="The execution the run was taken from; None if none held it."
+        default=None, description="The execution the run was taken from; None if none held it."
     )
     run_dir: str = Field(description="The run's directory.")
     assignment: Assignment | None = Field(
-        None, description="The newest incarnation's assignment; None when the run was never launched."
+        default=None, description="The newest incarnation's assignment; None when the run was never launched."
     )
-    launched: bool = Field(False, description="The newest incarnation's ranks were started (it has a launch record).")
-    ended: bool = Field(False, description="The backend ended the newest incarnation (a drain or a stop).")
+    launched: bool = Field(
+        default=False, description="The newest incarnation's ranks were started (it has a launch record)."
+    )
+    ended: bool = Field(default=False, description="The backend ended the newest incarnation (a drain or a stop).")
     stopped: bool = Field(
-        False, description="The newest incarnation was asked to checkpoint and stop (a pause, reshard or regrow)."
+        default=False,
+        description="The newest incarnation was asked to checkpoint and stop (a pause, reshard or regrow).",
     )
     quarantined: NodeList = Field(default_factory=list, description="Nodes the run holds out after faults.")
-    checkpoint_step: int = Field(0, ge=0, description="Step of the newest complete checkpoint (0: none).")
-    step: int | None = Field(None, ge=0, description="Newest step the newest incarnation's ranks reported, if any.")
+    checkpoint_step: int = Field(default=0, ge=0, description="Step of the newest complete checkpoint (0: none).")
+    step: int | None = Field(
+        default=None, ge=0, description="Newest step the newest incarnation's ranks reported, if any."
+    )

@@ -31,15 +31,17 @@ INCIDENT_BYTES_KEPT = 96 * 1024
 class IncidentTally(Record):
     """What the archived incidents add up to: counts and seconds, for the report and the UI."""
 
-    count: int = Field(0, ge=0, description="Incidents archived (numbers 1 .. count).")
+    count: int = Field(default=0, ge=0, description="Incidents archived (numbers 1 .. count).")
     outcomes: dict[str, int] = Field(default_factory=dict, description="Archived incidents per outcome.")
     kinds: dict[str, int] = Field(default_factory=dict, description="Archived incidents per fault kind.")
-    lost_steps: int | None = Field(0, ge=0, description="Steps trained again; None when one incident's is unknown.")
+    lost_steps: int | None = Field(
+        default=0, ge=0, description="Steps trained again; None when one incident's is unknown."
+    )
     recovery_seconds: float = Field(
-        0.0, ge=0, description="Sum of each archived incident's downtime: fault to first new step (seconds)."
+        default=0.0, ge=0, description="Sum of each archived incident's downtime: fault to first new step (seconds)."
     )
     stage_seconds: dict[str, float] = Field(default_factory=dict, description="Seconds in each stage, summed.")
-    mttr_seconds_max: float | None = Field(None, description="The longest MTTR among them (seconds).")
+    mttr_seconds_max: float | None = Field(default=None, description="The longest MTTR among them (seconds).")
 
     def add(self, incident: Incident, downtime_seconds: float) -> None:
         """Count one closed incident, whose fault-to-first-step downtime was `downtime_seconds`."""

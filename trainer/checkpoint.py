@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -71,8 +71,9 @@ def disk_error(error: BaseException) -> OSError | None:
         return error
     if isinstance(error, CheckpointException):
         causes = [failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()]
-        if causes and all(isinstance(cause, OSError) for cause in causes):
-            return causes[0]
+        on_disk = [cause for cause in causes if isinstance(cause, OSError)]
+        if causes and len(on_disk) == len(causes):
+            return on_disk[0]
     return None
 
 
@@ -89,7 +90,11 @@ class Checkpointer:
         self.keep = keep
         self.warn = warn or (lambda message: None)
         self.rank = dist.get_rank()
-        self.group = dist.new_group(backend="gloo") if asynchronous else None
+        self.group: dist.ProcessGroup | None = None
+        if asynchronous:
+            group = dist.new_group(backend="gloo")
+            assert isinstance(group, dist.ProcessGroup), "every rank is a member of the group"
+            self.group = group
         self._in_flight: tuple[int, Future, threading.Thread | None] | None = None
         self._commit_error: BaseException | None = None
 
@@ -101,13 +106,15 @@ class Checkpointer:
         writer = DiskFull(path) if planned_disk_full(step) else None
         if self.group is None:
             try:
-                dcp.save(state, checkpoint_id=path, storage_writer=writer)
+                state_dict_saver.save(state, checkpoint_id=path, storage_writer=writer)
             except (OSError, CheckpointException) as error:
                 self._failed(step, error)
                 return
             self._commit(step)
             return
-        future = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=self.group)
+        future = state_dict_saver.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=self.group)
+        # A response of two futures comes only from a stager that stages in the background; the default stages first.
+        assert isinstance(future, Future), "the default stager's save is one future"
         committer = None
         if self.rank == 0:
             # Hashing the files and writing the marker happen off the training thread too.
@@ -181,7 +188,7 @@ class Checkpointer:
 def load(run: RunDir, model, optimizer, step: int) -> dict:
     """Restore model, optimizer and RNG from checkpoint `step`, whatever dp wrote it; returns its progress."""
     state = _state(model, optimizer, 0, 0)
-    dcp.load(state, checkpoint_id=run.checkpoint(step))
+    state_dict_loader.load(state, checkpoint_id=run.checkpoint(step))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
     torch.set_rng_state(state["rng"])
     progress = state["progress"]

@@ -134,6 +134,6 @@ class IdleWatch:
         output = _log_state(self.run.log_file(self.incarnation, rank))
         idle_for = now - seen.since if seen.since is not None else 0.0
         allowed = IDLE_CPU_TICKS + IDLE_CPU_SHARE * idle_for * TICKS_PER_SECOND
-        if seen.since is None or output != seen.output or ticks - seen.ticks > allowed:
+        if seen.since is None or seen.ticks is None or output != seen.output or ticks - seen.ticks > allowed:
             seen.output, seen.ticks, seen.since = output, ticks, now
         return seen.since

@@ -66,10 +66,12 @@ class GPT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.token_embedding is not None:
+            assert self.position_embedding is not None, "the first stage has both embeddings (cut_to_stage)"
             x = self.token_embedding(x) + self.position_embedding(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:
+            assert self.ln_out is not None, "the last stage has the final norm and the head (cut_to_stage)"
             x = self.head(self.ln_out(x))
         return x
 

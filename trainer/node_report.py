@@ -19,6 +19,7 @@ from lazarus.schema.contract import ContractError, RankObservation, read_exit, r
 from lazarus.schema.files import lock_is_held
 from lazarus.schema.node_reports import NodeReport, write_node_report
 from lazarus.schema.rundir import RunDir
+from lazarus.trainer.health_check import HealthCheck
 from lazarus.trainer.idle import IdleWatch
 from lazarus.trainer.stacks import StackOrders
 
@@ -41,7 +42,7 @@ class NodeReporter:
         self.launched: set[int] = set()  # ranks this node's launchers started
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._loop, name="node-report", daemon=True)
-        self.health = None  # the node's HealthCheck (trainer/health_check.py), where the spec names one
+        self.health: HealthCheck | None = None  # where the spec names one (trainer/health_check.py)
         # A busy rank's idle_since moves at every sample, and with it the report: a sample per
         # interval adds no write to those the interval makes anyway (past a 1 s interval, one a second).
         self.idle = IdleWatch(run, incarnation, min(interval, IDLE_SAMPLE_MAX_SECONDS))

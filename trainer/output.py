@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazarus.schema.contract import Heartbeat, read_heartbeat, write_heartbeat
+from lazarus.schema.contract import Heartbeat, Phase, read_heartbeat, write_heartbeat
 from lazarus.schema.run import FaultInjection, TrainerSettings
 from lazarus.schema.rundir import RunDir
 
@@ -67,7 +67,7 @@ class RankOutput:
     advanced_at: float | None = None  # when a step above first_step was first read
     partial_read: bytes = b""  # the unended line last read as it stood (a progress bar's newest redraw)
     phases: dict[str, float] = field(default_factory=dict)
-    phase: str = "starting"  # the phase of the newest heartbeat the launcher wrote
+    phase: Phase = "starting"  # the phase of the newest heartbeat the launcher wrote
     beat_at: float | None = None  # when the launcher last wrote the rank's heartbeat
     warning: str | None = None  # trainer.progress_pattern matched none of the rank's lines
     reports_itself: bool = False
@@ -223,7 +223,7 @@ class OutputWatch:
             at = now
         self._beat(output, output.phase, at)
 
-    def _beat(self, output: RankOutput, phase: str, now: float) -> None:
+    def _beat(self, output: RankOutput, phase: Phase, now: float) -> None:
         """Write the rank's heartbeat, unless the rank writes its own."""
         if not self.trainer.output_heartbeats or output.reports_itself:
             return
@@ -261,6 +261,7 @@ class OutputWatch:
         if fault.after_seconds is not None:
             due = time.time() - min(o.started for o in self.ranks.values()) >= fault.after_seconds
         else:
+            assert fault.step is not None, "a planned fault gives a step or after_seconds (FaultInjection)"
             due = fault.point == "step" and any(
                 not o.reports_itself and o.step is not None and o.step >= fault.step - 1 for o in self.ranks.values()
             )

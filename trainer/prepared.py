@@ -12,6 +12,8 @@ Nothing here starts a thread: the standby stays safe to fork (trainer/standby.py
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lazarus.schema.contract import read_survivor
@@ -19,7 +21,10 @@ from lazarus.schema.run import TrainerSettings
 from lazarus.schema.rundir import RunDir
 from lazarus.trainer.survivors import read_state
 
-_model: tuple[tuple, object, torch.Tensor] | None = None
+if TYPE_CHECKING:
+    from lazarus.trainer.model import GPT
+
+_model: tuple[tuple, GPT, torch.Tensor] | None = None
 """(the settings it was built for, the whole GPT, the RNG state right after building it)."""
 
 _states: dict[tuple[int, int], tuple[str, dict]] = {}
@@ -37,7 +42,7 @@ def _model_key(settings: TrainerSettings) -> tuple:
     )
 
 
-def whole_model(settings: TrainerSettings):
+def whole_model(settings: TrainerSettings) -> tuple[GPT, torch.Tensor]:
     """The whole GPT built from the run's seed, and the RNG state just after; the prepared one
     the first time a forked rank asks (it is then its own), else a new one."""
     global _model

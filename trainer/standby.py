@@ -159,7 +159,7 @@ def _run_in_place(command: list[str], env: dict) -> int:
     # What interpreter shutdown would do (as multiprocessing's forked children do): wait for
     # non-daemon threads (an async checkpoint's writer), run atexit hooks, flush.
     try:
-        threading._shutdown()
+        threading._shutdown()  # pyright: ignore[reportAttributeAccessIssue] - private: typeshed leaves it out
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - as above: the exit code says it failed
         traceback.print_exc()
@@ -214,45 +214,49 @@ def launch_order(run: RunDir, node: str, order: dict, private_fds: list[int], ch
         return pid
     code = 1
     try:
-        os.setsid()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the launcher waits for its ranks itself
-        for fd in private_fds:
-            os.close(fd)
-        incarnation, index = int(order["incarnation"]), int(order["node_index"])
-        log_path = run.incarnation(incarnation) / "nodes" / f"{index}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        from lazarus.trainer.launcher import launch_node
-
-        node_lock = take_lock(run.node_lock_file(incarnation, index))
-        if node_lock is None:
-            code = 0  # this node's launcher runs already (a repeated order)
-            return
-        # The backend marks an incarnation ended, or the node dead, before it kills their
-        # processes; this launcher took its lock first, so either it sees the mark here or the
-        # backend sees the lock and kills it.
-        pool = (read_json(run.pool_file) or {}) if checks_pool else {"nodes": [{"name": node}]}
-        usable = {n["name"]: n.get("healthy", True) and n.get("role") != "quarantined" for n in pool.get("nodes", [])}
-        if run.ended_file(incarnation).exists() or not usable.get(node, False):
-            print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
-            code = 0
-            return
-        env = {
-            **os.environ,
-            ENV_INCARNATION: str(incarnation),
-            ENV_NODE_INDEX: str(index),
-            ENV_RESUME_STEP: str(order["resume_step"]),
-        }
-        code = launch_node(run, incarnation, index, env, start_rank=fork_starter([node_lock]))
+        code = _forked_launcher(run, node, order, private_fds, checks_pool)
     except BaseException:  # noqa: BLE001 - a forked launcher ends here, whatever happened
         traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _forked_launcher(run: RunDir, node: str, order: dict, private_fds: list[int], checks_pool: bool) -> int:
+    """launch_order's child: the launcher in a session of its own, its output to the node's log;
+    returns its exit code."""
+    os.setsid()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the launcher waits for its ranks itself
+    for fd in private_fds:
+        os.close(fd)
+    incarnation, index = int(order["incarnation"]), int(order["node_index"])
+    log_path = run.incarnation(incarnation) / "nodes" / f"{index}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    from lazarus.trainer.launcher import launch_node
+
+    node_lock = take_lock(run.node_lock_file(incarnation, index))
+    if node_lock is None:
+        return 0  # this node's launcher runs already (a repeated order)
+    # The backend marks an incarnation ended, or the node dead, before it kills their
+    # processes; this launcher took its lock first, so either it sees the mark here or the
+    # backend sees the lock and kills it.
+    pool = (read_json(run.pool_file) or {}) if checks_pool else {"nodes": [{"name": node}]}
+    usable = {n["name"]: n.get("healthy", True) and n.get("role") != "quarantined" for n in pool.get("nodes", [])}
+    if run.ended_file(incarnation).exists() or not usable.get(node, False):
+        print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
+        return 0
+    env = {
+        **os.environ,
+        ENV_INCARNATION: str(incarnation),
+        ENV_NODE_INDEX: str(index),
+        ENV_RESUME_STEP: str(order["resume_step"]),
+    }
+    return launch_node(run, incarnation, index, env, start_rank=fork_starter([node_lock]))
 
 
 def _follow(run: RunDir, node: str, order: dict, private_fds: list[int], prepares: bool) -> None:

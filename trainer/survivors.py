@@ -25,14 +25,17 @@ from lazarus.trainer.session import maybe_fail
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank's own values of a parameter or optimizer state (a DTensor's local shard)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` as a value of the same kind as `param`: a DTensor on its mesh if `param` is one."""
-    if not hasattr(param, "to_local") or local.dim() == 0:
-        return local
     from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or local.dim() == 0:
+        return local
 
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()

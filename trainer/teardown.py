@@ -5,6 +5,7 @@ forks; a rank exec'd cold is a fresh interpreter, as under torchrun."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 _KEPT_GROUPS: list = []
 """Process groups a forked rank's script destroyed, kept from their C++ destructors: see keep_destroyed_groups."""
@@ -22,8 +23,10 @@ def keep_destroyed_groups() -> None:
     the free, so it shows under CPU contention, for fresh processes under torchrun too. A forked
     rank ends with os._exit, so a group kept here is never destroyed at all; the group is still
     shut down and unregistered as torch does."""
-    distributed = sys.modules.get("torch.distributed")
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    # Looked up, not imported (a script that never imports them needs no patch): torch's modules,
+    # whose functions this replaces.
+    distributed: Any = sys.modules.get("torch.distributed")
+    c10d: Any = sys.modules.get("torch.distributed.distributed_c10d")
     if distributed is None or c10d is None or not distributed.is_available():
         return
     destroy = c10d.destroy_process_group
@@ -36,6 +39,6 @@ def keep_destroyed_groups() -> None:
         _KEPT_GROUPS.extend(g for g in groups if g is not None)
         return destroy(group)
 
-    destroy_process_group.keeps_groups = True
+    destroy_process_group.keeps_groups = True  # pyright: ignore[reportFunctionMemberAccess] - the patched one's mark
     destroy_process_group.__doc__ = destroy.__doc__
     c10d.destroy_process_group = distributed.destroy_process_group = destroy_process_group

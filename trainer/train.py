@@ -105,6 +105,7 @@ class Trainer:
 
     def _parallelize(self) -> None:
         """Split each block over the tp ranks, then shard everything over the dp_shard ranks (FSDP2)."""
+        mesh = self.mesh
         if self.layout.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
@@ -113,17 +114,19 @@ class Trainer:
             # Every rank built the whole model from the same seed, so each takes its slice of
             # each matrix from its own copy instead of a scatter from tp rank 0 per matrix (the
             # default; 0.1 to 0.2 s of a 16-rank start here).
+            assert mesh is not None, "tp above 1 is a dimension of the mesh"
             for block in self.model.blocks.values():
-                parallelize_module(block, self.mesh["tp"], tensor_parallel_plan(), src_data_rank=None)
+                parallelize_module(block, mesh["tp"], tensor_parallel_plan(), src_data_rank=None)
         if self.layout.dp_shard > 1:
             from torch.distributed.fsdp import fully_shard
 
+            assert mesh is not None, "dp_shard above 1 is a dimension of the mesh"
             # One FSDP unit for the stage: one all-gather forward, one reduce-scatter backward.
-            fully_shard(self.model, mesh=self.mesh["dp_shard"])
+            sharded = fully_shard(self.model, mesh=mesh["dp_shard"])  # the model itself, now an FSDPModule
             # Sum, not mean, over the shard group: the loss already divides by the global batch.
             # A plain SUM: gloo has no PREMUL_SUM, which a custom factor would otherwise use.
-            self.model.set_gradient_divide_factor(1.0)
-            self.model.set_force_sum_reduction_for_comms(True)
+            sharded.set_gradient_divide_factor(1.0)
+            sharded.set_force_sum_reduction_for_comms(True)
 
     def _pipeline_schedule(self):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -133,6 +136,7 @@ class Trainer:
         wanted = self.settings.microbatches or 2 * self.layout.pp
         share_size = len(self.offsets)
         microbatches = max(n for n in range(1, min(wanted, share_size) + 1) if share_size % n == 0)
+        assert self.mesh is not None, "pp above 1 is a dimension of the mesh"
         stage = PipelineStage(self.model, self.stage, self.layout.pp, self.device, group=self.mesh["pp"].get_group())
         # Gradients stay sums over microbatches; the loss already divides by the global batch.
         return Schedule1F1B(stage, microbatches, loss_fn=self.loss, scale_grads=False)
@@ -191,8 +195,13 @@ class Trainer:
         other layout sums them over the world, where only rank 0 asks and one rank per
         data-parallel share reports a loss.
         """
+        from torch.distributed.tensor import DTensor
+
         torch, dist = self.torch, self.dist
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.params]
+        grads = []
+        for p in self.params:
+            assert p.grad is not None, "the backward pass gave every parameter a gradient"
+            grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
         tail = torch.tensor(
             [1.0 if stop_requested else 0.0, 0.0 if local_loss is None else local_loss.item()], device=self.device
         )

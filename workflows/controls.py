@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
@@ -39,6 +40,8 @@ with workflow.unsafe.imports_passed_through():
         Decision,
         FaultReport,
         Intervention,
+        InterventionKind,
+        OperatorUpdate,
         RunStart,
         RunState,
         RunStatus,
@@ -51,14 +54,16 @@ from lazarus.workflows import inputs
 from lazarus.workflows.inputs import expect
 from lazarus.workflows.stage_calls import RunAborted, RunFailed, call_stage
 
+Request = TypeVar("Request", bound=ControlRequest)
+
 
 @dataclass
-class Pending:
+class Pending(Generic[Request]):
     """An accepted operator request, waiting for the run loop to carry it out."""
 
     intervention: Intervention
-    request: ControlRequest
-    carry_out: Callable[[Pending], Awaitable[bool]]
+    request: Request
+    carry_out: Callable[[Pending[Request]], Awaitable[bool]]
     """The method that carries the request out; it returns True when training is done."""
     error: str | None = None
     done: bool = False
@@ -73,8 +78,8 @@ class OperatorControls:
 
     def __init__(self) -> None:
         self._reported: list[FaultSignal] = []
-        self._queue: list[Pending] = []  # waiting for the run loop, oldest first
-        self._outstanding: list[Pending] = []  # accepted and not yet answered
+        self._queue: list[Pending[Any]] = []  # waiting for the run loop, oldest first
+        self._outstanding: list[Pending[Any]] = []  # accepted and not yet answered
         self._approval: ApproveRequest | None = None
         self._inventory_changed = False
         self._returning: set[str] = set()
@@ -84,7 +89,9 @@ class OperatorControls:
 
     @property
     def _policy(self) -> RecoveryPolicy:
-        return self._status.policy
+        policy = self._status.policy
+        assert policy is not None, "TrainingRun.__init__ sets it"
+        return policy
 
     # --- what TrainingRun provides ------------------------------------------------------
 
@@ -102,6 +109,7 @@ class OperatorControls:
 
     async def _stage(self, name: str, method, request, incident=None):
         """Run a stage's activity, timed on `incident` when given (TrainingRun)."""
+        raise NotImplementedError
 
     # --- query and signal ---------------------------------------------------------------
 
@@ -267,7 +275,7 @@ class OperatorControls:
         """Whether a request of this kind was accepted and is not answered yet."""
         return any(p.intervention.kind == kind for p in self._outstanding)
 
-    def _intervene(self, kind: str, detail: str) -> Intervention:
+    def _intervene(self, kind: InterventionKind, detail: str) -> Intervention:
         intervention = Intervention(kind=kind, detail=detail, requested_at=workflow.now())
         self._status.interventions.append(intervention)
         return intervention
@@ -278,7 +286,11 @@ class OperatorControls:
         return OperatorAnswer(message=message or outcome, state=self._status.state.value)
 
     async def _queue_and_wait(
-        self, kind: str, request: ControlRequest, detail: str, carry_out: Callable[[Pending], Awaitable[bool]]
+        self,
+        kind: OperatorUpdate,
+        request: Request,
+        detail: str,
+        carry_out: Callable[[Pending[Request]], Awaitable[bool]],
     ) -> OperatorAnswer:
         """Queue a request for the run loop and wait until it was carried out."""
         pending = Pending(self._intervene(kind, detail), request, carry_out)
@@ -290,13 +302,13 @@ class OperatorControls:
         # The state once the run loop has moved on: what the request left the run in.
         return OperatorAnswer(message=pending.intervention.outcome, state=self._status.state.value)
 
-    def _finish(self, pending: Pending, outcome: str) -> None:
+    def _finish(self, pending: Pending[Any], outcome: str) -> None:
         pending.intervention.done_at = workflow.now()
         pending.intervention.outcome = outcome
         pending.done = True
         self._outstanding.remove(pending)
 
-    def _refuse(self, pending: Pending, why: str, outcome: str | None = None) -> bool:
+    def _refuse(self, pending: Pending[Any], why: str, outcome: str | None = None) -> bool:
         pending.error = why
         pending.intervention.outcome = outcome or f"refused: {why}"
         pending.done = True
@@ -322,8 +334,9 @@ class OperatorControls:
         pending = self._queue.pop(0)
         return await pending.carry_out(pending)
 
-    async def _pause_now(self, pending: Pending) -> bool:
+    async def _pause_now(self, pending: Pending[PauseRequest]) -> bool:
         stopped = await self._stop_ranks(f"pause: {pending.request.reason}")
+        assert stopped is not None, "pause is accepted only while the run trains"
         self._enter(RunState.PAUSED)
         if stopped.step is None:
             self._finish(pending, "paused; the ranks were ended (the script reports no steps)")
@@ -331,8 +344,9 @@ class OperatorControls:
             self._finish(pending, f"paused at step {stopped.step}, checkpoint step-{stopped.checkpoint_step}")
         return False
 
-    async def _resume_now(self, pending: Pending) -> bool:
+    async def _resume_now(self, pending: Pending[ResumeRequest]) -> bool:
         held = self._status.assignment
+        assert held is not None, "a paused run holds its nodes"
         decision = Decision(
             action="replace", nodes=held.nodes, layout=held.layout, reason="operator resume on the held nodes"
         )
@@ -340,14 +354,15 @@ class OperatorControls:
         self._finish(pending, f"resumed: {self._status.state.value}")
         return done
 
-    async def _abort_now(self, pending: Pending) -> bool:
+    async def _abort_now(self, pending: Pending[AbortRequest]) -> bool:
         reason = pending.request.reason
         stopped = await self._stop_ranks(f"abort: {reason}")
         kept = f"; checkpoint step-{stopped.checkpoint_step} kept" if stopped else ""
         raise RunAborted(f"aborted by an operator: {reason or 'no reason given'}{kept}")
 
-    async def _drain_node_now(self, pending: Pending) -> bool:
+    async def _drain_node_now(self, pending: Pending[DrainNodeRequest]) -> bool:
         request, status = pending.request, self._status
+        assert status.assignment is not None, "the run loop launches before it carries requests out"
         if request.node not in status.assignment.nodes:
             return self._refuse(pending, f"{request.node} left the assignment before its drain ran")
         now = workflow.now()
@@ -364,8 +379,9 @@ class OperatorControls:
         self._finish(pending, f"incident {status.incidents[-1].number}: {status.incidents[-1].outcome}")
         return done
 
-    async def _reshard_now(self, pending: Pending) -> bool:
+    async def _reshard_now(self, pending: Pending[ReshardRequest]) -> bool:
         request, status = pending.request, self._status
+        assert status.assignment is not None, "the run loop launches before it carries requests out"
         reading = RescheduleInput(run_id=status.run_id)
         inventory = await call_stage(self._policy, "reschedule", RecoveryActivities.reschedule, reading)
         decision = plan_operator_reshard(inventory, status.assignment, request.dp, self._start.spec.layout.dp)
@@ -383,6 +399,7 @@ class OperatorControls:
         status = self._status
         if status.state == RunState.PAUSED:
             return None
+        assert status.assignment is not None, "a run that is not paused runs an incarnation"
         self._enter(RunState.STOPPING)
         request = StopInput(
             run_id=status.run_id,

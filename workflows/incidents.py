@@ -60,7 +60,11 @@ class Incidents:
     """Opening and archiving the run's incidents."""
 
     _status: RunStatus
-    _policy: RecoveryPolicy
+
+    @property
+    def _policy(self) -> RecoveryPolicy:
+        """The recovery policy in force (OperatorControls)."""
+        raise NotImplementedError
 
     async def _archive_old_incidents(self) -> None:
         """Keep the carried status small: once it holds too many incidents, the oldest closed ones
@@ -103,6 +107,7 @@ class Incidents:
             raise RunFailed(f"the training program failed: {fault.reason}{tail}")
         if status.incident_count >= self._policy.max_incidents:
             raise RunFailed(f"fault after {status.incident_count} recoveries (recovery.max_incidents): {fault.reason}")
+        assert status.assignment is not None, "the run loop launches before it recovers"
         incident = Incident(
             number=status.incident_count + 1,
             fault=fault,

@@ -29,7 +29,11 @@ class Regrowing:
     _start: RunStart
     _status: RunStatus
     _next_fault: FaultReport | None
-    _policy: RecoveryPolicy
+
+    @property
+    def _policy(self) -> RecoveryPolicy:
+        """The recovery policy in force (OperatorControls)."""
+        raise NotImplementedError
 
     async def _stage(self, name: str, method, request, incident: Incident | Regrowth | None = None):
         """Run a stage's activity and record its timing (TrainingRun)."""
@@ -60,6 +64,7 @@ class Regrowing:
     async def _regrow(self) -> bool:
         """Grow back into the pool's nodes; True when training is done."""
         status = self._status
+        assert status.assignment is not None, "only a launched run regrows (_regrow_watch)"
         regrowth = Regrowth(
             number=len(status.regrowths) + 1,
             started_at=workflow.now(),

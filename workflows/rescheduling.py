@@ -36,7 +36,11 @@ class Rescheduling:
     _status: RunStatus
     _approval: ApproveRequest | None
     _inventory_changed: bool
-    _policy: RecoveryPolicy
+
+    @property
+    def _policy(self) -> RecoveryPolicy:
+        """The recovery policy in force (OperatorControls)."""
+        raise NotImplementedError
 
     def _enter(self, state: RunState) -> None:
         """Move the run to `state`, as the state machine allows (TrainingRun)."""
@@ -79,10 +83,12 @@ class Rescheduling:
         """What the fault makes the run need of the pool's spares (None for runs from before the shared pool)."""
         if not workflow.patched(SHARED_SPARES_PATCH):
             return None
+        assert self._status.assignment is not None, "the run loop launches before it recovers"
         return spare_want(self._status.run_id, self._status.assignment, fault, self._start.spec.cluster.priority)
 
     def _plan(self, inventory: Inventory, fault: FaultReport, min_dp: int) -> Decision:
         assignment, target, cluster = self._status.assignment, self._start.spec.layout.dp, self._start.spec.cluster
+        assert assignment is not None, "the run loop launches before it recovers"
         want = self._want(fault)
         limit = cluster.active_nodes + cluster.spare_nodes if want is not None else None
         decision = plan_recovery(
@@ -130,6 +136,7 @@ class Rescheduling:
             self._status.awaiting_approval = None
         self._check_abort()
         approval, self._approval = self._approval, None
+        assert approval is not None, "only an abort ends the wait without an approval (_check_abort)"
         self._enter(RunState.RESCHEDULING)
         return approval
 

@@ -11,12 +11,22 @@ no rank is started twice. A mixin of TrainingRun.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
     from lazarus.schema.policy import RecoveryPolicy
-    from lazarus.schema.records import FaultReport, Intervention, RankProgress, RunStart, RunState, RunStatus
+    from lazarus.schema.records import (
+        FaultReport,
+        Intervention,
+        InterventionKind,
+        RankProgress,
+        RunStart,
+        RunState,
+        RunStatus,
+    )
     from lazarus.schema.stages import ResumeResult, TakeOverInput, TakeOverResult
 
 from lazarus.workflows.progress import take_progress
@@ -28,14 +38,18 @@ class TakingOver:
 
     _start: RunStart
     _status: RunStatus
-    _policy: RecoveryPolicy
     _next_fault: FaultReport | None
+
+    @property
+    def _policy(self) -> RecoveryPolicy:
+        """The recovery policy in force (OperatorControls)."""
+        raise NotImplementedError
 
     def _enter(self, state: RunState) -> None:
         """Move the run to `state` (TrainingRun)."""
         raise NotImplementedError
 
-    def _intervene(self, kind: str, detail: str) -> Intervention:
+    def _intervene(self, kind: InterventionKind, detail: str) -> Intervention:
         """Record an intervention (OperatorControls)."""
         raise NotImplementedError
 
@@ -54,6 +68,7 @@ class TakingOver:
         answer (the run belongs to an earlier workflow and nobody asked to adopt it) fails the run
         with the refusal's reason."""
         me = calling_execution()
+        kind: Literal["reset", "adopt"]
         if changed is None:
             kind, previous = "adopt", None
         else:

@@ -354,6 +354,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         an operator's restart (no incident): claim the decision's nodes and write the next assignment,
         start it from the newest complete checkpoint. TRAINING again unless a fault hit it first."""
         status = self._status
+        assert status.assignment is not None, "the run loop launches before it replaces"
         self._enter(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
         placing = ReplaceInput(
             run_id=status.run_id, decision=decision, old_assignment=status.assignment, fault_kind=fault_kind

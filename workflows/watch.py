@@ -33,9 +33,11 @@ async def watch(
     blames one of its nodes (that report is used up and returned as an external fault) or when
     `interrupted()` (None: the caller has something to do first). With `regrow_nodes`, its report
     says whether the pool has that many spares for the run (DetectInput)."""
+    assignment = status.assignment
+    assert assignment is not None, "the run loop launches before it watches"
     request = DetectInput(
         run_id=status.run_id,
-        incarnation=status.assignment.incarnation,
+        incarnation=assignment.incarnation,
         total_steps=status.total_steps,
         policy=policy,
         regrow_nodes=regrow_nodes,
@@ -69,7 +71,7 @@ async def watch(
     fault = FaultReport(
         kind="external",
         nodes=report.nodes,
-        incarnation=status.assignment.incarnation,
+        incarnation=assignment.incarnation,
         occurred_at=report.occurred_at or now,
         detected_at=now,
         step=status.step,

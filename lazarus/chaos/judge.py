@@ -4,6 +4,7 @@ one row of the matrix."""
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def judge(
     reference: dict[int, float],
     committed: dict[int, tuple[float, int]],
     gone: dict[int, float],
-    corrupted: set[int] = frozenset(),
+    corrupted: Collection[int] = frozenset(),
 ) -> Row:
     """The matrix row of a scenario whose run ended with `status`."""
     row = Row(scenario=name, state=status.state.value, incidents=len(status.incidents))

@@ -81,6 +81,7 @@ def disk_full_checks(trial: Trial, status, lost: int) -> list[str]:
     """The checkpoint the full disk failed never counted, the recovery took the one before it, and
     the operator was told."""
     notes = []
+    assert trial.watch is not None, "the trial started"
     # The next incarnation trains that step again and commits it: only the first one's counts here.
     if trial.watch.committed.get(lost, (None, None))[1] == 0:
         notes.append(f"FAIL the checkpoint of step {lost}, written to a full disk, was committed")
@@ -106,8 +107,8 @@ async def run_scenario(
     kills neither its worker nor its server), on the local backend or the Slurm cluster `slurm`;
     its row of the matrix."""
     started = time.monotonic()
-    own = shared is None or scenario.own_bed
-    bed = ChaosBed(folder, slurm) if own else shared
+    bed = shared if shared is not None and not scenario.own_bed else ChaosBed(folder, slurm)
+    own = bed is not shared
     trial = None
     try:
         if own:
@@ -115,6 +116,7 @@ async def run_scenario(
             bed.start_worker(*scenario.failpoints)
         trial = Trial(bed, scenario.spec_for(spec, kill_at), f"chaos-{scenario.name}-{uuid.uuid4().hex[:4]}")
         await trial.start()
+        assert trial.watch is not None, "start() made it"
         await scenario.act(trial, kill_at)
         status = await trial.outcome()
         trial.watch.stop()

@@ -156,6 +156,7 @@ class Trial:
 
     async def outcome(self, timeout: float = 600.0) -> RunStatus:
         """The run's final status, waiting out servers that are down and workers that are gone."""
+        assert self.client is not None and self.handle is not None, "start() connected and started the run"
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -56,7 +56,7 @@ def positive_int(value: str) -> int:
     return number
 
 
-def load_run_spec(path: str):
+def load_run_spec(path: str | Path):
     """The run spec at `path`, its relative paths taken from the folder the command runs in
     (lazarus/local_paths.py); a bad one is the user's mistake, said in one line."""
     from lazarus.local_paths import anchor_paths

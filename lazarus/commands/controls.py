@@ -181,6 +181,9 @@ async def send_update(args: argparse.Namespace, settings: Settings) -> int:
     sent = ""
     try:
         task_queue = await running_task_queue(handle, args)
+    except RPCError as error:
+        raise UserError(f"{args.run_command}: run {args.run_id}: {error.message}") from None
+    try:
         why = await unserved.why_unserved(client, args.run_id, task_queue)
         if why is None:
             update = await handle.start_update(

@@ -82,14 +82,14 @@ async def return_node(args: argparse.Namespace, settings: Settings) -> int:
     node = pool.read().node(args.node)
     if node is None:
         raise UserError(f"the pool under {settings.home} has no node {args.node} (`lazarus pool` lists them)")
-    if node.role == "quarantined" and node.owner and await _told_the_run(node.owner, node.name, settings):
-        print(f"{node.name} is a free spare again (returned through run {node.owner})")
+    quarantined_by = node.owner if node.role == "quarantined" else None
+    if quarantined_by and await _told_the_run(quarantined_by, node.name, settings):
+        print(f"{node.name} is a free spare again (returned through run {quarantined_by})")
         return 0
-    quarantined_on_slurm = node.role == "quarantined" and node.owner and _backend_of(settings, node.owner) == "slurm"
     try:
-        if quarantined_on_slurm:
+        if quarantined_by and _backend_of(settings, quarantined_by) == "slurm":
             # The run that drained it in Slurm has ended: it is resumed there, then freed here.
-            slurm_cluster(settings).return_node(node.owner, node.name)
+            slurm_cluster(settings).return_node(quarantined_by, node.name)
             print(f"{node.name} is a free spare again (resumed in Slurm)")
             return 0
         pool.return_node(node.name)

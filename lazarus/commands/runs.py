@@ -231,7 +231,7 @@ async def list_runs(args: argparse.Namespace, settings: Settings) -> int:
                 worker = "serving" if served[execution.task_queue] else "none"
             runs.add_row(
                 execution.id,
-                execution.status.name.lower(),
+                execution.status.name.lower() if execution.status else "-",
                 str((attributes.get("LazarusState") or ["-"])[0]),
                 str((attributes.get("LazarusIncidents") or ["-"])[0]),
                 worker,

@@ -47,6 +47,7 @@ async def run_start(client, run_id: str):
             launched = start.carried is not None
         if launched or event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
             return start, True
+    assert start is not None, "a workflow's history begins with its start"
     return start, launched
 
 
