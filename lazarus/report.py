@@ -79,8 +79,7 @@ def summarize(status: RunStatus, now: datetime | None = None) -> dict:
     # A script that reports no steps leaves lost steps and the step time unknown: they are left
     # out of the bill (None), never guessed.
     lost = [tally.lost_steps] + [incident.lost_steps for incident in status.incidents]
-    known = [steps for steps in lost if steps is not None]
-    lost_steps = sum(known) if len(known) == len(lost) else None
+    lost_steps = None if None in lost else sum(steps for steps in lost if steps is not None)
     training = max(wall - sum(recoveries) - paused - regrowing, 0.0)
     steps_trained = None if status.step is None or lost_steps is None else status.step + lost_steps
     step_seconds = training / steps_trained if steps_trained else None

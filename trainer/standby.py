@@ -250,13 +250,12 @@ def _forked_launcher(run: RunDir, node: str, order: dict, private_fds: list[int]
     if run.ended_file(incarnation).exists() or not usable.get(node, False):
         print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
         return 0
-    env = {
-        **os.environ,
+    order_env = {
         ENV_INCARNATION: str(incarnation),
         ENV_NODE_INDEX: str(index),
         ENV_RESUME_STEP: str(order["resume_step"]),
     }
-    return launch_node(run, incarnation, index, env, start_rank=fork_starter([node_lock]))
+    return launch_node(run, incarnation, index, {**os.environ, **order_env}, start_rank=fork_starter([node_lock]))
 
 
 def _follow(run: RunDir, node: str, order: dict, private_fds: list[int], prepares: bool) -> None:
