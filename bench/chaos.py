@@ -1,7 +1,7 @@
 """The chaos matrix: each fault of lazarus/chaos/scenarios.py broken into a real run, one row each.
 
     .venv/bin/python bench/chaos.py [--only NAME[,NAME...]] [--spec examples/demo.yaml] [--kill-at-step N]
-                                    [--json] [--keep DIR] [--list]
+                                    [--json] [--keep DIR] [--list] [--markdown [PATH]]
 
 Every scenario runs on a bed of its own: a Temporal dev server (a process on one SQLite file, so it
 can be SIGKILLed and come back with its workflows), `lazarus worker` processes, the local backend
@@ -24,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
+
+from bench import perf_page
 from lazarus.chaos.judge import train_without_fault
 from lazarus.chaos.run import run_scenario
 from lazarus.chaos.scenarios import BY_NAME, SCENARIOS
@@ -32,6 +35,15 @@ from lazarus.local_paths import anchor_paths
 from lazarus.schema import load_spec
 from lazarus.schema.load import SpecError
 
+PAGE_TITLE = "Chaos matrix"
+ABOUT = """Each fault of the chaos scenarios is broken into a real run, on a bed of its own: a Temporal
+dev server (a process on one SQLite file, so it can be SIGKILLed and come back with its workflows),
+`lazarus worker` processes, the local backend and the real trainer. A row says whether the run
+recovered, how many incidents and new incarnations it took, how many rank processes were started
+more than once, how many spares were claimed (and claimed twice), how many complete checkpoints a
+recovery lost, whether the losses equal those of the same spec trained without a fault (bit for
+bit; within 1e-4 relative after a reshard), each incident's MTTR (the fault to the first new
+training step) and what each recovery restored from. *passed* holds all of that at once."""
 COLUMNS = ["recovered", "incidents", "new_incarnations", "duplicate_starts", "spares_claimed", "double_claims"]
 
 
@@ -45,6 +57,7 @@ def parse_args() -> argparse.Namespace:
         "--keep", type=Path, metavar="DIR", help="keep every scenario's bed (logs, run files) under DIR"
     )
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     if args.list:
         for scenario in SCENARIOS:
@@ -73,22 +86,28 @@ async def matrix(args: argparse.Namespace, spec, kill_at: int, root: Path, say) 
     return rows
 
 
+HEADER = ["scenario", *COLUMNS, "ckpts_lost", "losses", "MTTR s", "restored", "passed"]
+
+
+def cells(r: dict) -> list[str]:
+    """A row's cells after the scenario's name, as the matrix prints them."""
+    losses = "-" if r["max_loss_difference"] is None else ("equal" if r["losses_equal"] else "DIFFER")
+    return [str(r[c]) for c in COLUMNS] + [
+        str(r["checkpoints_lost"]),
+        losses,
+        ",".join(f"{m:.2f}" for m in r["mttr_seconds"]) or "-",
+        ",".join(r["restored_from"]) or "-",
+        "yes" if r["passed"] else "NO",
+    ]
+
+
 def print_matrix(rows: list[dict], spec_path: Path, kill_at: int) -> None:
     print(f"\nChaos matrix, spec {spec_path}, faults at step {kill_at}")
-    header = ["scenario", *COLUMNS, "ckpts_lost", "losses", "MTTR s", "restored", "passed"]
-    print("  ".join(f"{h:>{max(len(h), 4)}}" if i else f"{h:28}" for i, h in enumerate(header)))
+    print("  ".join(f"{h:>{max(len(h), 4)}}" if i else f"{h:28}" for i, h in enumerate(HEADER)))
     for r in rows:
-        losses = "-" if r["max_loss_difference"] is None else ("equal" if r["losses_equal"] else "DIFFER")
-        cells = [str(r[c]) for c in COLUMNS] + [
-            str(r["checkpoints_lost"]),
-            losses,
-            ",".join(f"{m:.2f}" for m in r["mttr_seconds"]) or "-",
-            ",".join(r["restored_from"]) or "-",
-            "yes" if r["passed"] else "NO",
-        ]
         print(
             f"{r['scenario']:28}  "
-            + "  ".join(f"{c:>{max(len(h), 4)}}" for c, h in zip(cells, header[1:], strict=True))
+            + "  ".join(f"{c:>{max(len(h), 4)}}" for c, h in zip(cells(r), HEADER[1:], strict=True))
         )
     for r in rows:
         for note in r["notes"]:
@@ -96,8 +115,20 @@ def print_matrix(rows: list[dict], spec_path: Path, kill_at: int) -> None:
     print(f"\n{sum(r['passed'] for r in rows)} of {len(rows)} scenario(s) passed")
 
 
+def write_markdown(path: Path, sitting, rows: list[dict], spec_path: Path, kill_at: int) -> None:
+    table = perf_page.Table(
+        HEADER,
+        [[r["scenario"], *cells(r)] for r in rows],
+        f"Chaos matrix, spec {spec_path}, faults at step {kill_at}: "
+        f"{sum(r['passed'] for r in rows)} of {len(rows)} scenario(s) passed",
+    )
+    notes = [f"{r['scenario']}: {note}" for r in rows for note in r["notes"]]
+    perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table], notes=notes)
+
+
 def main() -> None:
     args = parse_args()
+    sitting = perf_page.begin()
     # SIGTERM as Ctrl-C: every bed then ends the servers, workers and ranks it started.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -112,6 +143,8 @@ def main() -> None:
 
     with contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory() as root:
         rows = asyncio.run(matrix(args, spec, kill_at, Path(root), say))
+    if args.markdown:
+        write_markdown(args.markdown, sitting, rows, args.spec, kill_at)
     if args.json:
         print(json.dumps({"spec": str(args.spec), "kill_at_step": kill_at, "rows": rows}, indent=2))
     else:

@@ -1,6 +1,7 @@
 """What a checkpoint costs the training loop: synchronous vs asynchronous save, and load time.
 
     .venv/bin/python bench/checkpoint.py [--spec examples/demo.yaml] [--d-model N] [--n-layers N] [--saves 5] [--json]
+                                         [--markdown [PATH]]
 
 Runs the spec's layout (dp x pp x dp_shard x tp ranks on this machine) with the built-in
 trainer's own model, step and Checkpointer (for a spec that runs a script of its own, the
@@ -32,11 +33,21 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import perf_page
 from lazarus.infra.backend import free_port
 from lazarus.schema import load_spec
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir
 from lazarus.trainer import checkpoint
 from lazarus.trainer.train import Trainer
+
+PAGE_TITLE = "Checkpoint cost"
+ABOUT = """What a checkpoint costs the training loop, on the spec's layout with the built-in trainer's
+model, step and Checkpointer, measured on rank 0 for each mode: *blocked* is the seconds the loop
+spends inside save() (synchronous: the whole write; asynchronous: staging a copy of the state and
+handing it to the writer thread); *stall* is the extra seconds the steps from one save to the next
+take against steps without a save (asynchronous: includes the writer thread competing for the
+cores); *committed* is save() to the checkpoint's commit marker on disk. Each is the median over
+the saves. Then the seconds to load the newest checkpoint into a fresh model and optimizer."""
 
 
 def _rank(
@@ -76,7 +87,9 @@ def _rank(
             saver.save(trainer.model, trainer.optimizer, step, step * batch)
             saved_at = time.perf_counter()
             blocked.append(saved_at - start)
-            marker = run.checkpoint(step) / COMMIT_MARKER
+            # The folder by name: an async save may not have created it yet, and checkpoint(step)
+            # would then answer a pre-incarnation path the commit never writes.
+            marker = run.checkpoint_folder(step, saver.incarnation) / COMMIT_MARKER
             train(gap)
             stall.append(time.perf_counter() - start - gap * plain)
             saver.wait()
@@ -113,7 +126,9 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=5, help="saves per mode (median reported)")
     parser.add_argument("--gap", type=int, default=10, help="training steps between saves")
     parser.add_argument("--json", action="store_true")
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
+    sitting = perf_page.begin()
 
     spec = load_spec(args.spec)
     overrides = {k: v for k, v in {"d_model": args.d_model, "n_layers": args.n_layers}.items() if v}
@@ -136,6 +151,8 @@ def main() -> None:
             start_method="spawn",
         )
         result = json.loads((Path(folder) / "result.json").read_text())
+    if args.markdown:
+        write_markdown(args, sitting, spec, result)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -148,6 +165,28 @@ def main() -> None:
         row = result[mode]
         print(f"{mode:<8}{row['blocked_s']:>14.3f}{row['stall_s']:>12.3f}{row['committed_s']:>16.3f}")
     print(f"load into a fresh model and optimizer: {result['load_s']:.3f} s")
+
+
+def write_markdown(args, sitting, spec, result: dict) -> None:
+    caption = (
+        f"layout {spec.layout.describe()}, {result['parameters']:,} parameters in rank 0's stage, "
+        f"checkpoint {result['checkpoint_mb']:.1f} MB, step without a save {result['plain_step_s'] * 1000:.0f} ms; "
+        f"median of {args.saves} saves, {args.gap} steps apart"
+    )
+    rows = [
+        [
+            mode,
+            f"{result[mode]['blocked_s']:.3f}",
+            f"{result[mode]['stall_s']:.3f}",
+            f"{result[mode]['committed_s']:.3f}",
+        ]
+        for mode in ("sync", "async")
+    ]
+    table = perf_page.Table(["mode", "blocked (s)", "stall (s)", "committed (s)"], rows, caption)
+    notes = [f"load into a fresh model and optimizer: {result['load_s']:.3f} s"]
+    perf_page.write_page(
+        args.markdown, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table], notes=notes
+    )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """The controller under load: one worker, many concurrent runs, faults injected across them.
 
-    .venv/bin/python bench/controller_scale.py [--runs 200] [--spread-seconds 10] [--json]
+    .venv/bin/python bench/controller_scale.py [--runs 200] [--spread-seconds 10] [--json] [--markdown [PATH]]
 
 Every run is a real TrainingRun workflow on a private Temporal dev server, served by one
 worker (this process) with the real recovery activities; only the cluster is simulated
 (SimulatedCluster below: no processes, ranks that "train" at a fixed rate from their
 launch), so what is measured is the controller: Temporal, the workflow, the activities and
-the run directories they read and write. Each run has 4 active nodes and 1 hot spare; once
-every run trains, one node of each run dies at a random moment within --spread-seconds.
-Printed:
+the run directories they read and write. Each run has 4 active nodes, and the pool the runs
+share one free spare per run; once every run trains, one node of each run dies at a random
+moment within --spread-seconds. Printed:
   incidents/s        incidents recovered / (last recovery's first step - first fault)
   report->decision   from detect's fault report to the replace decision being recorded
                      (replace_or_reshard's end, as the workflow records it): median, p99
@@ -31,6 +31,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
+
+from bench import perf_page
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
 from lazarus.history import chain_histories, incident_spans
@@ -39,7 +42,21 @@ from lazarus.infra.local import LocalCluster
 from lazarus.infra.temporal_server import local_environment, quiet_runtime
 from lazarus.schema import RunState, parse_spec
 from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit
+from lazarus.schema.node_reports import NodeReading
 from lazarus.worker import build_worker
+
+PAGE_TITLE = "The controller under load"
+ABOUT = """One worker process serves many concurrent TrainingRun workflows on a private Temporal dev
+server, with the real recovery activities; only the cluster is simulated (ranks in memory, no
+processes), so what is measured is the controller: Temporal, the workflow, the activities and the
+run directories they read and write. Each run has 4 active nodes, and the pool the runs share holds
+one free spare per run; once every run trains, one node of each run dies at a random moment within
+the spread. *Incidents handled per second* is the incidents recovered over the time from the first
+fault to the last recovery's first step; *fault report -> replace decision* runs from detect's
+report to replace_or_reshard's end as the workflow records it; *fault -> first step* is the
+simulated recovery's MTTR (it includes the simulated ranks' 0.55 s from launch to their first step);
+*history events per incident* counts from the detect completion that reported the fault through
+resume's completion."""
 
 
 class SimulatedCluster(LocalCluster):
@@ -57,7 +74,9 @@ class SimulatedCluster(LocalCluster):
         self._launched: dict[tuple[str, int], float] = {}
         self._stopped: set[tuple[str, int]] = set()
 
-    def start_ranks(self, run_id: str, incarnation: int, resume_step: int, skipped=None, policy=None) -> LaunchRecord:
+    def start_ranks(
+        self, run_id: str, incarnation: int, resume_step: int, skipped=None, policy=None, survivors=None
+    ) -> LaunchRecord:
         record = self.record_launch(run_id, incarnation, resume_step, skipped)
         self._launched.setdefault((run_id, incarnation), record.launched_at)
         return record
@@ -75,8 +94,11 @@ class SimulatedCluster(LocalCluster):
         finished = running and step >= spec.trainer.steps
         first = None if launched is None else launched + self.startup_seconds + 1 / self.steps_per_second
         layout = assignment.layout
+        # Observation.ranks is read from its nodes: each node's ranks go into a NodeReading.
+        per_node: list[list[RankObservation]] = [[] for _ in assignment.nodes]
         for rank in range(layout.world_size):
-            node = assignment.nodes[layout.node_of_rank(rank)]
+            index = layout.node_of_rank(rank)
+            node = assignment.nodes[index]
             alive = running and node not in dead and not finished
             beat = None
             if running:
@@ -85,7 +107,7 @@ class SimulatedCluster(LocalCluster):
                     rank=rank, step=step, time=now, phase=phase, first_step_at=first if trained > 0 else None
                 )
             ended = RankExit(rank=rank, code=0, step=step, time=now) if finished else None
-            observation.ranks.append(
+            per_node[index].append(
                 RankObservation(
                     rank=rank,
                     node=node,
@@ -96,6 +118,7 @@ class SimulatedCluster(LocalCluster):
                     launcher_alive=alive,
                 )
             )
+        observation.nodes = [NodeReading.of_ranks(ranks) for ranks in per_node]
         observation.launchers_alive = sum(1 for r in observation.ranks if r.launcher_alive)
         return observation
 
@@ -169,9 +192,17 @@ async def bench(runs: int, spread: float, seed: int, say) -> dict:
                     f"within {spread:g} s"
                 )
 
+                # The runs share the home's pool, whose free nodes are every run's spares: one per run,
+                # added once every run holds its active nodes (before, create would take them as actives).
+                cluster.pool.add(runs - 1, "a hot spare per run")
+                actives = {
+                    run_id: sorted(n.name for n in cluster.inventory(run_id).nodes if n.role == "active")
+                    for run_id in ids
+                }
+
                 async def fault(run_id: str) -> None:
                     await asyncio.sleep(rng.uniform(0, spread))
-                    await asyncio.to_thread(cluster.kill_node, run_id, f"node-{rng.randrange(4)}")
+                    await asyncio.to_thread(cluster.kill_node, run_id, rng.choice(actives[run_id]))
 
                 await asyncio.gather(*(fault(run_id) for run_id in ids))
                 while True:
@@ -219,9 +250,11 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     if args.runs < 1 or args.spread_seconds < 0:
         parser.error("--runs must be at least 1 and --spread-seconds not negative")
+    sitting = perf_page.begin()
     started = time.monotonic()
 
     def say(message: str) -> None:
@@ -229,6 +262,8 @@ def main() -> None:
             print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
     result = asyncio.run(bench(args.runs, args.spread_seconds, args.seed, say))
+    if args.markdown:
+        write_markdown(args, sitting, result)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -245,6 +280,29 @@ def main() -> None:
         f"  fault -> first step (simulated)  {result['mttr_median_s']:8.3f} s median, {result['mttr_p99_s']:.3f} s p99"
     )
     print(f"  history events per incident      {result['events_per_incident']:8.0f}")
+
+
+def write_markdown(args, sitting, result: dict) -> None:
+    caption = (
+        f"One worker, {result['runs']} concurrent runs, {result['incidents']} incidents "
+        f"(one node of each run killed within {args.spread_seconds:g} s)"
+    )
+    rows = [
+        ["incidents handled per second", f"{result['incidents_per_s']:.2f}", None],
+        [
+            "fault report -> replace decision, median (s)",
+            f"{result['report_to_decision_median_s']:.3f}",
+            f"{result['report_to_decision_p99_s']:.3f}",
+        ],
+        [
+            "fault -> first step (simulated), median (s)",
+            f"{result['mttr_median_s']:.3f}",
+            f"{result['mttr_p99_s']:.3f}",
+        ],
+        ["history events per incident", f"{result['events_per_incident']:.0f}", None],
+    ]
+    table = perf_page.Table(["figure", "value", "p99"], rows, caption)
+    perf_page.write_page(args.markdown, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """False alarms of the detectors beyond death: fault-free demo runs, and a run slowed everywhere.
 
-    .venv/bin/python bench/detection.py [--runs 20] [--uniform-steps 500] [--window 5] [--json]
+    .venv/bin/python bench/detection.py [--runs 20] [--uniform-steps 500] [--window 5] [--json] [--markdown [PATH]]
 
 Each run trains examples/demo.yaml (4 nodes, the built-in trainer) on the local backend while a
 watch looks at it every heartbeat interval exactly as detect does (activities/running.py `look`,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +27,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
+
+from bench import perf_page
 from lazarus.activities.pace import Pace
 from lazarus.activities.running import look
 from lazarus.infra.local import LocalCluster
@@ -35,6 +39,16 @@ from lazarus.schema.run import RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "examples" / "demo.yaml"
+PAGE_TITLE = "False alarms"
+ABOUT = """Fault-free runs of examples/demo.yaml (4 nodes, the built-in trainer) on the local backend,
+watched every heartbeat interval exactly as detect watches a run (the same look, with its derived
+hang time and straggler search) but without Temporal, counting what would have been reported:
+hangs, stragglers and every other fault. Stragglers are sought with the given window (the policy's
+default is 60 s; a shorter window is the harder test). Per run: the steps, the derived hang time at
+the end, the longest stall the watch saw (the time between two looks that saw the step advance),
+the largest ratio of a node's median work per step to its peers', and the alarms. The last run,
+unless left out, has every node slowed 2x together: a run slow everywhere must raise nothing. On
+one machine every node shares the same cores, which a real cluster's nodes do not."""
 
 
 def one_run(folder: Path, window: float, steps: int | None, slow_every_node: bool) -> dict:
@@ -98,7 +112,9 @@ def main() -> None:
     parser.add_argument("--uniform-steps", type=int, default=500, help="steps of the run slowed everywhere (0: none)")
     parser.add_argument("--window", type=float, default=5.0, help="straggler window (seconds, default 5)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON document")
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
+    sitting = perf_page.begin()
     rows = []
     plan = [(None, False)] * args.runs + ([(args.uniform_steps, True)] if args.uniform_steps else [])
     for i, (steps, slowed) in enumerate(plan, 1):
@@ -113,12 +129,34 @@ def main() -> None:
                 f"{row['worst_node_ratio']:.2f}x its peers; alarms: {'; '.join(row['alarms']) or 'none'}",
                 flush=True,
             )
+    alarmed = sum(1 for row in rows if row["alarms"])
+    factor = RunSpec.model_validate(yaml.safe_load(DEMO.read_text())).recovery.stragglers.factor
+    summary = f"{len(rows)} runs, {alarmed} with an alarm; straggler factor {factor:g}, window {args.window:g} s"
+    if args.markdown:
+        write_markdown(args.markdown, sitting, rows, summary)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    alarmed = sum(1 for row in rows if row["alarms"])
-    factor = RunSpec.model_validate(yaml.safe_load(DEMO.read_text())).recovery.stragglers.factor
-    print(f"\n{len(rows)} runs, {alarmed} with an alarm; straggler factor {factor:g}, window {args.window:g} s")
+    print(f"\n{summary}")
+
+
+def write_markdown(path: Path, sitting, rows: list[dict], summary: str) -> None:
+    cells = [
+        [
+            i,
+            "slowed 2x everywhere" if row["slowed_everywhere"] else "fault-free",
+            row["steps"],
+            f"{row['hang_after_seconds']:.2f}",
+            f"{row['longest_stall_seconds']:.2f}",
+            row["worst_node"] or "-",
+            f"{row['worst_node_ratio']:.2f}",
+            "; ".join(row["alarms"]) or "none",
+        ]
+        for i, row in enumerate(rows, 1)
+    ]
+    headers = ["run", "kind", "steps", "hang time (s)", "longest stall (s)", "worst node", "x its peers", "alarms"]
+    table = perf_page.Table(headers, cells, summary)
+    perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Recovery cost on the Kubernetes backend, against the API emulator with the fake kubelet.
 
-    .venv/bin/python bench/kubernetes_recovery.py [--kills 3] [--json]
+    .venv/bin/python bench/kubernetes_recovery.py [--kills 3] [--json] [--markdown [PATH]]
 
 Needs the test extra (kmock): `make test` installs it. Each kill is its own run of the demo
 spec (4 active nodes and 1 hot spare of a pool of 5, one rank pod per node) on a private Temporal
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ and te
 
 from kubernetes import client as k8s
 
+from bench import perf_page
 from bench.recovery import COLUMNS, row
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
@@ -48,6 +49,18 @@ from tests.k8s.kubelet import FakeKubelet
 from tests.support.kubernetes import add_node, api_client
 
 SCENARIOS = {"api-learns-first": True, "survivors-report-first": False}
+PAGE_TITLE = "Recovery on Kubernetes (emulated)"
+ABOUT = """The demo spec (4 active nodes and 1 hot spare of a pool of 5, one rank pod per node) on the
+Kubernetes backend, against the API emulator with a fake kubelet that runs every pod's launcher as
+a local process; each kill is its own run on a private Temporal dev server with one in-process
+worker. Each node runs a warm standby pod that forks the node's launcher on an order, so a
+recovery restarts the survivors in place and orders the spare's standby; the emulator's API calls
+are HTTP round trips on this machine. Two scenarios: *api-learns-first*, where the node's Ready
+turns Unknown and its pods Failed before its processes die, and *survivors-report-first*, where
+the processes die while the API server still shows the node Ready (blame then comes from the
+survivors' lost-peer errors and the dead node's silence, after a 2 s settle). Stage times are
+those the workflow records, as on the local backend's page; the last table times each backend
+call drain, replace_or_reshard and resume made after the fault."""
 
 # The backend calls of drain (to stop_incarnation), replace_or_reshard (commit_assignment) and
 # resume (start_ranks), in the order the stages make them.
@@ -169,11 +182,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=3, help="runs per scenario, one node killed in each (default 3)")
     parser.add_argument("--json", action="store_true", help="print per-run rows and medians as JSON")
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     if args.kills < 1:
         parser.error("--kills must be at least 1")
+    sitting = perf_page.begin()
     rows = asyncio.run(bench(args.kills, quiet=args.json))
     medians = {name: {c: statistics.median(r[c] for r in runs) for c in COLUMNS} for name, runs in rows.items()}
+    if args.markdown:
+        write_markdown(args.markdown, sitting, rows, medians)
     if args.json:
         print(json.dumps({"runs": rows, "median": medians}, indent=2))
         return
@@ -187,6 +204,21 @@ def main() -> None:
         print(f"backend calls after the fault, {name}, median seconds:")
         for call in CALLS:
             print(f"  {call:<28}{statistics.median(r['calls'][call] for r in runs):>6.2f}")
+
+
+def write_markdown(path: Path, sitting, rows: dict[str, list[dict]], medians: dict) -> None:
+    tables = []
+    for name, runs in rows.items():
+        body = [[i, *(f"{r[c]:.2f}" for c in COLUMNS), f"{r['blamed']} ({r['kind']})"] for i, r in enumerate(runs, 1)]
+        body.append(["median", *(f"{medians[name][c]:.2f}" for c in COLUMNS), None])
+        caption = f"Kubernetes (emulated), {name}: {len(runs)} kill(s) of worker-2, hot spare (seconds)"
+        tables.append(perf_page.Table(["run", *COLUMNS, "blamed"], body, caption))
+    calls = [
+        [call, *(f"{statistics.median(r['calls'][call] for r in runs):.2f}" for runs in rows.values())]
+        for call in CALLS
+    ]
+    tables.append(perf_page.Table(["backend call", *rows], calls, "Backend calls after the fault, median seconds"))
+    perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=tables)
 
 
 if __name__ == "__main__":

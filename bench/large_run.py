@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/large_run.py [--nodes 64,256,1024,2048] [--faults 3]
                                         [--kubernetes-nodes 2048] [--qps 50 --burst 100]
-                                        [--plot FILE.png] [--json]
+                                        [--plot FILE.png] [--json] [--markdown [PATH]]
 
 For each size, one run of NODES x 8 ranks (tp 8 in a node, pp 16, dp NODES/16) on a private
 Temporal dev server, served by this process's worker with the real activities, on the simulated
@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ and tests/ are not installed packages
 
+from bench import perf_page
 from lazarus.activities.running import look
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
@@ -48,6 +49,18 @@ from lazarus.schema import RunState, parse_spec
 from lazarus.worker import build_worker
 
 SIZES = (64, 256, 1024, 2048)
+PAGE_TITLE = "One run of 2,048 nodes"
+ABOUT = """For each size, one run of NODES x 8 ranks (tp 8 in a node, pp 16, dp NODES/16, two hot
+spares, a heartbeat a second) on a private Temporal dev server, served by this process's worker
+with the real activities, on the simulated backend (the local backend with each node's launcher
+replaced by the report it would keep, so a look reads and parses one file per node as on a real
+run); once it trains, nodes die one after another, each after the last recovery. *look*: one
+detect look, observe + judge (median of 31). *report -> decision*: detect's fault report to
+reschedule's decision recorded (median). *decision -> launch*: the decision to every rank launched
+(the simulated launch is instant, so this is the controller's share). *largest payload*: the
+largest payload in the run's histories and the activity it was. *events/incident*: history events
+from the detect that reported the fault to resume's end. Then, unless left out, the Kubernetes
+backend's calls for a pool of thousands of nodes against the API emulator (as on its own page)."""
 RANKS_PER_NODE = 8
 LOOKS = 31
 
@@ -231,6 +244,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=100, help="Kubernetes client burst (default 100)")
     parser.add_argument("--plot", metavar="FILE", help="write each figure against the node count as a PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     try:
         sizes = [int(n) for n in args.nodes.split(",")]
@@ -240,6 +254,7 @@ def main() -> None:
         parser.error("--nodes: each size must be a multiple of 16 (pp 16)")
     if args.faults < 1 or args.kubernetes_nodes < 0 or args.qps <= 0 or args.burst < 1:
         parser.error("--faults, --qps and --burst must be positive, --kubernetes-nodes at least 0")
+    sitting = perf_page.begin()
     started = time.monotonic()
 
     def say(message: str) -> None:
@@ -248,6 +263,8 @@ def main() -> None:
     result = asyncio.run(bench(sizes, args.faults, args.kubernetes_nodes, args.qps, args.burst, say))
     if args.plot:
         plot(result["simulated"], args.plot)
+    if args.markdown:
+        write_markdown(args, sitting, result)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -270,6 +287,34 @@ def main() -> None:
         )
         for name, step in k["steps"].items():
             print(f"  {name:<40} {step['seconds']:8.2f} s  {step['requests']:6} requests  {step['per_second']:7.1f}/s")
+
+
+def write_markdown(args, sitting, result: dict) -> None:
+    rows = [
+        [
+            r["nodes"],
+            r["ranks"],
+            r["look_ms"],
+            r["report_to_decision_ms"],
+            r["decision_to_launch_ms"],
+            f"{r['largest_payload_bytes']:,} B ({r['largest_payload'].split()[0]})",
+            r["events_per_incident"],
+        ]
+        for r in result["simulated"]
+    ]
+    headers = ["nodes", "ranks", "look ms", "report->decision ms", "decision->launch ms", "largest payload"]
+    tables = [
+        perf_page.Table(
+            [*headers, "events/incident"],
+            rows,
+            f"One run on the simulated backend (real dev server, worker and activities), {args.faults} fault(s) each",
+        )
+    ]
+    if result["kubernetes"]:
+        from bench.large_kubernetes import pool_table
+
+        tables.append(pool_table(result["kubernetes"]))
+    perf_page.write_page(args.markdown, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=tables)
 
 
 if __name__ == "__main__":

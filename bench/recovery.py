@@ -1,7 +1,7 @@
 """Recovery cost on the local backend: kill a node N times, print each stage's median seconds.
 
     .venv/bin/python bench/recovery.py [--kills 3] [--spec examples/demo.yaml] [--spares N] [--kill-at-step N]
-                                       [--json] [--keep DIR]
+                                       [--json] [--keep DIR] [--markdown [PATH]]
 
 Each kill is its own run (the spec's nodes, with its hot spares or --spares) on a private
 Temporal dev server and one in-process worker. Stage times are those the workflow records (activity scheduled to
@@ -35,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
+
+from bench import perf_page
 from lazarus.activities.metrics import Metrics
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
@@ -45,6 +48,18 @@ from lazarus.schema import STAGES, RunState, load_spec
 from lazarus.schema.contract import read_heartbeat
 from lazarus.worker import build_worker
 
+PAGE_TITLE = "Recovery on the local backend"
+ABOUT = """Each kill is its own run of the spec (its nodes, with its hot spares unless told otherwise)
+on a private Temporal dev server, one in-process worker and the local backend: a node is killed
+mid-run, and each stage's seconds are those the workflow records (activity scheduled to result, as
+the history shows them; detect spans the node's death to its report). MTTR is the node's death to
+the first training step of the new incarnation. The second table splits each MTTR: *detect* (the
+fault to its report), *work* (inside drain, reschedule and replace_or_reshard, and resume's start
+to the first step), *wf_task* (an activity's end to the next one being scheduled: the completion
+RPC and a workflow task) and *dispatch* (scheduled to started: matching, the poll, the worker);
+the four add up to the MTTR, and overhead is wf_task + dispatch as a share of it. The third splits
+resume by the new incarnation's slowest rank: processes up, rendezvous, checkpoint restored, first
+step."""
 COLUMNS = [*STAGES, "MTTR", "lost_steps"]
 SPLIT = ["detect", "work", "wf_task", "dispatch", "overhead_pct"]
 RECOVERY_STAGES = ["drain", "reschedule", "replace_or_reshard", "resume"]
@@ -184,6 +199,7 @@ def main() -> None:
     parser.add_argument(
         "--spares", type=int, metavar="N", help="hot spares instead of the spec's (0: every recovery reshards)"
     )
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     if args.spares is not None and args.spares < 0:
         parser.error("--spares must be 0 or more")
@@ -193,6 +209,7 @@ def main() -> None:
             parser.error(f"--keep {args.keep}: holds runs already; give an empty or new folder")
     if args.kills < 1:
         parser.error("--kills must be at least 1")
+    sitting = perf_page.begin()
 
     rows, splits = asyncio.run(
         bench(args.spec, args.kills, args.kill_at_step, quiet=args.json, keep=args.keep, spares=args.spares)
@@ -200,6 +217,8 @@ def main() -> None:
     medians = {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
     split_medians = {c: statistics.median(r[c] for r in splits) for c in SPLIT}
     resume_medians = {c: statistics.median(r["resume"][c] for r in splits) for c in RESUME_PARTS}
+    if args.markdown:
+        write_markdown(args.markdown, sitting, rows, splits, medians, split_medians, resume_medians, args)
     if args.json:
         print(
             json.dumps(
@@ -238,6 +257,43 @@ def print_tables(rows, splits, medians, split_medians, resume_medians, args) -> 
     for i, r in enumerate(splits, 1):
         print(f"{i:<8}" + "".join(f"{r['resume'][c]:>14.3f}" for c in RESUME_PARTS))
     print("median  " + "".join(f"{resume_medians[c]:>14.3f}" for c in RESUME_PARTS))
+
+
+def write_markdown(path, sitting, rows, splits, medians, split_medians, resume_medians, args) -> None:
+    """The three tables print_tables prints, as a page."""
+    how = "by resharding" if args.spares == 0 else "with a hot spare"
+    sources = [r["restored_from"] for r in rows]
+    restored = ", ".join(f"{name} {sources.count(name)}/{len(rows)}" for name in sorted(set(sources)))
+
+    def table(columns, runs, median, fmt, caption):
+        body = [[i, *(f"{r[c]:{fmt}}" for c in columns)] for i, r in enumerate(runs, 1)]
+        body.append(["median", *(f"{median[c]:{fmt}}" for c in columns)])
+        return perf_page.Table(["run", *columns], body, caption)
+
+    tables = [
+        table(
+            COLUMNS,
+            rows,
+            medians,
+            ".2f",
+            f"Recovery {how}, {len(rows)} kill(s), spec {args.spec} (seconds); restored from: {restored}",
+        ),
+        table(
+            SPLIT,
+            splits,
+            split_medians,
+            ".3f",
+            "Where the MTTR goes (seconds; overhead = wf_task + dispatch, % of MTTR)",
+        ),
+        table(
+            RESUME_PARTS,
+            [r["resume"] for r in splits],
+            resume_medians,
+            ".3f",
+            "Inside resume, by the slowest rank (seconds): processes up, rendezvous, checkpoint restored, first step",
+        ),
+    ]
+    perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=tables)
 
 
 if __name__ == "__main__":

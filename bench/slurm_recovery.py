@@ -1,7 +1,7 @@
 """Recovery cost on the Slurm backend, on a real Slurm cluster of this machine, beside the local
 backend's in the same sitting.
 
-    .venv/bin/python bench/slurm_recovery.py [--kills 3] [--json]
+    .venv/bin/python bench/slurm_recovery.py [--kills 3] [--json] [--only BACKEND] [--markdown [PATH]]
 
 Needs root and Debian's Slurm packages (`make slurm-packages`); it starts a cluster of its own
 (lazarus.infra.slurm_daemons: 5 nodes, every node this host) and stops it at the end. Each kill
@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
 
+from bench import perf_page
 from bench.recovery import COLUMNS, row
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
@@ -48,6 +49,17 @@ from lazarus.worker import build_worker
 
 BACKENDS = ("slurm", "slurm-silent", "local")
 """The rows of runs: a node killed on Slurm, a node silenced on Slurm, a node killed on the local backend."""
+PAGE_TITLE = "Recovery on Slurm"
+ABOUT = """The demo spec (4 active nodes and 1 hot spare, warm standbys) on a real Slurm cluster the
+bench starts on this machine (5 nodes, every node this host), beside the local backend in the same
+sitting; each kill is its own run on a private Temporal dev server with one in-process worker. On
+Slurm the nodes are held in one allocation, with each node's standby and launcher as job steps.
+*slurm*: a node dies as its slurmd and every process of its steps are SIGKILLed (the survivors'
+broken collectives and the ranks' vanished locks tell the controller first). *slurm-silent*: its
+slurmd is SIGKILLed and its processes SIGSTOPped, sockets open, so only slurmctld (the node not
+responding) or the hang time tells. *local*: the same kill on the local backend. Stage times are
+those the workflow records; *unseen* is the time from the kill to the fault's best known time,
+before detect's clock starts (a silent node's share)."""
 
 
 async def kills_on(backend: str, kills: int, say) -> list[dict]:
@@ -112,12 +124,14 @@ def main() -> None:
     parser.add_argument(
         "--only", action="append", choices=BACKENDS, help="run only these rows of runs (repeatable; default: all)"
     )
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     if args.kills < 1:
         parser.error("--kills must be at least 1")
     why = why_not_startable()
     if why is not None:
         raise SystemExit(f"bench: cannot start a Slurm cluster here: {why}")
+    sitting = perf_page.begin()
     started = time.monotonic()
 
     def say(message: str) -> None:
@@ -128,6 +142,8 @@ def main() -> None:
     results = {backend: asyncio.run(kills_on(backend, args.kills, say)) for backend in backends}
     columns = ["unseen", *COLUMNS]
     medians = {b: {c: statistics.median(r[c] for r in rows) for c in columns} for b, rows in results.items()}
+    if args.markdown:
+        write_markdown(args.markdown, sitting, results, medians, columns, args.kills)
     if args.json:
         print(json.dumps({"runs": results, "median": medians}, indent=2))
         return
@@ -142,6 +158,23 @@ def main() -> None:
         for what, key in (("seen as", "fault"), ("restored from", "restored_from")):
             said = [r[key] for r in rows]
             print(f"{backend} {what}: " + ", ".join(f"{s} {said.count(s)}/{len(rows)}" for s in sorted(set(said))))
+
+
+def write_markdown(path: Path, sitting, results: dict, medians: dict, columns: list[str], kills: int) -> None:
+    body = []
+    for backend, rows in results.items():
+        body += [[f"{backend} {i}", *(f"{r[c]:.2f}" for c in columns)] for i, r in enumerate(rows, 1)]
+        body.append([f"{backend} median", *(f"{medians[backend][c]:.2f}" for c in columns)])
+    caption = f"Recovery with a hot spare, demo spec, {kills} kill(s) per backend, one sitting (seconds)"
+    notes = []
+    for backend, rows in results.items():
+        for what, key in (("seen as", "fault"), ("restored from", "restored_from")):
+            said = [r[key] for r in rows]
+            notes.append(
+                f"{backend} {what}: " + ", ".join(f"{s} {said.count(s)}/{len(rows)}" for s in sorted(set(said)))
+            )
+    table = perf_page.Table(["backend", *columns], body, caption)
+    perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table], notes=notes)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 under torchrun, with or without CPU contention.
 
     .venv/bin/python bench/teardown.py [--runs 10] [--epochs 30] [--busy 0] [--only lazarus|torchrun] [--json]
+                                       [--markdown [PATH]]
 
 The script (tests/user_script/ddp_tutorial.py) calls `destroy_process_group()` and returns from
 `main`; gloo's teardown can then deadlock a rank (lazarus.trainer.teardown.keep_destroyed_groups).
@@ -29,6 +30,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
+
+from bench import perf_page
+
+PAGE_TITLE = "Teardown: do runs end on their own?"
+ABOUT = """pytorch/examples' DDP tutorial script calls destroy_process_group() and returns from main;
+gloo's teardown can then deadlock a rank (a ProcessGroupGloo destructor joining gloo's threads
+while holding the GIL). Each run trains 4 ranks, one per node, with no fault: under `lazarus
+launch --nnodes 4 --nproc-per-node 1 --spares 0` (ranks forked from warm standbys, with
+recovery.exit_grace_seconds at 600 s so that a stuck rank shows as a run that does not end by
+itself) and under `torchrun --standalone --nproc-per-node 4`. Busy loops beside the runs add CPU
+contention, which makes the deadlock likely. A run counts as clean when every rank exited with
+code 0 on its own within the timeout."""
 SCRIPT = ROOT / "tests" / "user_script" / "ddp_tutorial.py"
 SPEC = "name: ddp-tutorial\nrecovery:\n  exit_grace_seconds: 600\n"
 
@@ -91,7 +105,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a run gets to end by itself")
     parser.add_argument("--only", choices=["lazarus", "torchrun"])
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
+    sitting = perf_page.begin()
 
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="lazarus-teardown-") as scratch, busy_loops(args.busy):
@@ -117,6 +133,8 @@ def main() -> None:
         name: {"clean": sum(r["ended"] and r["code"] == 0 for r in runs), "runs": len(runs), "trials": runs}
         for name, runs in results.items()
     }
+    if args.markdown:
+        write_markdown(args, sitting, table)
     if args.json:
         print(json.dumps({"epochs": args.epochs, "busy": args.busy, "results": table}))
         return
@@ -125,6 +143,25 @@ def main() -> None:
     for name, row in table.items():
         seconds = sorted(r["seconds"] for r in row["trials"])
         print(f"{name:<10} {row['clean']:>17} of {row['runs']:<4} {seconds[len(seconds) // 2]:>9}")
+
+
+def write_markdown(args, sitting, table: dict) -> None:
+    rows = []
+    for name, row in table.items():
+        seconds = sorted(r["seconds"] for r in row["trials"])
+        rows.append([name, f"{row['clean']} of {row['runs']}", seconds[len(seconds) // 2]])
+    caption = (
+        f"DDP tutorial script, {args.epochs} epochs, 4 ranks, {args.busy} busy loop(s) beside, "
+        f"timeout {args.timeout:g} s"
+    )
+    perf_page.write_page(
+        args.markdown,
+        sitting,
+        title=PAGE_TITLE,
+        doc=__doc__,
+        about=ABOUT,
+        tables=[perf_page.Table(["launcher", "ended by itself, code 0", "median s"], rows, caption)],
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Lazarus against torchrun elastic: a node killed at the same step, time to the first training step after.
 
-    .venv/bin/python bench/vs_torchrun.py [--repetitions 3] [--kill-at-step 60] [--json] [--only NAME]
+    .venv/bin/python bench/vs_torchrun.py [--repetitions 3] [--kill-at-step 70] [--json] [--only NAME]
+                                          [--markdown [PATH]]
 
 One script for all three (bench/elastic_train.py: same model, data, global batch, checkpoint
 interval), 2 nodes of 2 ranks each:
@@ -37,9 +38,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import perf_page
 from lazarus.infra.backend import free_port
 from lazarus.infra.local import LocalCluster
 
+PAGE_TITLE = "Against torchrun elastic"
+ABOUT = """One training script (bench/elastic_train.py: DDP, same model, data, global batch 256,
+checkpoint every 20 steps) on 2 nodes of 2 ranks, the second node (every process of it) SIGKILLed
+once the job reaches the kill step. *lazarus*: the local backend with one hot spare node and warm
+standbys, the script using lazarus.session. *lazarus_launch*: torchrun's command line with its
+first word changed to `lazarus launch` and `--spares 1`, the script keeping its own checkpoint.
+*torchrun_tuned*: two torchrun agents with last_call_timeout=1, keep-alive 1 s x 2 and the
+rendezvous store in a process of its own. *torchrun_default*: torchrun as it ships, with
+--max-restarts 10. MTTR is the kill to the first step the restarted job trains (rank 0's step
+log); steps lost are the steps trained after the checkpoint it resumed from; world is the world
+size after recovery (torchrun has no spare and goes on with 2 ranks). A recovery that has not
+trained within the timeout failed."""
 SCRIPT = ROOT / "bench" / "elastic_train.py"
 CHECKPOINT_EVERY = 20
 
@@ -56,9 +70,11 @@ class Trial:
 
 def step_log(path: Path) -> list[dict]:
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        text = path.read_text()
     except FileNotFoundError:
         return []
+    # Rank 0 may be writing the last line as it is read: only whole lines count.
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
 def wait_for_step(path: Path, step: int, timeout: float) -> dict | None:
@@ -263,19 +279,24 @@ async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder:
                 )
                 run_id = f"vs-torchrun-{index}"
                 handle = await start_run(env.client, Settings(task_queue="vs-torchrun"), spec, run_id)
-                before = await asyncio.to_thread(wait_for_step, log, kill_at, timeout)
-                if before is None:
-                    trials.append(Trial(None, None, None, failed=True))
-                else:
-                    killed_at = time.time()
-                    # In a thread: the worker shares this event loop, and the chaos is not its work.
-                    await asyncio.to_thread(cluster.kill_node, run_id, "node-1")
-                    after = await asyncio.to_thread(first_step_after, log, before["restart"], timeout)
-                    trials.append(trial_from(log, killed_at, before, after))
-                # Terminating cancels the run's activities; each would log its cancellation.
-                logging.getLogger("temporalio").setLevel(logging.CRITICAL)
-                await handle.terminate("benchmark repetition done")
-                cluster.stop_run(run_id)
+                try:
+                    before = await asyncio.to_thread(wait_for_step, log, kill_at, timeout)
+                    if before is None:
+                        trials.append(Trial(None, None, None, failed=True))
+                    else:
+                        # The runs share the home's pool, so a later repetition has other nodes than
+                        # node-0 and node-1: the second node is the one of ranks 2 and 3.
+                        second = cluster.assignment(run_id, 0).nodes[1]
+                        killed_at = time.time()
+                        # In a thread: the worker shares this event loop, and the chaos is not its work.
+                        await asyncio.to_thread(cluster.kill_node, run_id, second)
+                        after = await asyncio.to_thread(first_step_after, log, before["restart"], timeout)
+                        trials.append(trial_from(log, killed_at, before, after))
+                finally:
+                    # Terminating cancels the run's activities; each would log its cancellation.
+                    logging.getLogger("temporalio").setLevel(logging.CRITICAL)
+                    await handle.terminate("benchmark repetition done")
+                    cluster.stop_run(run_id)
     finally:
         await env.shutdown()
     return trials
@@ -307,7 +328,9 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", type=Path, help="keep the agents' logs and step logs in this folder")
+    perf_page.add_option(parser, __file__)
     args = parser.parse_args()
+    sitting = perf_page.begin()
     names = args.only or ["lazarus", "lazarus_launch", "torchrun_tuned", "torchrun_default"]
 
     results = {}
@@ -330,6 +353,8 @@ def main() -> None:
             results[name] = summary(trials)
             if not args.json:
                 print(f"{name}: {[round(t.mttr_s, 2) if t.mttr_s else 'failed' for t in trials]}", file=sys.stderr)
+    if args.markdown:
+        write_markdown(args, sitting, results)
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -342,6 +367,43 @@ def main() -> None:
             f"{'-' if r['lost_steps'] is None else r['lost_steps']:>12}"
             f"{'-' if r['world_after'] is None else r['world_after']:>13}{r['failed']:>8}"
         )
+
+
+def write_markdown(args, sitting, results: dict) -> None:
+    def fmt(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    rows = [
+        [
+            name,
+            fmt(r["mttr_median_s"]),
+            fmt(r["mttr_min_s"]),
+            fmt(r["mttr_max_s"]),
+            "-" if r["lost_steps"] is None else r["lost_steps"],
+            "-" if r["world_after"] is None else r["world_after"],
+            r["failed"],
+        ]
+        for name, r in results.items()
+    ]
+    caption = (
+        f"A node (2 of 4 ranks) killed at step {args.kill_at_step}, {args.repetitions} repetition(s), "
+        f"timeout {args.timeout:g} s (seconds)"
+    )
+    headers = ["", "MTTR median", "min", "max", "steps lost", "world after", "failed"]
+    notes = [
+        f"{name}, each repetition: "
+        + ", ".join("failed" if t["failed"] else f"{t['mttr_s']:.2f} s" for t in r["trials"])
+        for name, r in results.items()
+    ]
+    perf_page.write_page(
+        args.markdown,
+        sitting,
+        title=PAGE_TITLE,
+        doc=__doc__,
+        about=ABOUT,
+        tables=[perf_page.Table(headers, rows, caption)],
+        notes=notes,
+    )
 
 
 if __name__ == "__main__":
