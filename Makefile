@@ -86,7 +86,7 @@ lint: $(STAMP)
 	.venv/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	.venv/bin/pyright
+	.venv/bin/pyright --project .
 
 format: $(STAMP)
 	.venv/bin/ruff check --fix .

@@ -86,10 +86,12 @@ async def keep_stacks(cluster: ClusterBackend, run_id: str, incarnation: int, fa
     if odd:
         assignment = await in_thread(cluster.assignment, run_id, incarnation)
         nodes = {assignment.nodes[rank // assignment.layout.ranks_per_node] for rank in odd}
-    if len(nodes) == 1 and odd[0] != fault.rank:
+    if len(nodes) == 1:
+        # The stack is the evidence, whether or not it names the rank that went idle first.
         [node] = nodes
+        blamed = "blamed on" if odd[0] == fault.rank else "blamed instead on"
         fault.reason += (
-            f"; blamed on rank {odd[0]} on {node} instead, which waits where no other rank does: "
+            f"; {blamed} rank {odd[0]} on {node}, which waits where no other rank does: "
             f"{where_it_waited(stacks[odd[0]], frames=1)}"
         )
         fault.rank, fault.node, fault.nodes = odd[0], node, [node]
