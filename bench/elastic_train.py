@@ -8,7 +8,7 @@ torchrun (or with --no-helper) it keeps its own checkpoint in --checkpoint-dir (
 renames it into place when complete), as torchrun's elastic docs tell a script to.
 
     .venv/bin/torchrun --standalone --nproc-per-node 4 bench/elastic_train.py --steps 300 \
-        --step-log /tmp/steps.jsonl [--markdown [PATH]]
+        --step-log /tmp/steps.jsonl --checkpoint-dir /tmp/checkpoints [--markdown [PATH]]
 
 With --markdown, rank 0 writes its training speed (no fault) as a page: the step times of the
 job vs_torchrun.py breaks.
@@ -134,11 +134,11 @@ def main() -> None:
     if session:
         session.finish(step)
     if sitting is not None and len(step_times) > 1:
-        write_markdown(args, sitting, step_times, world, restart)
+        write_markdown(args, sitting, step_times, world, restart, checkpoints=bool(session or args.checkpoint_dir))
     dist.destroy_process_group()
 
 
-def write_markdown(args, sitting, step_times: list[float], world: int, restart: int) -> None:
+def write_markdown(args, sitting, step_times: list[float], world: int, restart: int, checkpoints: bool) -> None:
     seconds = step_times[-1] - step_times[0]
     gaps = [b - a for a, b in zip(step_times, step_times[1:], strict=False)]
     row = [
@@ -150,7 +150,8 @@ def write_markdown(args, sitting, step_times: list[float], world: int, restart: 
         restart,
     ]
     headers = ["world", "steps trained", "seconds", "median step (ms)", "steps/s", "restart round"]
-    caption = f"Rank 0, global batch {GLOBAL_BATCH}, a checkpoint every {args.checkpoint_every} steps"
+    saving = f"a checkpoint every {args.checkpoint_every} steps" if checkpoints else "no checkpoint"
+    caption = f"Rank 0, global batch {GLOBAL_BATCH}, {saving}"
     perf_page.write_page(
         args.markdown,
         sitting,

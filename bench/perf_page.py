@@ -33,7 +33,7 @@ NOT_MEASURED = "Not yet measured with this script's --markdown"
 # Scripts not run as `.venv/bin/python bench/<name>.py`: the command a placeholder page gives.
 RUN_COMMANDS = {
     "elastic_train": ".venv/bin/torchrun --standalone --nproc-per-node 4 bench/elastic_train.py "
-    "--steps 300 --step-log /tmp/elastic_train.jsonl --markdown",
+    "--steps 300 --step-log /tmp/elastic_train.jsonl --checkpoint-dir /tmp/elastic_train.checkpoints --markdown",
 }
 _NUMBER = re.compile(r"^[-+]?[\d,]*\.?\d+(e[-+]?\d+)?\s*(%|x|s|ms|MB|B)?$")
 
