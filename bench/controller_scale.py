@@ -1,20 +1,27 @@
-"""The controller under load: one worker, many concurrent runs, faults injected across them.
+"""The controller under a fleet's load: many concurrent runs on one pool, a burst of faults across them.
 
-    .venv/bin/python bench/controller_scale.py [--runs 200] [--spread-seconds 10] [--json] [--markdown [PATH]]
+    .venv/bin/python bench/controller_scale.py [--runs 200] [--spread-seconds 10] [--workers 1]
+                                               [--kill-worker] [--issue] [--json] [--markdown [PATH]]
 
-Every run is a real TrainingRun workflow on a private Temporal dev server, served by one
-worker (this process) with the real recovery activities; only the cluster is simulated
-(SimulatedCluster below: no processes, ranks that "train" at a fixed rate from their
-launch), so what is measured is the controller: Temporal, the workflow, the activities and
-the run directories they read and write. Each run has 4 active nodes, and the pool the runs
-share one free spare per run; once every run trains, one node of each run dies at a random
-moment within --spread-seconds. Printed:
-  incidents/s        incidents recovered / (last recovery's first step - first fault)
-  report->decision   from detect's fault report to the replace decision being recorded
-                     (replace_or_reshard's end, as the workflow records it): median, p99
-  fault->first step  the MTTR of the simulated recovery: median, p99
-  events/incident    history events from the detect completion that reported the fault to
-                     resume's completion, inclusive (median)
+Every run is a real TrainingRun workflow on a private Temporal dev server, served by --workers
+`lazarus worker --backend simulated` processes on one task queue, with the real recovery
+activities; only the nodes are simulated (infra/simulated.py: a process of simulated launchers
+keeps each node's report, as a real launcher does), so what is measured is the controller:
+Temporal, the workflow, the activities, the pool and the run directories. Each run has 4 active
+nodes, and the pool the runs share holds one free spare per run. Once every run trains, the
+workers' CPU is read over --healthy-seconds (what watching healthy runs costs); then one node of
+each run dies at a random moment within --spread-seconds. With --kill-worker one worker is
+SIGKILLed once half the faults have landed. Printed:
+  incidents/s        incidents recovered / (last recovery's first step - first fault), beside the
+                     faults' own arrival rate
+  report->decision   detect's fault report to the replace decision recorded (replace_or_reshard's
+                     end, as the workflow records it): median, p99
+  fault->first step  the MTTR of the simulated recovery: median, p99 (the simulated ranks take
+                     0.55 s from launch to their first step)
+  watch cost         the workers' CPU per healthy run per minute, and all of them as a share of a core
+  exactly once       every run recovered from its one incident once, to one new incarnation, and
+                     no node is held by two runs
+--issue runs the four sittings the fleet issue asks for, one after another, into one page.
 """
 
 from __future__ import annotations
@@ -23,11 +30,15 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -35,116 +46,66 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import perf_page
 from lazarus.client import run_status, start_run
-from lazarus.config import Settings
+from lazarus.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
 from lazarus.history import chain_histories, incident_spans
-from lazarus.infra.backend import Observation, RankObservation
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.pool import LocalPool
 from lazarus.infra.temporal_server import local_environment, quiet_runtime
-from lazarus.schema import RunState, parse_spec
-from lazarus.schema.contract import Heartbeat, LaunchRecord, RankExit
-from lazarus.schema.node_reports import NodeReading
-from lazarus.worker import build_worker
+from lazarus.schema import parse_spec
+from lazarus.schema.rundir import RunDir
 
-PAGE_TITLE = "The controller under load"
-ABOUT = """One worker process serves many concurrent TrainingRun workflows on a private Temporal dev
-server, with the real recovery activities; only the cluster is simulated (ranks in memory, no
-processes), so what is measured is the controller: Temporal, the workflow, the activities and the
-run directories they read and write. Each run has 4 active nodes, and the pool the runs share holds
-one free spare per run; once every run trains, one node of each run dies at a random moment within
-the spread. *Incidents handled per second* is the incidents recovered over the time from the first
-fault to the last recovery's first step; *fault report -> replace decision* runs from detect's
-report to replace_or_reshard's end as the workflow records it; *fault -> first step* is the
-simulated recovery's MTTR (it includes the simulated ranks' 0.55 s from launch to their first step);
-*history events per incident* counts from the detect completion that reported the fault through
-resume's completion."""
+PAGE_TITLE = "The controller under a fleet's load"
+ABOUT = """Worker processes (`lazarus worker --backend simulated`, on one task queue) serve many
+concurrent TrainingRun workflows on a private Temporal dev server, with the real recovery
+activities; only the nodes are simulated (a process of simulated launchers keeps each node's
+report, as a real launcher does), so what is measured is the controller: Temporal, the workflow,
+the activities, the shared pool and the run directories, all on this machine's cores with the dev
+server. Each run has 4 active nodes; the pool holds one free spare per run. *Watch cost* is the
+workers' CPU while every run trains and nothing fails, per run and minute. Then one node of each
+run dies at a random moment within the spread. *Incidents handled per second* is the incidents
+recovered over the time from the first fault to the last recovery's first step (the faults' own
+arrival rate beside it); *fault report -> replace decision* runs from detect's report to
+replace_or_reshard's end as the workflow records it; *fault -> first step* is the simulated
+recovery's MTTR (it includes the simulated ranks' 0.55 s from launch to their first step);
+*exactly once*: every run recovered from its one incident once, into one new incarnation, and no
+node is held by two runs."""
+
+SPEC = {
+    "name": "scale",
+    "trainer": {"steps": 10_000_000, "checkpoint_every": 1000},
+    "cluster": {"active_nodes": 4, "spare_nodes": 1},
+    "recovery": {"heartbeat_interval_seconds": 0.5, "hang_after_seconds": 30, "progress_every_seconds": 300},
+}
+LAZARUS = Path(sys.executable).parent / "lazarus"
 
 
-class SimulatedCluster(LocalCluster):
-    """The local backend's run directories and inventory, with ranks simulated in memory.
+@dataclass(frozen=True)
+class Sitting:
+    """One measurement: how many runs, how the faults come, how many workers, whether one dies."""
 
-    An incarnation's ranks are alive from start_ranks until it is stopped or their node is
-    killed; they report their first step `startup_seconds` after launch and then train
-    `steps_per_second`. Everything else (assignments, claims, quarantine) is LocalCluster's.
-    """
+    runs: int
+    spread: float
+    workers: int = 1
+    kill_worker: bool = False
 
-    def __init__(self, home: Path, steps_per_second: float = 20.0, startup_seconds: float = 0.5):
-        super().__init__(home)
-        self.steps_per_second = steps_per_second
-        self.startup_seconds = startup_seconds
-        self._launched: dict[tuple[str, int], float] = {}
-        self._stopped: set[tuple[str, int]] = set()
+    def caption(self) -> str:
+        workers = f"{self.workers} worker{'s' if self.workers > 1 else ''}"
+        if self.kill_worker:
+            workers += " (one SIGKILLed mid-burst)"
+        return f"{workers}, {self.runs} concurrent runs, one node of each run killed within {self.spread:g} s"
 
-    def start_ranks(
-        self, run_id: str, incarnation: int, resume_step: int, skipped=None, policy=None, survivors=None
-    ) -> LaunchRecord:
-        record = self.record_launch(run_id, incarnation, resume_step, skipped)
-        self._launched.setdefault((run_id, incarnation), record.launched_at)
-        return record
 
-    def observe(self, run_id: str, incarnation: int) -> Observation:
-        run, assignment = self._incarnation(run_id, incarnation)
-        spec = self.spec(run_id)
-        dead = {n.name: n.died_at for n in self.inventory(run_id).nodes if not n.healthy and n.name in assignment.nodes}
-        observation = self._observation(run, incarnation, dead)
-        now = time.time()
-        launched = self._launched.get((run_id, incarnation))
-        running = launched is not None and (run_id, incarnation) not in self._stopped
-        trained = 0 if launched is None else int((now - launched - self.startup_seconds) * self.steps_per_second)
-        step = min(observation.resume_step + max(trained, 0), spec.trainer.steps)
-        finished = running and step >= spec.trainer.steps
-        first = None if launched is None else launched + self.startup_seconds + 1 / self.steps_per_second
-        layout = assignment.layout
-        # Observation.ranks is read from its nodes: each node's ranks go into a NodeReading.
-        per_node: list[list[RankObservation]] = [[] for _ in assignment.nodes]
-        for rank in range(layout.world_size):
-            index = layout.node_of_rank(rank)
-            node = assignment.nodes[index]
-            alive = running and node not in dead and not finished
-            beat = None
-            if running:
-                phase = "training" if trained > 0 else "starting"
-                beat = Heartbeat(
-                    rank=rank, step=step, time=now, phase=phase, first_step_at=first if trained > 0 else None
-                )
-            ended = RankExit(rank=rank, code=0, step=step, time=now) if finished else None
-            per_node[index].append(
-                RankObservation(
-                    rank=rank,
-                    node=node,
-                    launched=launched is not None,
-                    alive=alive,
-                    heartbeat=beat,
-                    exit=ended,
-                    launcher_alive=alive,
-                )
-            )
-        observation.nodes = [NodeReading.of_ranks(ranks) for ranks in per_node]
-        observation.launchers_alive = sum(1 for r in observation.ranks if r.launcher_alive)
-        return observation
+ISSUE_SITTINGS = (
+    Sitting(200, 10.0),
+    Sitting(200, 1.0),
+    Sitting(1000, 10.0),
+    Sitting(200, 10.0, workers=3, kill_worker=True),
+)
 
-    def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
-        self._stopped.add((run_id, incarnation))
-        return list(range(self.assignment(run_id, incarnation).layout.world_size))
 
-    def kill_node(self, run_id: str, node: str) -> list[int]:
-        self.update_nodes(run_id, {node: {"healthy": False, "died_at": datetime.now(UTC), "note": "killed"}})
-        return []
-
-    async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
-        await asyncio.sleep(timeout)  # simulated ranks have no process to watch
-        return False
-
-    def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float):
-        return None, False
-
-    def log_tail(self, run_id: str, incarnation: int, rank: int, lines: int = 20) -> str:
-        return ""
-
-    def release_standbys(self, run_id: str) -> None:
-        pass
-
-    def ensure_standbys(self, run_id: str) -> None:
-        pass
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU a live process has used so far (seconds)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -152,91 +113,220 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def events_per_incident(client, run_id: str) -> int | None:
-    """History events from the detect completion that reported the fault through resume's completion."""
-    spans = incident_spans((await chain_histories(client, run_id))[0])
-    return spans[0] if spans else None
+class Workers:
+    """`lazarus worker --backend simulated` processes on one home and task queue, stopped by pid."""
+
+    def __init__(self, count: int, home: Path, address: str, queue: str):
+        env = {**os.environ, ENV_HOME: str(home), ENV_ADDRESS: address, ENV_TASK_QUEUE: queue}
+        self.logs = [open(home / f"worker-{i}.log", "w") for i in range(count)]  # noqa: SIM115 - closed in stop
+        self.processes = [
+            subprocess.Popen([str(LAZARUS), "worker", "--backend", "simulated"], env=env, stdout=log, stderr=log)
+            for log in self.logs
+        ]
+        self.home = home
+
+    async def ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        for index, process in enumerate(self.processes):
+            log = self.home / f"worker-{index}.log"
+            while "worker pid" not in log.read_text():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"controller_scale: worker {index} did not start:\n{log.read_text()[-2000:]}")
+                await asyncio.sleep(0.1)
+
+    def live(self) -> list[subprocess.Popen]:
+        return [p for p in self.processes if p.poll() is None]
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(p.pid) for p in self.live())
+
+    def kill_one(self) -> int:
+        victim = self.live()[0]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        return victim.pid
+
+    def stop(self) -> None:
+        for process in self.live():
+            process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for log in self.logs:
+            log.close()
 
 
-async def bench(runs: int, spread: float, seed: int, say) -> dict:
-    env = await local_environment(runtime=quiet_runtime())
+async def count(client, query: str) -> int:
+    return (await client.count_workflows(f"WorkflowType='TrainingRun' AND {query}")).count
+
+
+async def wait_for(client, query: str, wanted: int, say, what: str, timeout: float) -> None:
+    """Poll the server's visibility (no worker answers it) until `wanted` runs match `query`."""
+    deadline, last = time.monotonic() + timeout, -1
+    while (found := await count(client, query)) < wanted:
+        failed = await count(client, "ExecutionStatus='Failed'")
+        if failed:
+            raise SystemExit(f"controller_scale: {failed} run(s) failed while {what}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"controller_scale: only {found} of {wanted} runs {what} after {timeout:g} s")
+        if found != last:
+            say(f"  {found}/{wanted} {what}")
+            last = found
+        await asyncio.sleep(0.5)
+
+
+def plan_faults(pool: LocalPool, ids: list[str], spread: float, rng: random.Random) -> list[tuple[float, list[str]]]:
+    """When each node dies (seconds from the burst's start): a random active node of each run."""
+    record = pool.read()
+    held = {run_id: [n.name for n in record.held_by(run_id)] for run_id in ids}
+    return sorted((rng.uniform(0, spread), [rng.choice(held[run_id])]) for run_id in ids)
+
+
+async def burst(pool: LocalPool, faults: list[tuple[float, list[str]]], workers: Workers, kill: bool, say) -> None:
+    started = time.monotonic()
+    for index, (at, nodes) in enumerate(faults):
+        await asyncio.sleep(max(0.0, at - (time.monotonic() - started)))
+        now = datetime.now(UTC)
+        await asyncio.to_thread(
+            pool.set_health, {n: {"healthy": False, "died_at": now, "note": "killed (bench)"} for n in nodes}
+        )
+        if kill and index == len(faults) // 2:
+            say(f"  SIGKILLed worker pid {workers.kill_one()} after {index + 1} of {len(faults)} faults")
+
+
+def check_exactly_once(home: Path, ids: list[str], statuses) -> list[str]:
+    """What breaks exactly-once: a run with other than one recovered incident or one new incarnation,
+    a node in two runs' assignments, the pool's holder of a node not the run whose assignment has it."""
+    problems = []
+    holders: dict[str, str] = {}
+    record = LocalPool(home).read()
+    for run_id, status in zip(ids, statuses, strict=True):
+        outcomes = [i.outcome for i in status.incidents]
+        if outcomes != ["recovered"]:
+            problems.append(f"{run_id}: incidents {outcomes}")
+        incarnations = RunDir(home / "runs" / run_id).incarnations()
+        if incarnations != [0, 1]:
+            problems.append(f"{run_id}: incarnations {incarnations}")
+        for node in status.assignment.nodes:
+            if node in holders:
+                problems.append(f"{node} is in the assignments of {holders[node]} and {run_id}")
+            holders[node] = run_id
+            held = record.node(node)
+            if held is None or held.role != "active" or held.owner != run_id:
+                problems.append(f"{node} of {run_id}'s assignment is {held and held.role} of {held and held.owner}")
+    return problems
+
+
+async def statuses_of(client, ids: list[str]):
+    gate = asyncio.Semaphore(20)
+
+    async def one(run_id: str):
+        async with gate:
+            return await run_status(client, run_id)
+
+    return await asyncio.gather(*(one(run_id) for run_id in ids))
+
+
+async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> dict:
     rng = random.Random(seed)
-    try:
-        with tempfile.TemporaryDirectory() as home:
-            cluster = SimulatedCluster(Path(home))
-            settings = Settings(task_queue="controller-scale")
-            spec = parse_spec(
-                {
-                    "name": "scale",
-                    "trainer": {"steps": 10_000_000, "checkpoint_every": 1000},
-                    "cluster": {"active_nodes": 4, "spare_nodes": 1},
-                    "recovery": {
-                        "heartbeat_interval_seconds": 0.5,
-                        "hang_after_seconds": 30,
-                        "progress_every_seconds": 30,
-                    },
-                }
+    env = await local_environment(runtime=quiet_runtime())
+    settings = Settings(task_queue="controller-scale")
+    address = env.client.service_client.config.target_host
+    spec = parse_spec(SPEC)
+    ids = [f"scale-{i:04d}" for i in range(sitting.runs)]
+    with tempfile.TemporaryDirectory() as folder:
+        home = Path(folder)
+        pool = LocalPool(home)
+        workers = Workers(sitting.workers, home, address, settings.task_queue)
+        try:
+            await workers.ready()
+            started = time.monotonic()
+            gate = asyncio.Semaphore(50)
+
+            async def start(run_id: str) -> None:
+                async with gate:
+                    await start_run(env.client, settings, spec, run_id)
+
+            await asyncio.gather(*(start(run_id) for run_id in ids))
+            say(f"{sitting.runs} runs started in {time.monotonic() - started:.1f} s; waiting until each trains")
+            await wait_for(env.client, "LazarusState='TRAINING'", sitting.runs, say, "training", 600)
+            say(f"all train after {time.monotonic() - started:.1f} s; watching them healthy for {healthy_seconds:g} s")
+            await asyncio.sleep(2.0)  # the launches' last activities settle
+            cpu_before, at_before = workers.cpu(), time.monotonic()
+            await asyncio.sleep(healthy_seconds)
+            watch_cpu = (workers.cpu() - cpu_before) / (time.monotonic() - at_before)
+            # One free spare per run, added once every run holds its active nodes (before, a run's
+            # launch would take them as its actives).
+            await asyncio.to_thread(pool.add, sitting.runs - len(pool.read().free()), "a hot spare per run")
+            faults = plan_faults(pool, ids, sitting.spread, rng)
+            say(f"{sum(len(n) for _, n in faults)} nodes die in {len(faults)} fault(s) within {sitting.spread:g} s")
+            await burst(pool, faults, workers, sitting.kill_worker, say)
+            hit = sorted({n.owner for n in pool.read().nodes if not n.healthy and n.owner})
+            await wait_for(
+                env.client, "LazarusState='TRAINING' AND LazarusIncidents>=1", len(hit), say, "recovered", 600
             )
-            ids = [f"scale-{i:03d}" for i in range(runs)]
-            async with build_worker(env.client, settings.task_queue, cluster):
-                started = time.monotonic()
-                await asyncio.gather(*(start_run(env.client, settings, spec, run_id) for run_id in ids))
-                say(f"{runs} runs started in {time.monotonic() - started:.1f} s; waiting until each is launched")
-                while True:
-                    statuses = await asyncio.gather(*(run_status(env.client, run_id) for run_id in ids))
-                    if all(s.state == RunState.TRAINING for s in statuses):
-                        break
-                    await asyncio.sleep(0.5)
-                say(
-                    f"all launched after {time.monotonic() - started:.1f} s; one node of each run dies "
-                    f"within {spread:g} s"
-                )
-
-                # The runs share the home's pool, whose free nodes are every run's spares: one per run,
-                # added once every run holds its active nodes (before, create would take them as actives).
-                cluster.pool.add(runs - 1, "a hot spare per run")
-                actives = {
-                    run_id: sorted(n.name for n in cluster.inventory(run_id).nodes if n.role == "active")
-                    for run_id in ids
-                }
-
-                async def fault(run_id: str) -> None:
-                    await asyncio.sleep(rng.uniform(0, spread))
-                    await asyncio.to_thread(cluster.kill_node, run_id, rng.choice(actives[run_id]))
-
-                await asyncio.gather(*(fault(run_id) for run_id in ids))
-                while True:
-                    statuses = await asyncio.gather(*(run_status(env.client, run_id) for run_id in ids))
-                    done = sum(1 for s in statuses if s.incidents and s.incidents[0].outcome == "recovered")
-                    if done == runs:
-                        break
-                    failed = [s for s in statuses if s.state == RunState.FAILED]
-                    if failed:
-                        raise SystemExit(f"controller_scale: run {failed[0].run_id} failed: {failed[0].reason}")
-                    await asyncio.sleep(1.0)
-                say(f"all {runs} recovered after {time.monotonic() - started:.1f} s; reading histories")
-                incidents = [s.incidents[0] for s in statuses]
-                events = [await events_per_incident(env.client, run_id) for run_id in ids]
-                # Terminating cancels the run's activities; each would log its cancellation.
-                logging.getLogger("temporalio").setLevel(logging.CRITICAL)
-                for run_id in ids:
-                    await env.client.get_workflow_handle(run_id).terminate("benchmark done")
-    finally:
-        await env.shutdown()
+            say(f"all recovered after {time.monotonic() - started:.1f} s; reading statuses and histories")
+            statuses = await statuses_of(env.client, ids)
+            problems = check_exactly_once(home, hit, [s for s in statuses if s.run_id in hit])
+            events = [incident_spans((await chain_histories(env.client, run_id))[0]) for run_id in hit[:50]]
+            logging.getLogger("temporalio").setLevel(logging.CRITICAL)  # terminating cancels every watch
+            for run_id in ids:
+                await env.client.get_workflow_handle(run_id).terminate("benchmark done")
+        finally:
+            workers.stop()
+            await env.shutdown()
+    incidents = [s.incidents[0] for s in statuses if s.incidents]
     to_decision = [(i.stages["replace_or_reshard"].ended_at - i.fault.detected_at).total_seconds() for i in incidents]
     mttr = [i.mttr_seconds for i in incidents]
     first_fault = min(i.fault.occurred_at for i in incidents)
+    last_fault = max(i.fault.occurred_at for i in incidents)
     last_step = max(i.first_step_at for i in incidents)
     return {
-        "runs": runs,
+        **sitting.__dict__,
+        "healthy_runs_watched": sitting.runs,
+        "watch_cpu_ms_per_run_minute": watch_cpu * 60_000 / sitting.runs,
+        "watch_cores": watch_cpu,
         "incidents": len(incidents),
+        "arrival_per_s": len(incidents) / max((last_fault - first_fault).total_seconds(), 1e-3),
         "incidents_per_s": len(incidents) / (last_step - first_fault).total_seconds(),
         "report_to_decision_median_s": statistics.median(to_decision),
         "report_to_decision_p99_s": percentile(to_decision, 99),
         "mttr_median_s": statistics.median(mttr),
         "mttr_p99_s": percentile(mttr, 99),
-        "events_per_incident": statistics.median([e for e in events if e is not None]),
+        "events_per_incident": statistics.median([s[0] for s in events if s]),
+        "exactly_once": not problems,
+        "problems": problems[:20],
     }
+
+
+def table(result: dict) -> perf_page.Table:
+    sitting = Sitting(**{k: result[k] for k in ("runs", "spread", "workers", "kill_worker")})
+    rows = [
+        [
+            "incidents handled per second (faults arrived per second)",
+            f"{result['incidents_per_s']:.2f} ({result['arrival_per_s']:.1f})",
+            None,
+        ],
+        [
+            "fault report -> replace decision (s)",
+            f"{result['report_to_decision_median_s']:.3f}",
+            f"{result['report_to_decision_p99_s']:.3f}",
+        ],
+        ["fault -> first step, simulated (s)", f"{result['mttr_median_s']:.3f}", f"{result['mttr_p99_s']:.3f}"],
+        [
+            f"watch of a healthy run: worker CPU per run per minute (ms); {result['runs']} runs",
+            f"{result['watch_cpu_ms_per_run_minute']:.0f}",
+            None,
+        ],
+        ["all healthy runs' watch, share of one core", f"{result['watch_cores']:.1%}", None],
+        ["history events per incident", f"{result['events_per_incident']:.0f}", None],
+        ["exactly once (incidents, incarnations, claims)", "yes" if result["exactly_once"] else "NO", None],
+    ]
+    caption = f"{sitting.caption()}: {result['incidents']} incidents"
+    return perf_page.Table(["figure", "median / value", "p99"], rows, caption)
 
 
 def main() -> None:
@@ -246,63 +336,54 @@ def main() -> None:
         "--spread-seconds",
         type=float,
         default=10.0,
-        help="the faults (one per run) land at random within this many seconds (default 10)",
+        help="the faults land at random within this many seconds (default 10)",
     )
+    parser.add_argument("--workers", type=int, default=1, help="worker processes on the task queue (default 1)")
+    parser.add_argument("--kill-worker", action="store_true", help="SIGKILL one worker once half the faults landed")
+    parser.add_argument(
+        "--healthy-seconds",
+        type=float,
+        default=20.0,
+        help="how long the watch of healthy runs is measured (default 20)",
+    )
+    parser.add_argument("--issue", action="store_true", help="the four sittings of the fleet issue, into one page")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON document")
     perf_page.add_option(parser, __file__)
     args = parser.parse_args()
-    if args.runs < 1 or args.spread_seconds < 0:
-        parser.error("--runs must be at least 1 and --spread-seconds not negative")
-    sitting = perf_page.begin()
+    if args.runs < 1 or args.spread_seconds < 0 or args.workers < 1 or args.healthy_seconds <= 0:
+        parser.error(
+            "--runs and --workers must be at least 1, --spread-seconds not negative, --healthy-seconds positive"
+        )
+    if args.kill_worker and args.workers < 2:
+        parser.error("--kill-worker needs --workers 2 or more (someone must take over the runs)")
+    sittings = (
+        ISSUE_SITTINGS if args.issue else [Sitting(args.runs, args.spread_seconds, args.workers, args.kill_worker)]
+    )
+    page = perf_page.begin()
     started = time.monotonic()
 
     def say(message: str) -> None:
-        if not args.json:
-            print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+        print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-    result = asyncio.run(bench(args.runs, args.spread_seconds, args.seed, say))
+    results = []
+    for sitting in sittings:
+        say(sitting.caption())
+        results.append(asyncio.run(measure(sitting, args.healthy_seconds, args.seed, say)))
+    tables = [table(result) for result in results]
     if args.markdown:
-        write_markdown(args, sitting, result)
+        perf_page.write_page(args.markdown, page, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=tables)
     if args.json:
-        print(json.dumps(result, indent=2))
-        return
-    print(
-        f"\nOne worker, {result['runs']} concurrent runs, {result['incidents']} incidents "
-        f"(one node of each run killed within {args.spread_seconds:g} s)"
-    )
-    print(f"  incidents handled per second     {result['incidents_per_s']:8.2f}")
-    print(
-        f"  fault report -> replace decision {result['report_to_decision_median_s']:8.3f} s median, "
-        f"{result['report_to_decision_p99_s']:.3f} s p99"
-    )
-    print(
-        f"  fault -> first step (simulated)  {result['mttr_median_s']:8.3f} s median, {result['mttr_p99_s']:.3f} s p99"
-    )
-    print(f"  history events per incident      {result['events_per_incident']:8.0f}")
-
-
-def write_markdown(args, sitting, result: dict) -> None:
-    caption = (
-        f"One worker, {result['runs']} concurrent runs, {result['incidents']} incidents "
-        f"(one node of each run killed within {args.spread_seconds:g} s)"
-    )
-    rows = [
-        ["incidents handled per second", f"{result['incidents_per_s']:.2f}", None],
-        [
-            "fault report -> replace decision, median (s)",
-            f"{result['report_to_decision_median_s']:.3f}",
-            f"{result['report_to_decision_p99_s']:.3f}",
-        ],
-        [
-            "fault -> first step (simulated), median (s)",
-            f"{result['mttr_median_s']:.3f}",
-            f"{result['mttr_p99_s']:.3f}",
-        ],
-        ["history events per incident", f"{result['events_per_incident']:.0f}", None],
-    ]
-    table = perf_page.Table(["figure", "value", "p99"], rows, caption)
-    perf_page.write_page(args.markdown, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table])
+        print(json.dumps(results if args.issue else results[0], indent=2))
+    else:
+        for result, shown in zip(results, tables, strict=True):
+            print(f"\n{shown.caption}")
+            for name, value, p99 in shown.rows:
+                print(f"  {name:<70} {value:>12}" + (f"   p99 {p99}" if p99 else ""))
+            for problem in result["problems"]:
+                print(f"  not exactly once: {problem}")
+    if not all(result["exactly_once"] for result in results):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

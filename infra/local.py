@@ -32,7 +32,7 @@ from lazarus.schema.contract import (
 )
 from lazarus.schema.files import lock_is_held
 from lazarus.schema.policy import RecoveryPolicy
-from lazarus.schema.pool import SpareWant
+from lazarus.schema.pool import PoolRecord, SpareWant
 from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
@@ -104,14 +104,23 @@ class LocalCluster(RunFiles):
         an attempt killed between the two leaves nodes the run's retry finds its own.
         """
         run = self._existing(run_id)
-        with self.pool.changing() as pool:
-            recorded = self.assignment(run_id, assignment.incarnation)
-            why = f"incarnation {assignment.incarnation}"
-            if recorded is None:
-                claim_and_release(pool, run_id, assignment.nodes, list(releases), why)
-                self.pool.save(pool)
-                recorded = self.record_assignment(run_id, assignment)
-            claim_and_release(pool, run_id, recorded.nodes, list(releases), f"incarnation {recorded.incarnation}")
+        key, why = (run_id, assignment.incarnation), f"incarnation {assignment.incarnation}"
+        assigning = self.pool.assigning
+
+        def claim(pool: PoolRecord) -> Assignment:
+            # An attempt whose claim went into this same commit has not written its assignment yet.
+            recorded = self.assignment(run_id, assignment.incarnation) or assigning.get(key)
+            if recorded is not None:
+                claim_and_release(pool, run_id, recorded.nodes, list(releases), f"incarnation {recorded.incarnation}")
+                return recorded
+            claim_and_release(pool, run_id, assignment.nodes, list(releases), why)
+            assigning[key] = assignment
+            return assignment
+
+        def write(claimed: Assignment) -> Assignment:
+            return claimed if claimed is not assignment else self.record_assignment(run_id, assignment)
+
+        recorded = self.pool.change(claim, then=write)
         # Standbys this run keeps on nodes another run now holds would only idle.
         held = {n.name for n in self.pool.inventory(run_id).nodes}
         kill_standbys(run, [d.name for d in run.standbys() if d.name not in held], wait=False)

@@ -6,15 +6,25 @@ Every change is a read-modify-write of one record (schema/pool.py) under an excl
 runs can never both take one spare, and a worker killed in the middle leaves either the old
 record or the new one (the kernel drops a dead holder's lock). What changes a run's assignment
 and the pool together (LocalCluster.commit_assignment) holds the lock across both.
+
+A burst of faults across many runs asks for hundreds of changes within a second, and each write
+serializes the whole pool: so the changes that threads of one process ask for while another's
+commit holds the lock go in together, in one read and one write (group commit), and each is
+undone alone when it fails. The record is parsed once per write (this process's own writes need
+no parse at all): `read` hands out one shared snapshot whose nodes and wants are frozen, and a
+change edits a shallow copy, replacing what it changes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, TypeVar
 
 from lazarus.infra.backend import ClusterError
 from lazarus.schema.files import write_json_atomic
@@ -27,122 +37,184 @@ class LocalPool:
 
     def __init__(self, home: str | Path):
         self.file = pool_file(Path(home))
-        self._unhealthy: tuple[tuple, dict[str, datetime | None]] | None = None  # (file stat, what it said)
-
-    def unhealthy(self) -> dict[str, datetime | None]:
-        """The pool's dead nodes and when each died: what every look asks, read again only when the
-        record was rewritten (a look at a run of thousands of nodes would parse it each time)."""
-        try:
-            stat = self.file.stat()
-        except FileNotFoundError:
-            return {}
-        key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        if self._unhealthy is None or self._unhealthy[0] != key:
-            self._unhealthy = (key, {n.name: n.died_at for n in self.read().nodes if not n.healthy})
-        return self._unhealthy[1]
+        self._snapshot: _Snapshot | None = None  # the record as last read or written by this process
+        self._combining = threading.Lock()  # held by the thread that commits a batch of changes
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Change] = []
+        # Assignments whose claims are in the commit under way, not yet written (LocalCluster.commit_assignment).
+        self.assigning: dict[tuple[str, int], Any] = {}
 
     def read(self) -> PoolRecord:
-        """The record as last written (an empty pool before the first write)."""
+        """The record as last written (an empty pool before the first write). Shared and parsed once
+        per write: its nodes and wants are frozen, and changes go through the methods below."""
+        snapshot = self._snapshot
         try:
-            return PoolRecord.model_validate_json(self.file.read_text())
+            if snapshot is not None and _key(os.stat(self.file)) == snapshot.key:
+                return snapshot.record
+            with open(self.file, "rb") as handle:  # the identity and the text of one file, replaced or not
+                snapshot = _Snapshot(_key(os.fstat(handle.fileno())), PoolRecord.model_validate_json(handle.read()))
         except FileNotFoundError:
             return PoolRecord()
+        self._snapshot = snapshot
+        return snapshot.record
 
-    @contextlib.contextmanager
-    def changing(self) -> Iterator[PoolRecord]:
-        """The record under the pool's lock, for the caller to change in place; written back (one
-        generation on) when the block ends without an exception and something changed."""
+    def unhealthy(self) -> dict[str, datetime | None]:
+        """The pool's dead nodes and when each died: what every look asks, worked out once per write
+        (a look at a run of thousands of nodes would otherwise go through them each time)."""
+        record = self.read()
+        snapshot = self._snapshot
+        if snapshot is None or snapshot.record is not record:
+            return {n.name: n.died_at for n in record.nodes if not n.healthy}
+        if snapshot.dead is None:
+            snapshot.dead = {n.name: n.died_at for n in record.nodes if not n.healthy}
+        return snapshot.dead
+
+    def change(self, edit: Callable[[PoolRecord], T], then: Callable[[T], T] | None = None) -> T:
+        """`edit(record)` under the pool's lock, written, and `then(result)` after the write while the
+        lock is still held; returns the result, or raises edit's error (which undoes that edit alone).
+
+        `record` is a working copy: its lists may be changed in place, a node or want only replaced
+        (they are frozen). Edits that other threads ask for meanwhile join the same commit."""
+        mine = _Change(edit, then)
+        with self._queue_lock:
+            self._queue.append(mine)
+        with self._combining:
+            if not mine.done:
+                with self._queue_lock:
+                    batch, self._queue = self._queue, []
+                self._commit(batch)
+        return mine.outcome()
+
+    def _commit(self, batch: list[_Change]) -> None:
+        """Apply a batch of edits to the record read under the lock, write it once, run the then-steps."""
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.file.parent / "lock", "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                record = self.read()
-                yield record
-                if record.model_dump_json() != self.read().model_dump_json():
-                    self.save(record)
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        try:
+            with open(self.file.parent / "lock", "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    record = _working(self.read())
+                    for entry in batch:
+                        trial = _working(record)
+                        try:
+                            entry.result = entry.edit(trial)
+                            record = trial
+                        except Exception as error:  # noqa: BLE001 - the edit's caller gets it
+                            entry.error = error
+                    if any(entry.error is None for entry in batch):
+                        self.save(record)
+                    for entry in batch:
+                        if entry.error is None and entry.then is not None:
+                            try:
+                                entry.result = entry.then(entry.result)
+                            except Exception as error:  # noqa: BLE001 - the edit's caller gets it
+                                entry.error = error
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+        except BaseException as error:  # the lock or the write failed: every edit of the batch did
+            for entry in batch:
+                if entry.error is None:
+                    entry.error = error
+            raise
+        finally:
+            self.assigning.clear()
+            for entry in batch:
+                entry.done = True
 
     def save(self, record: PoolRecord) -> None:
-        """Write the record now, one generation on (only inside `changing`, which holds the lock)."""
+        """Write the record now, one generation on (only inside a commit, which holds the lock)."""
         record.generation += 1
         write_json_atomic(self.file, record.model_dump_json(indent=1))
+        self._snapshot = _Snapshot(_key(self.file.stat()), record)
 
     # --- changes, each under the lock --------------------------------------------------------
 
     def add(self, count: int, note: str = "added") -> list[str]:
         """Add `count` free healthy nodes; returns their names."""
-        with self.changing() as record:
-            return [node.name for node in _add(record, count, note)]
+        return self.change(lambda record: [node.name for node in _add(record, count, note)])
 
     def provision(self, run_id: str, active: int, spares: int) -> list[str]:
         """Give a new run `active` nodes of its own and leave `spares` free nodes as the pool's hot
         spares: free nodes beyond those spares first, then nodes added (a local node costs nothing
         until it runs). A repeated call finds the nodes the run holds. Returns its active nodes."""
-        with self.changing() as record:
-            mine = record.held_by(run_id)
+
+        def edit(record: PoolRecord) -> list[str]:
+            mine = [node.name for node in record.held_by(run_id)]
             if not mine:
                 now = datetime.now(UTC)
-                wanted = record.free()[: max(0, min(active, len(record.free()) - spares))]
-                wanted += _add(record, active - len(wanted), "added for a run")
-                for node in wanted:
-                    _hold(node, run_id, now, "launch")
+                free = record.free()
+                wanted = [node.name for node in free[: max(0, min(active, len(free) - spares))]]
+                wanted += [node.name for node in _add(record, active - len(wanted), "added for a run")]
+                _hold(record, wanted, run_id, now, "launch")
                 mine = wanted
             _add(record, spares - len(record.free()), "added as a hot spare")
-            return [node.name for node in mine]
+            return mine
+
+        return self.change(edit)
 
     def set_health(self, changes: dict[str, dict]) -> PoolRecord:
         """Apply field changes (healthy, died_at, note) to named nodes; ClusterError names an unknown one."""
-        with self.changing() as record:
+
+        def edit(record: PoolRecord) -> PoolRecord:
             _known(record, changes)
-            record.nodes = [
+            record.nodes[:] = [
                 PoolNode.model_validate({**n.model_dump(), **changes[n.name]}) if n.name in changes else n
                 for n in record.nodes
             ]
             return record
 
+        return self.change(edit)
+
     def quarantine(self, run_id: str, names: list[str], reason: str) -> None:
         """Hold the nodes out of every run until they are returned (the run that holds them drains them)."""
-        with self.changing() as record:
+
+        def edit(record: PoolRecord) -> None:
             nodes = _known(record, dict.fromkeys(names))
             others = [n for n in names if nodes[n].owner not in (None, run_id)]
             if others:
                 raise ClusterError(f"{', '.join(others)} belongs to another run ({nodes[others[0]].owner})")
-            now = datetime.now(UTC)
-            for name in names:
-                node = nodes[name]
-                node.role, node.owner, node.since, node.note = "quarantined", run_id, now, reason
+            _replace(record, names, role="quarantined", owner=run_id, since=datetime.now(UTC), note=reason)
+
+        self.change(edit)
 
     def return_node(self, name: str) -> PoolNode:
         """A repaired node rejoins the pool as a free healthy spare; returns it as recorded."""
-        with self.changing() as record:
+
+        def edit(record: PoolRecord) -> PoolNode:
             node = _known(record, {name: None})[name]
             if node.role == "active":
                 raise ClusterError(f"{name} is active in run {node.owner}; only a quarantined or dead node is returned")
-            _free(node, datetime.now(UTC), "returned")
-            node.healthy, node.died_at = True, None
-            return node
+            fields = {"healthy": True, "died_at": None}
+            return _free(record, [name], datetime.now(UTC), "returned", **fields)[0]
+
+        return self.change(edit)
 
     def release(self, run_id: str) -> list[str]:
         """The run ended: its active nodes go back to the pool as free spares (what it quarantined
         stays quarantined) and its want goes; returns the nodes."""
-        with self.changing() as record:
-            now = datetime.now(UTC)
-            mine = record.held_by(run_id)
-            for node in mine:
-                _free(node, now, f"released by {run_id}")
-            record.wants = [w for w in record.wants if w.run_id != run_id]
-            return [node.name for node in mine]
+
+        def edit(record: PoolRecord) -> list[str]:
+            mine = [node.name for node in record.held_by(run_id)]
+            _free(record, mine, datetime.now(UTC), f"released by {run_id}")
+            record.wants[:] = [w for w in record.wants if w.run_id != run_id]
+            return mine
+
+        return self.change(edit)
 
     def want(self, want: SpareWant) -> None:
         """Lodge a run's need of spares, in place of its earlier one."""
-        with self.changing() as record:
-            record.wants = [w for w in record.wants if w.run_id != want.run_id] + [want]
+
+        def edit(record: PoolRecord) -> None:
+            record.wants[:] = [w for w in record.wants if w.run_id != want.run_id] + [want]
+
+        self.change(edit)
 
     def drop_want(self, run_id: str) -> None:
         """The run's recovery is over: its want goes."""
-        with self.changing() as record:
-            record.wants = [w for w in record.wants if w.run_id != run_id]
+
+        def edit(record: PoolRecord) -> None:
+            record.wants[:] = [w for w in record.wants if w.run_id != run_id]
+
+        self.change(edit)
 
     # --- what one run sees -------------------------------------------------------------------
 
@@ -162,9 +234,9 @@ class LocalPool:
 
 
 def claim_and_release(record: PoolRecord, run_id: str, nodes: list[str], releases: list[str], why: str) -> None:
-    """In `record`: make `nodes` the run's active nodes and free `releases` it held (but not `nodes`).
-    ClusterError, changing nothing, when one of `nodes` is neither free and healthy nor already the
-    run's (a retry of a claim that succeeded succeeds)."""
+    """In `record` (a working copy): make `nodes` the run's active nodes and free `releases` it held
+    (but not `nodes`). ClusterError, changing nothing, when one of `nodes` is neither free and
+    healthy nor already the run's (a retry of a claim that succeeded succeeds)."""
     known = _known(record, dict.fromkeys(nodes))
     taken = [n for n in nodes if not _claimable(known[n], run_id)]
     if taken:
@@ -173,14 +245,50 @@ def claim_and_release(record: PoolRecord, run_id: str, nodes: list[str], release
         raise ClusterError(f"node {', '.join(taken)} is no longer a free spare ({held}; free: {free})")
     now = datetime.now(UTC)
     claimed = [name for name in nodes if known[name].owner != run_id or known[name].role != "active"]
-    for name in claimed:
-        _hold(known[name], run_id, now, why)
-    for want in record.wants:
-        if want.run_id == run_id and not want.placed:
-            want.placed, want.got = True, len(claimed)
-    for node in record.held_by(run_id):
-        if node.name in releases and node.name not in nodes:
-            _free(node, now, f"released by {run_id} at {why}")
+    _hold(record, claimed, run_id, now, why)
+    record.wants[:] = [
+        w.model_copy(update={"placed": True, "got": len(claimed)}) if w.run_id == run_id and not w.placed else w
+        for w in record.wants
+    ]
+    leftover = [n.name for n in record.held_by(run_id) if n.name in releases and n.name not in nodes]
+    _free(record, leftover, now, f"released by {run_id} at {why}")
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Snapshot:
+    """The record as this process last read or wrote it, and the file's identity then."""
+
+    key: tuple[int, int, int]  # inode, modification time (ns), size: a rename-replaced file differs in each
+    record: PoolRecord
+    dead: dict[str, datetime | None] | None = None  # its unhealthy nodes, once asked for
+
+
+@dataclass
+class _Change:
+    """One thread's edit of the pool, waiting for the commit that carries it."""
+
+    edit: Callable[[PoolRecord], Any]
+    then: Callable[[Any], Any] | None
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _key(stat: os.stat_result) -> tuple[int, int, int]:
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def _working(record: PoolRecord) -> PoolRecord:
+    """A copy an edit may change: its own lists of the same frozen nodes and wants."""
+    return PoolRecord.model_construct(generation=record.generation, nodes=list(record.nodes), wants=list(record.wants))
 
 
 def _claimable(node: PoolNode, run_id: str) -> bool:
@@ -210,9 +318,20 @@ def _add(record: PoolRecord, count: int, note: str) -> list[PoolNode]:
     return added
 
 
-def _hold(node: PoolNode, run_id: str, now: datetime, why: str) -> None:
-    node.role, node.owner, node.since, node.note = "active", run_id, now, f"{run_id}: {why}"
+def _replace(record: PoolRecord, names: list[str], **fields) -> list[PoolNode]:
+    """Put a copy with `fields` in the place of each named node of the working record; returns the copies."""
+    wanted = set(names)
+    copies = []
+    for index, node in enumerate(record.nodes):
+        if node.name in wanted:
+            record.nodes[index] = node.model_copy(update=fields)
+            copies.append(record.nodes[index])
+    return copies
 
 
-def _free(node: PoolNode, now: datetime, note: str) -> None:
-    node.role, node.owner, node.since, node.note = "free", None, now, note
+def _hold(record: PoolRecord, names: list[str], run_id: str, now: datetime, why: str) -> None:
+    _replace(record, names, role="active", owner=run_id, since=now, note=f"{run_id}: {why}")
+
+
+def _free(record: PoolRecord, names: list[str], now: datetime, note: str, **fields) -> list[PoolNode]:
+    return _replace(record, names, role="free", owner=None, since=now, note=note, **fields)

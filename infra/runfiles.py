@@ -12,6 +12,7 @@ import shutil
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from lazarus.infra.backend import ClusterError, Observation, RankObservation
 from lazarus.infra.stacks import STACKS_WAIT_SECONDS, capture_stacks
@@ -32,6 +33,32 @@ from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
 
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Kept(Generic[K, V]):
+    """What a backend keeps of records that never change once written, the oldest dropped past
+    `size` entries (a worker serves runs for months)."""
+
+    def __init__(self, size: int = 20_000):
+        self.size = size
+        self._entries: dict[K, V] = {}
+
+    def get(self, key: K) -> V | None:
+        return self._entries.get(key)
+
+    def __contains__(self, key: K) -> bool:
+        return key in self._entries
+
+    def keep(self, key: K, value: V) -> V:
+        """Keep `value` under `key`; returns it."""
+        if len(self._entries) >= self.size:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = value
+        return value
+
+
 COMMIT_POLL_SECONDS = 0.02
 """How often drain looks for the commit marker of a checkpoint in flight (seconds)."""
 
@@ -43,11 +70,19 @@ class RunFiles:
 
     def __init__(self, home: str | Path):
         self.home = Path(home).resolve()
-        self._specs: dict[str, RunSpec] = {}  # a run's spec never changes once written (write_spec)
+        # What never changes once written, read once: a watch looks at every run a few times a
+        # second, and a run's directory, spec, assignments and launch records are the same each time.
+        self._run_dirs: Kept[str, RunDir] = Kept()
+        self._specs: Kept[str, RunSpec] = Kept()
+        self._assignments: Kept[tuple[str, int], Assignment] = Kept()
+        self._launches: Kept[tuple[str, int], LaunchRecord] = Kept()
 
     def run_dir(self, run_id: str) -> RunDir:
         """The run's directory (it may not exist yet); ClusterError for a run id that is not one,
         whichever door it came in by: a run's files never land outside home/runs."""
+        known = self._run_dirs.get(run_id)
+        if known is not None:
+            return known
         try:
             check_run_id(run_id)
         except ValueError as error:
@@ -58,11 +93,11 @@ class RunFiles:
         # one way left out, and following it would write another directory's files.
         if root.resolve().parent != runs.resolve():
             raise ClusterError(f"run directory {root} leads outside {runs}")
-        return RunDir(root)
+        return self._run_dirs.keep(run_id, RunDir(root))
 
     def _existing(self, run_id: str) -> RunDir:
         run = self.run_dir(run_id)
-        if not run.spec_file.exists():
+        if run_id not in self._specs and not run.spec_file.exists():
             raise ClusterError(f"no run {run_id!r} under {self.home / 'runs'}")
         return run
 
@@ -76,9 +111,10 @@ class RunFiles:
 
     def spec(self, run_id: str) -> RunSpec:
         """The run's spec as recorded at launch (read once per run)."""
-        if run_id not in self._specs:
-            self._specs[run_id] = RunSpec.model_validate_json(self._existing(run_id).spec_file.read_text())
-        return self._specs[run_id]
+        spec = self._specs.get(run_id)
+        if spec is None:
+            spec = self._specs.keep(run_id, RunSpec.model_validate_json(self._existing(run_id).spec_file.read_text()))
+        return spec
 
     def write_spec(self, run_id: str, spec: RunSpec) -> RunDir:
         """Create the run directory with its spec; a second call finds it and checks the spec is the same."""
@@ -92,9 +128,25 @@ class RunFiles:
         return run
 
     def assignment(self, run_id: str, incarnation: int) -> Assignment | None:
-        """The recorded assignment of an incarnation, if any."""
-        path = self.run_dir(run_id).assignment_file(incarnation)
-        return Assignment.model_validate_json(path.read_text()) if path.exists() else None
+        """The recorded assignment of an incarnation, if any (written once: read once)."""
+        known = self._assignments.get((run_id, incarnation))
+        if known is not None:
+            return known
+        try:
+            text = self.run_dir(run_id).assignment_file(incarnation).read_text()
+        except FileNotFoundError:
+            return None
+        return self._assignments.keep((run_id, incarnation), Assignment.model_validate_json(text))
+
+    def launch(self, run: RunDir, incarnation: int) -> LaunchRecord | None:
+        """The incarnation's launch record; None before its first launch (written once: read once)."""
+        key = (run.root.name, incarnation)
+        known = self._launches.get(key)
+        if known is None:
+            known = read_launch(run, incarnation)
+            if known is not None:
+                self._launches.keep(key, known)
+        return known
 
     def record_assignment(self, run_id: str, assignment: Assignment) -> Assignment:
         """Write the incarnation's assignment unless one exists; returns the one recorded first."""
@@ -122,7 +174,7 @@ class RunFiles:
     ) -> Observation:
         """An observation of what the files say (the launch record, what the spec says the ranks
         report) and the dead nodes given; no ranks yet."""
-        launch = read_launch(run, incarnation)
+        launch = self.launch(run, incarnation)
         trainer = self.spec(run.root.name).trainer
         return Observation(
             incarnation,

@@ -1,37 +1,53 @@
-"""A backend whose nodes are records: the controller at sizes this machine cannot run.
+"""A backend whose nodes are records: the controller at sizes and fleets this machine cannot run.
 
 SimulatedCluster is LocalCluster (run directories, the home's pool, claims, assignments,
 quarantine) with every node's launcher and ranks replaced by the record they would write: a
-process of its own rewrites each live incarnation's node reports (schema/node_reports.py,
-the file a launcher keeps) every `report_seconds`, and observe reads them as the local backend does. So a
-look at a simulated run of 2,048 nodes reads and parses 2,048 files, as it would on a real one;
-only the processes are missing. Ranks report their first step `startup_seconds` after launch and
-then train `steps_per_second`. A run ends only by being stopped or terminated (bench/large_run.py).
+process of its own, the simulated launchers, rewrites each live incarnation's node reports
+(schema/node_reports.py, the file a launcher keeps) every `report_seconds`, and observe reads them
+as the local backend does. So a look at a simulated run of 2,048 nodes reads and parses 2,048
+files, as it would on a real one; only the processes are missing. Ranks report their first step
+`startup_seconds` after launch and then train `steps_per_second`. A run ends only by being
+stopped or terminated (bench/large_run.py, bench/controller_scale.py).
+
+The launchers learn what to report from the home alone, as real nodes would: an incarnation is
+live from its launch record until its `ended` marker, and a node the pool holds dead reports
+nothing. So any number of workers (`lazarus worker --backend simulated`) serve one home: each
+starts a launchers process, one of them (the holder of `simulated/launchers.lock`) writes, and
+another takes over within a report interval when its worker dies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import multiprocessing
 import os
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import Observation
 from lazarus.infra.local import LocalCluster
-from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource
+from lazarus.infra.pool import LocalPool
+from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource, read_launch
 from lazarus.schema.node_reports import NodeReading, read_node_reports
 from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.records import Assignment
 from lazarus.schema.rundir import RunDir
 
+STEPS_PER_SECOND = 20.0
+"""How fast simulated ranks train by default (steps a second)."""
+STARTUP_SECONDS = 0.5
+"""How long simulated ranks take from launch to the start of their first step by default (seconds)."""
+REPORT_SECONDS = 0.5
+"""How often the simulated launchers rewrite their reports by default (seconds)."""
 
-@dataclass
+
+@dataclass(frozen=True)
 class _Incarnation:
-    """One simulated launch: when, from which step, on which nodes; which nodes died."""
+    """One simulated launch, as its records say: where, from which step, on which nodes."""
 
     run: RunDir
     incarnation: int
@@ -39,8 +55,6 @@ class _Incarnation:
     ranks_per_node: int
     resume_step: int
     launched_at: float
-    dead: set[int] = field(default_factory=set)  # node indexes killed
-    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,40 +88,78 @@ class _Pace:
         return f'{summary}\n{{"node":{node},"time":{now!r},"ranks":[{ranks}]}}'
 
 
-def _launchers(commands, pace: _Pace, parent: int) -> None:
+class _Live:
+    """The incarnations the launchers report for: found in the home's run directories, each read
+    once (its assignment and launch record never change) and dropped at its `ended` marker."""
+
+    def __init__(self, home: Path):
+        self.runs = home / "runs"
+        self.live: dict[tuple[str, int], _Incarnation] = {}
+        self.ended: set[tuple[str, int]] = set()
+
+    def scan(self) -> list[_Incarnation]:
+        """Every incarnation launched and not ended, now."""
+        try:
+            names = os.listdir(self.runs)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            run = RunDir(self.runs / name)
+            try:
+                numbers = os.listdir(run.root / "incarnations")
+            except FileNotFoundError:
+                continue
+            for number in numbers:
+                key = (name, int(number)) if number.isdigit() else None
+                if key is None or key in self.ended or key in self.live:
+                    continue
+                found = self._read(run, key[1])
+                if found is not None:
+                    self.live[key] = found
+        for key, sim in list(self.live.items()):
+            if sim.run.ended_file(sim.incarnation).exists():
+                del self.live[key]
+                self.ended.add(key)
+        return list(self.live.values())
+
+    @staticmethod
+    def _read(run: RunDir, incarnation: int) -> _Incarnation | None:
+        launch = read_launch(run, incarnation)
+        if launch is None or run.ended_file(incarnation).exists():
+            return None  # not launched yet (looked at again next time), or over
+        assignment = Assignment.model_validate_json(run.assignment_file(incarnation).read_text())
+        per_node = assignment.layout.ranks_per_node
+        return _Incarnation(run, incarnation, assignment.nodes, per_node, launch.resume_step, launch.launched_at)
+
+
+def _launchers(home: Path, pace: _Pace, parent: int) -> None:
     """The simulated launchers, in a process of their own (as real ones run on other machines, so
     their work shares neither the controller's interpreter lock nor its timing): every
-    `report_seconds`, a report from every live node. `commands` brings launches, deaths and
-    stops; None ends it, and so does the end of the process that started it."""
-    live: dict[tuple[str, int], _Incarnation] = {}
-    # They stand for other machines: on this one, the controller comes first.
-    os.nice(19)
-    while os.getppid() == parent:
-        deadline = time.monotonic() + pace.report_seconds
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                if not commands.poll(left):
-                    break
-                command = commands.recv()
-            except EOFError:
-                return  # the other end is gone
-
-            if command is None:
+    `report_seconds`, a report from every live node. One process per home writes (the holder of
+    its lock); the others wait to take over. It ends with the process that started it."""
+    os.nice(19)  # they stand for other machines: on this one, the controller comes first
+    lock_path = home / "simulated" / "launchers.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        while True:
+            if os.getppid() != parent:
                 return
-            kind, key, detail = command
-            if kind == "launch":
-                live[key] = detail
-            elif kind == "dead" and key in live:
-                live[key].dead.add(detail)
-            elif kind == "stop":
-                live.pop(key, None)
-        now = time.time()
-        for sim in live.values():
-            folder = sim.run.node_report_file(sim.incarnation, 0).parent
-            folder.mkdir(parents=True, exist_ok=True)
-            for index in range(len(sim.nodes)):
-                if index not in sim.dead:
-                    _replace(f"{folder}{os.sep}{index}.report.json", pace.report(sim, index, now))
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(pace.report_seconds)
+        live, pool = _Live(home), LocalPool(home)
+        while os.getppid() == parent:
+            started = time.monotonic()
+            now, dead = time.time(), pool.unhealthy()
+            for sim in live.scan():
+                folder = sim.run.node_report_file(sim.incarnation, 0).parent
+                folder.mkdir(parents=True, exist_ok=True)
+                for index, node in enumerate(sim.nodes):
+                    if node not in dead:
+                        _replace(f"{folder}{os.sep}{index}.report.json", pace.report(sim, index, now))
+            time.sleep(max(0.0, pace.report_seconds - (time.monotonic() - started)))
 
 
 def _replace(path: str, text: str) -> None:
@@ -127,35 +179,25 @@ class SimulatedCluster(LocalCluster):
     launchers keeps current."""
 
     def __init__(
-        self, home: str | Path, steps_per_second: float = 20.0, startup_seconds: float = 0.5, report_seconds=0.5
+        self,
+        home: str | Path,
+        steps_per_second: float = STEPS_PER_SECOND,
+        startup_seconds: float = STARTUP_SECONDS,
+        report_seconds: float = REPORT_SECONDS,
     ):
         super().__init__(home)
         self.launches_done: dict[tuple[str, int], float] = {}  # (run, incarnation) -> when start_ranks returned
-        self._live: dict[tuple[str, int], _Incarnation] = {}
-        self._guard = threading.Lock()
-        self._sending = threading.Lock()
         context = multiprocessing.get_context("spawn")  # not a fork of a process with threads
-        # A pipe, not a Queue: a Queue's semaphores are finalized whenever they are collected, which
-        # can be inside a workflow's sandbox, where the finalizer may not import what it needs.
-        theirs, self._commands = context.Pipe(duplex=False)
         pace = _Pace(steps_per_second, startup_seconds, report_seconds)
         self._writer = context.Process(
-            target=_launchers, args=(theirs, pace, os.getpid()), name="simulated-launchers", daemon=True
+            target=_launchers, args=(self.home, pace, os.getpid()), name="simulated-launchers", daemon=True
         )
         self._writer.start()
 
-    def _send(self, command) -> None:
-        with self._sending:  # one writer at a time on the pipe
-            self._commands.send(command)
-
     def close(self) -> None:
         """Stop the simulated launchers."""
-        self._send(None)
-        self._commands.close()
+        self._writer.terminate()
         self._writer.join(30)
-        if self._writer.is_alive():
-            self._writer.kill()
-            self._writer.join()
 
     # --- the backend ---------------------------------------------------------------------
 
@@ -168,30 +210,25 @@ class SimulatedCluster(LocalCluster):
         policy: RecoveryPolicy | None = None,
         survivors: SurvivorSource | None = None,
     ) -> LaunchRecord:
-        """Record the launch and have every node report its ranks started (once)."""
-        run, assignment = self._incarnation(run_id, incarnation)
+        """Record the launch: the simulated launchers find it and start reporting for its nodes."""
+        self._incarnation(run_id, incarnation)
         record = self.record_launch(run_id, incarnation, resume_step, skipped)
-        with self._guard:
-            if (run_id, incarnation) not in self._live:
-                per_node = assignment.layout.ranks_per_node
-                sim = _Incarnation(run, incarnation, assignment.nodes, per_node, record.resume_step, time.time())
-                self._live[(run_id, incarnation)] = sim
-                self._send(("launch", (run_id, incarnation), sim))
         self.launches_done.setdefault((run_id, incarnation), time.time())
         return record
 
     def observe(self, run_id: str, incarnation: int) -> Observation:
         """What the node reports say, and the pool's dead nodes; a dead or stopped node's ranks are gone."""
         run, assignment = self._incarnation(run_id, incarnation)
-        observation = self._observation(run, incarnation, self.dead_nodes(assignment))
-        sim = self._live.get((run_id, incarnation))
-        per_node = assignment.layout.ranks_per_node
-        running = [sim is not None and not sim.stopped and i not in sim.dead for i in range(len(assignment.nodes))]
+        dead = self.dead_nodes(assignment)
+        observation = self._observation(run, incarnation, dead)
+        launched = observation.launched_at is not None
+        ended = launched and run.ended_file(incarnation).exists()
+        running = [launched and not ended and node not in dead for node in assignment.nodes]
         reports = read_node_reports(run, incarnation, [i for i, up in enumerate(running) if up])
+        per_node = assignment.layout.ranks_per_node
         for index, node in enumerate(assignment.nodes):
             report = reports.get(index)
             observation.launchers_alive += running[index]
-            launched = sim is not None and not running[index]
             # Before a launcher's first report its ranks are not started yet; a dead or stopped
             # node's are gone.
             observation.nodes.append(
@@ -199,7 +236,7 @@ class SimulatedCluster(LocalCluster):
                 if report is not None
                 else NodeReading.of_ranks(
                     [
-                        RankObservation(rank=rank, node=node, launched=launched, alive=False)
+                        RankObservation(rank=rank, node=node, launched=launched and not running[index], alive=False)
                         for rank in range(index * per_node, (index + 1) * per_node)
                     ]
                 )
@@ -207,23 +244,20 @@ class SimulatedCluster(LocalCluster):
         return observation
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
-        sim = self._live.get((run_id, incarnation))
+        """Mark the incarnation ended (its launchers stop reporting); returns the ranks of its live
+        nodes, none when it had ended already."""
         run, assignment = self._incarnation(run_id, incarnation)
-        run.end(incarnation)
-        if sim is None or sim.stopped:
+        if run.ended_file(incarnation).exists() or self.launch(run, incarnation) is None:
+            run.end(incarnation)
             return []
-        sim.stopped = True
-        self._send(("stop", (run_id, incarnation), None))
-        return [r for r in range(assignment.layout.world_size) if r // sim.ranks_per_node not in sim.dead]
+        run.end(incarnation)
+        dead = self.dead_nodes(assignment)
+        per_node = assignment.layout.ranks_per_node
+        return [r for r in range(assignment.layout.world_size) if assignment.nodes[r // per_node] not in dead]
 
     def kill_node(self, run_id: str, node: str) -> list[int]:
         """The node dies: the pool marks it dead and its simulated launchers stop reporting."""
         self.update_nodes(run_id, {node: {"healthy": False, "died_at": datetime.now(UTC), "note": "killed"}})
-        with self._guard:
-            for key, sim in self._live.items():
-                if key[0] == run_id and node in sim.nodes:
-                    sim.dead.add(sim.nodes.index(node))
-                    self._send(("dead", key, sim.nodes.index(node)))
         return []
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:

@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from lazarus.schema.base import Record
 
@@ -33,7 +33,10 @@ def node_number(name: str) -> int:
 
 class SpareWant(Record):
     """One run's need of the pool's spares in one recovery, lodged as its drain starts, so that
-    runs recovering at once share the spares by policy rather than by who claims first."""
+    runs recovering at once share the spares by policy rather than by who claims first. Frozen: the
+    pool's record is shared by readers (infra/pool.py), and a change replaces a want."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     run_id: str = Field(description="Run that needs the spares.")
     incarnation: int = Field(ge=0, description="Incarnation the fault ended.")
@@ -61,7 +64,10 @@ class SpareWant(Record):
 
 
 class PoolNode(Record):
-    """One node of the pool and who holds it."""
+    """One node of the pool and who holds it. Frozen: the pool's record is shared by readers
+    (infra/pool.py), and a change replaces a node."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(description="Node name, unique in the pool (node-N).")
     role: Literal["free", "active", "quarantined"] = Field(

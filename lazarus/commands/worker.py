@@ -16,11 +16,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     worker = commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
     worker.add_argument(
         "--backend",
-        choices=["local", "kubernetes", "slurm"],
+        choices=["local", "kubernetes", "slurm", "simulated"],
         default=os.environ.get(config.ENV_BACKEND, "local"),
         help="cluster the activities drive: local rank processes, pods through the Kubernetes API "
-        "(in-cluster service account, else ~/.kube/config), or job steps of the Slurm cluster SLURM_CONF "
-        "names (LAZARUS_HOME on a path every node shares) (default: LAZARUS_BACKEND, else local)",
+        "(in-cluster service account, else ~/.kube/config), job steps of the Slurm cluster SLURM_CONF "
+        "names (LAZARUS_HOME on a path every node shares), or simulated nodes that only report (the "
+        "local pool without processes, for exercising the controller with fleets this machine cannot "
+        "run; specs keep cluster.backend local) (default: LAZARUS_BACKEND, else local)",
     )
     worker.add_argument(
         "--metrics-port",
@@ -55,6 +57,10 @@ def _cluster(args: argparse.Namespace, settings: Settings):
 
     if args.backend == "slurm":
         return slurm_cluster(settings)
+    if args.backend == "simulated":
+        from lazarus.infra.simulated import SimulatedCluster
+
+        return SimulatedCluster(settings.home)
     if args.backend != "kubernetes":
         return LocalCluster(settings.home)
     from lazarus.infra.kubernetes import KubernetesCluster

@@ -167,3 +167,52 @@ def test_a_claimer_killed_mid_claim_leaves_the_pool_consistent(two_runs, point):
     retry = two_runs.commit_assignment("a", replacing(two_runs, "a", "node-1", "node-2"), claims=["node-2"])
     assert retry.nodes == ["node-0", "node-2"] and active(two_runs, "a") == ["node-0", "node-2"]
     assert active(two_runs, "b") == ["node-3", "node-4"]
+
+
+def test_claims_asked_for_together_are_written_together_and_a_refused_one_alone_fails(tmp_path):
+    """Group commit: while the pool's lock is held elsewhere, the claims that threads of one process
+    ask for queue up; they go in one write, and the one refused (its spare taken) changes nothing."""
+    import fcntl
+    import threading
+    import time
+
+    cluster = LocalCluster(tmp_path)
+    runs = [f"r{i}" for i in range(6)]
+    for run_id in runs:
+        launched(cluster, run_id)
+    spares = cluster.pool.add(5)
+    before = cluster.pool.read().generation
+    wanted = {run_id: spares[min(i, 4)] for i, run_id in enumerate(runs)}  # r4 and r5 both want the last
+    outcomes: dict[str, object] = {}
+
+    def claim(run_id: str) -> None:
+        old = cluster.assignment(run_id, 0)
+        proposal = Assignment(incarnation=1, nodes=[wanted[run_id], old.nodes[1]], layout=old.layout, master_port=1)
+        try:
+            outcomes[run_id] = cluster.commit_assignment(run_id, proposal, claims=[wanted[run_id]])
+        except ClusterError as error:
+            outcomes[run_id] = error
+
+    with open(cluster.pool.file.parent / "lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process's commit, as far as the threads can tell
+        threads = [threading.Thread(target=claim, args=(run_id,)) for run_id in runs]
+        threads[0].start()
+        deadline = time.monotonic() + 10
+        while not cluster.pool._combining.locked():  # the first took its own change and waits for the lock
+            assert time.monotonic() < deadline
+        for thread in threads[1:]:
+            thread.start()
+        while len(cluster.pool._queue) < len(runs) - 1:  # the rest wait behind it
+            assert time.monotonic() < deadline, "the claims did not queue"
+        fcntl.flock(held, fcntl.LOCK_UN)
+        for thread in threads:
+            thread.join(timeout=30)
+    refused = [run_id for run_id, outcome in outcomes.items() if isinstance(outcome, ClusterError)]
+    assert len(refused) == 1 and refused[0] in ("r4", "r5")  # whichever queued second for the last spare
+    assert f"{spares[4]} is no longer a free spare" in str(outcomes[refused[0]])
+    record = cluster.pool.read()
+    assert record.generation == before + 2  # two writes: the first claim's, then the five queued behind it
+    for run_id in set(runs) - set(refused):
+        assert record.node(wanted[run_id]).owner == run_id
+        assert cluster.assignment(run_id, 1).nodes[0] == wanted[run_id]
+    assert cluster.assignment(refused[0], 1) is None
