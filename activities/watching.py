@@ -18,11 +18,17 @@ from temporalio import activity
 
 from lazarus.activities.health import Verdict
 from lazarus.activities.pace import Pace
-from lazarus.activities.running import in_thread, look
+from lazarus.activities.running import in_thread, look, look_in_thread
 from lazarus.infra.backend import ClusterBackend
 from lazarus.schema.records import FaultKind, FaultReport, RankProgress
 from lazarus.schema.stacks import odd_ones_out, where_it_waited
 from lazarus.schema.stages import DetectInput
+
+HEARTBEAT_EVERY_SECONDS = 1.0
+"""How often a watch heartbeats to Temporal when its activity has no heartbeat timeout (seconds);
+with one, a third of it. A heartbeat carries the newest look's progress for `lazarus run status`,
+and Temporal's core sends one at most every 0.8 heartbeat timeouts anyway: a look every 0.1 s
+need not pay for one each time."""
 
 EXIT_SETTLE_SECONDS = 0.01
 """After a process exit woke the watch, how soon it looks again (seconds): the launcher is about to
@@ -41,11 +47,14 @@ async def watch(
 ) -> tuple[Verdict, float]:
     """Look at the incarnation until judge finds a fault, completion or a stop, or `until(verdict,
     now)` (or what it awaits) holds; returns the verdict and the time of its look."""
-    last_poll = time.time()
+    last_poll = last_beat = time.time()
     exited = False
     pace = Pace.of(run_id, incarnation, policy)
+    timeout = activity.info().heartbeat_timeout
+    beat_every = timeout.total_seconds() / 3 if timeout else HEARTBEAT_EVERY_SECONDS
     while True:
-        verdict, now = await in_thread(look, cluster, run_id, incarnation, policy, last_poll, total_steps, pace)
+        looking = (cluster, run_id, incarnation, policy, last_poll, total_steps, pace)
+        verdict, now = look(*looking) if cluster.quick_observe else await look_in_thread(*looking)
         if verdict.fault is not None and verdict.fault.rank is not None:
             verdict.fault.log_tail = await in_thread(cluster.log_tail, run_id, incarnation, verdict.fault.rank)
         if verdict.fault is not None and verdict.dump_stacks:
@@ -63,7 +72,9 @@ async def watch(
             if done:
                 return verdict, now
         last_poll = now
-        activity.heartbeat(progress_of(verdict, now))
+        if now - last_beat >= beat_every:
+            activity.heartbeat(progress_of(verdict, now))
+            last_beat = now
         wait = EXIT_SETTLE_SECONDS if exited else policy.heartbeat_interval_seconds
         exited = await cluster.wait_for_exit(run_id, incarnation, wait)
 

@@ -32,12 +32,14 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 from bench import perf_page
 from lazarus.client import run_status, start_run
 from lazarus.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
-from lazarus.history import chain_histories, incident_spans
+from lazarus.history import chain_histories, incident_spans, stage_waits
+from lazarus.infra.backend import free_ports
 from lazarus.infra.pool import LocalPool
 from lazarus.infra.temporal_server import local_environment, quiet_runtime
 from lazarus.schema import parse_spec
@@ -119,9 +122,15 @@ class Workers:
     def __init__(self, count: int, home: Path, address: str, queue: str):
         env = {**os.environ, ENV_HOME: str(home), ENV_ADDRESS: address, ENV_TASK_QUEUE: queue}
         self.logs = [open(home / f"worker-{i}.log", "w") for i in range(count)]  # noqa: SIM115 - closed in stop
+        self.metrics_ports = free_ports(count)
         self.processes = [
-            subprocess.Popen([str(LAZARUS), "worker", "--backend", "simulated"], env=env, stdout=log, stderr=log)
-            for log in self.logs
+            subprocess.Popen(
+                [str(LAZARUS), "worker", "--backend", "simulated", "--metrics-port", str(port)],
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
+            for log, port in zip(self.logs, self.metrics_ports, strict=True)
         ]
         self.home = home
 
@@ -133,6 +142,20 @@ class Workers:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"controller_scale: worker {index} did not start:\n{log.read_text()[-2000:]}")
                 await asyncio.sleep(0.1)
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Each stage's mean activity attempt as the live workers timed it (lazarus_stage_seconds)."""
+        sums: dict[str, list[float]] = {}
+        for process, port in zip(self.processes, self.metrics_ports, strict=True):
+            if process.poll() is not None:
+                continue
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            for line in text.splitlines():
+                found = re.match(r'lazarus_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)', line)
+                if found:
+                    kind, stage, value = found.groups()
+                    sums.setdefault(stage, [0.0, 0.0])[kind == "count"] += float(value)
+        return {stage: total / count for stage, (total, count) in sums.items() if count}
 
     def live(self) -> list[subprocess.Popen]:
         return [p for p in self.processes if p.poll() is None]
@@ -263,15 +286,19 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
             await asyncio.to_thread(pool.add, sitting.runs - len(pool.read().free()), "a hot spare per run")
             faults = plan_faults(pool, ids, sitting.spread, rng)
             say(f"{sum(len(n) for _, n in faults)} nodes die in {len(faults)} fault(s) within {sitting.spread:g} s")
+            cpu_before, at_before = workers.cpu(), time.monotonic()
             await burst(pool, faults, workers, sitting.kill_worker, say)
             hit = sorted({n.owner for n in pool.read().nodes if not n.healthy and n.owner})
             await wait_for(
                 env.client, "LazarusState='TRAINING' AND LazarusIncidents>=1", len(hit), say, "recovered", 600
             )
+            # What the incidents cost the workers beyond watching: a killed worker's share is lost.
+            burst_cpu = workers.cpu() - cpu_before - watch_cpu * (time.monotonic() - at_before)
             say(f"all recovered after {time.monotonic() - started:.1f} s; reading statuses and histories")
             statuses = await statuses_of(env.client, ids)
+            timed = workers.stage_seconds()
             problems = check_exactly_once(home, hit, [s for s in statuses if s.run_id in hit])
-            events = [incident_spans((await chain_histories(env.client, run_id))[0]) for run_id in hit[:50]]
+            histories = [(await chain_histories(env.client, run_id))[0] for run_id in hit[:50]]
             logging.getLogger("temporalio").setLevel(logging.CRITICAL)  # terminating cancels every watch
             for run_id in ids:
                 await env.client.get_workflow_handle(run_id).terminate("benchmark done")
@@ -286,20 +313,45 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
     last_step = max(i.first_step_at for i in incidents)
     return {
         **sitting.__dict__,
+        "decision_breakdown_s": breakdown(incidents),
         "healthy_runs_watched": sitting.runs,
         "watch_cpu_ms_per_run_minute": watch_cpu * 60_000 / sitting.runs,
         "watch_cores": watch_cpu,
         "incidents": len(incidents),
+        "worker_cpu_ms_per_incident": burst_cpu * 1000 / max(len(incidents), 1),
         "arrival_per_s": len(incidents) / max((last_fault - first_fault).total_seconds(), 1e-3),
         "incidents_per_s": len(incidents) / (last_step - first_fault).total_seconds(),
         "report_to_decision_median_s": statistics.median(to_decision),
         "report_to_decision_p99_s": percentile(to_decision, 99),
         "mttr_median_s": statistics.median(mttr),
         "mttr_p99_s": percentile(mttr, 99),
-        "events_per_incident": statistics.median([s[0] for s in events if s]),
+        "events_per_incident": statistics.median([s[0] for s in map(incident_spans, histories) if s]),
+        "stage_activity_mean_s": {stage: timed[stage] for stage in DECISION_PATH if stage in timed},
+        "stage_waits_s": medians([stage_waits(events, DECISION_PATH) for events in histories]),
         "exactly_once": not problems,
         "problems": problems[:20],
     }
+
+
+DECISION_PATH = ("drain", "reschedule", "replace_or_reshard")
+
+
+def breakdown(incidents) -> dict[str, float]:
+    """Where report -> decision goes, as medians: each stage's own time, and the wait before it
+    (the workflow task that schedules it, the activity task that starts it)."""
+    parts: dict[str, list[float]] = {}
+    for incident in incidents:
+        before = incident.fault.detected_at
+        for name in DECISION_PATH:
+            stage = incident.stages[name]
+            parts.setdefault(f"before {name}", []).append((stage.started_at - before).total_seconds())
+            parts.setdefault(name, []).append(stage.seconds or 0.0)
+            before = stage.ended_at
+    return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {name: statistics.median(s[name] for s in samples if name in s) for name in samples[0]} if samples else {}
 
 
 def table(result: dict) -> perf_page.Table:
@@ -315,6 +367,24 @@ def table(result: dict) -> perf_page.Table:
             f"{result['report_to_decision_median_s']:.3f}",
             f"{result['report_to_decision_p99_s']:.3f}",
         ],
+        [
+            "report -> decision, medians (s): "
+            + ", ".join(f"{name} {seconds:.3f}" for name, seconds in result["decision_breakdown_s"].items()),
+            None,
+            None,
+        ],
+        [
+            "the same from the histories (s): "
+            + ", ".join(f"{name} {seconds:.3f}" for name, seconds in result["stage_waits_s"].items()),
+            None,
+            None,
+        ],
+        [
+            "the same as the workers timed each activity, means (s): "
+            + ", ".join(f"{name} {seconds:.3f}" for name, seconds in result["stage_activity_mean_s"].items()),
+            None,
+            None,
+        ],
         ["fault -> first step, simulated (s)", f"{result['mttr_median_s']:.3f}", f"{result['mttr_p99_s']:.3f}"],
         [
             f"watch of a healthy run: worker CPU per run per minute (ms); {result['runs']} runs",
@@ -322,6 +392,7 @@ def table(result: dict) -> perf_page.Table:
             None,
         ],
         ["all healthy runs' watch, share of one core", f"{result['watch_cores']:.1%}", None],
+        ["worker CPU per incident, beyond the watch (ms)", f"{result['worker_cpu_ms_per_incident']:.0f}", None],
         ["history events per incident", f"{result['events_per_incident']:.0f}", None],
         ["exactly once (incidents, incarnations, claims)", "yes" if result["exactly_once"] else "NO", None],
     ]
@@ -379,7 +450,7 @@ def main() -> None:
         for result, shown in zip(results, tables, strict=True):
             print(f"\n{shown.caption}")
             for name, value, p99 in shown.rows:
-                print(f"  {name:<70} {value:>12}" + (f"   p99 {p99}" if p99 else ""))
+                print(f"  {name:<70} {value or '':>12}" + (f"   p99 {p99}" if p99 else ""))
             for problem in result["problems"]:
                 print(f"  not exactly once: {problem}")
     if not all(result["exactly_once"] for result in results):

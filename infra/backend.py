@@ -91,6 +91,10 @@ class ClusterBackend(Protocol):
     """The spec's `cluster.backend` this backend serves."""
     records_stages: bool
     """Whether record_stage writes anywhere (so callers can skip the call)."""
+    quick_observe: bool
+    """Whether observe reads only this machine's files and memory, never waiting on another
+    program: then a watch takes its looks on the worker's event loop, without a hop to a thread
+    (which costs several times what a look at a small run does)."""
     home: Path
     """Where run directories live (`home/runs/<run id>`)."""
 

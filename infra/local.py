@@ -42,6 +42,7 @@ class LocalCluster(RunFiles):
     """Runs' nodes as rank processes on this machine, with state under `home/runs/<run_id>`."""
 
     backend = "local"
+    quick_observe = True  # the run directory's files and the pool's record
 
     def __init__(self, home: str | Path, python: str = sys.executable):
         super().__init__(home)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class LocalPool:
     def __init__(self, home: str | Path):
         self.file = pool_file(Path(home))
         self._snapshot: _Snapshot | None = None  # the record as last read or written by this process
+        self._parsing = threading.Lock()
         self._combining = threading.Lock()  # held by the thread that commits a batch of changes
         self._queue_lock = threading.Lock()
         self._queue: list[_Change] = []
@@ -47,16 +49,27 @@ class LocalPool:
     def read(self) -> PoolRecord:
         """The record as last written (an empty pool before the first write). Shared and parsed once
         per write: its nodes and wants are frozen, and changes go through the methods below."""
-        snapshot = self._snapshot
         try:
-            if snapshot is not None and _key(os.stat(self.file)) == snapshot.key:
+            with open(self.file, "rb") as handle:
+                head = handle.read(HEAD_BYTES)
+                key = _version(head, os.fstat(handle.fileno()).st_size)
+                snapshot = self._snapshot
+                if key[0] < 0:  # not written by `save`: no version to know it by
+                    return PoolRecord.model_validate_json(head + handle.read())
+                if snapshot is not None and key[0] < snapshot.key[0]:
+                    return snapshot.record  # a commit of this process replaced the file since it was opened
+                if snapshot is None or snapshot.key != key:
+                    with self._parsing:  # the threads that see a new version at once parse it once
+                        snapshot = self._snapshot
+                        if snapshot is None or snapshot.key != key:
+                            snapshot = _Snapshot(key, PoolRecord.model_validate_json(head + handle.read()))
+                            # A file opened before a commit of this process replaced it is older than
+                            # the snapshot that commit left: keep the newer.
+                            if self._snapshot is None or key[0] > self._snapshot.key[0]:
+                                self._snapshot = snapshot
                 return snapshot.record
-            with open(self.file, "rb") as handle:  # the identity and the text of one file, replaced or not
-                snapshot = _Snapshot(_key(os.fstat(handle.fileno())), PoolRecord.model_validate_json(handle.read()))
         except FileNotFoundError:
             return PoolRecord()
-        self._snapshot = snapshot
-        return snapshot.record
 
     def unhealthy(self) -> dict[str, datetime | None]:
         """The pool's dead nodes and when each died: what every look asks, worked out once per write
@@ -123,8 +136,9 @@ class LocalPool:
     def save(self, record: PoolRecord) -> None:
         """Write the record now, one generation on (only inside a commit, which holds the lock)."""
         record.generation += 1
-        write_json_atomic(self.file, record.model_dump_json(indent=1))
-        self._snapshot = _Snapshot(_key(self.file.stat()), record)
+        text = record.model_dump_json(indent=1)
+        write_json_atomic(self.file, text)
+        self._snapshot = _Snapshot(_version(text[:HEAD_BYTES].encode(), len(text.encode())), record)
 
     # --- changes, each under the lock --------------------------------------------------------
 
@@ -261,7 +275,7 @@ T = TypeVar("T")
 class _Snapshot:
     """The record as this process last read or wrote it, and the file's identity then."""
 
-    key: tuple[int, int, int]  # inode, modification time (ns), size: a rename-replaced file differs in each
+    key: tuple[int, int]  # its version (_version)
     record: PoolRecord
     dead: dict[str, datetime | None] | None = None  # its unhealthy nodes, once asked for
 
@@ -282,8 +296,18 @@ class _Change:
         return self.result
 
 
-def _key(stat: os.stat_result) -> tuple[int, int, int]:
-    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+HEAD_BYTES = 64
+"""How much of the record's file tells its version: the generation, its first field."""
+_GENERATION = re.compile(rb'\{\s*"generation":\s*(\d+)')
+
+
+def _version(head: bytes, size: int) -> tuple[int, int]:
+    """A version of the record's file from its first bytes and its size: its generation grows with
+    every write, under the lock (-1 when the head does not show it: never kept). A file's
+    identity would not do: a rename reuses freed inodes, and modification times are as coarse as
+    the kernel's tick, so two writes within one can look the same."""
+    found = _GENERATION.match(head)
+    return (int(found[1]) if found else -1), size
 
 
 def _working(record: PoolRecord) -> PoolRecord:

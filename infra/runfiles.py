@@ -67,6 +67,7 @@ class RunFiles:
     """Run directories under `home/runs/<run_id>`."""
 
     records_stages = False
+    quick_observe = False
 
     def __init__(self, home: str | Path):
         self.home = Path(home).resolve()

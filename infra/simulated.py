@@ -276,5 +276,8 @@ class SimulatedCluster(LocalCluster):
     def release_standbys(self, run_id: str) -> None:
         pass
 
+    def _kill_standbys_on(self, nodes: list[str], wait: bool = True) -> None:
+        pass  # simulated nodes have no standbys (and the local backend's search goes through every run)
+
     def ensure_standbys(self, run_id: str) -> None:
         pass

@@ -71,6 +71,7 @@ class SlurmCluster(LocalCluster):
     """Runs' nodes as nodes of the Slurm cluster SLURM_CONF names, with state under `home/runs/<run_id>`."""
 
     backend = "slurm"
+    quick_observe = False  # it asks slurmctld which nodes are down (sinfo)
 
     def __init__(self, home: str | Path, python: str = sys.executable, environ: dict | None = None):
         super().__init__(home, python)
