@@ -192,6 +192,14 @@ async def wait_for(client, query: str, wanted: int, say, what: str, timeout: flo
     while (found := await count(client, query)) < wanted:
         failed = await count(client, "ExecutionStatus='Failed'")
         if failed:
+            async for run in client.list_workflows("WorkflowType='TrainingRun' AND ExecutionStatus='Failed'"):
+                try:
+                    await client.get_workflow_handle(run.id).result()
+                except Exception as error:  # noqa: BLE001 - what the run failed of, for the message
+                    cause = getattr(error, "cause", error)
+                    raise SystemExit(
+                        f"controller_scale: {failed} run(s) failed while {what}; {run.id}: {cause}"
+                    ) from None
             raise SystemExit(f"controller_scale: {failed} run(s) failed while {what}")
         if time.monotonic() > deadline:
             raise SystemExit(f"controller_scale: only {found} of {wanted} runs {what} after {timeout:g} s")

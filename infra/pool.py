@@ -27,6 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pydantic_core
+
 from lazarus.infra.backend import ClusterError
 from lazarus.schema.files import write_json_atomic
 from lazarus.schema.pool import PoolNode, PoolRecord, SpareWant, node_number, pool_file
@@ -62,7 +64,7 @@ class LocalPool:
                     with self._parsing:  # the threads that see a new version at once parse it once
                         snapshot = self._snapshot
                         if snapshot is None or snapshot.key != key:
-                            snapshot = _Snapshot(key, PoolRecord.model_validate_json(head + handle.read()))
+                            snapshot = _parsed(key, head + handle.read(), snapshot)
                             # A file opened before a commit of this process replaced it is older than
                             # the snapshot that commit left: keep the newer.
                             if self._snapshot is None or key[0] > self._snapshot.key[0]:
@@ -136,9 +138,9 @@ class LocalPool:
     def save(self, record: PoolRecord) -> None:
         """Write the record now, one generation on (only inside a commit, which holds the lock)."""
         record.generation += 1
-        text = record.model_dump_json(indent=1)
-        write_json_atomic(self.file, text)
-        self._snapshot = _Snapshot(_version(text[:HEAD_BYTES].encode(), len(text.encode())), record)
+        text = record.model_dump_json(indent=1).encode()
+        write_json_atomic(self.file, text.decode())
+        self._snapshot = _Snapshot(_version(text[:HEAD_BYTES], len(text)), record, text=text)
 
     # --- changes, each under the lock --------------------------------------------------------
 
@@ -254,7 +256,7 @@ def claim_and_release(record: PoolRecord, run_id: str, nodes: list[str], release
     known = _known(record, dict.fromkeys(nodes))
     taken = [n for n in nodes if not _claimable(known[n], run_id)]
     if taken:
-        free = ", ".join(n.name for n in record.free()) or "none"
+        free = _listed([n.name for n in record.free()])
         held = "; ".join(f"{n} {_held(known[n])}" for n in taken)
         raise ClusterError(f"node {', '.join(taken)} is no longer a free spare ({held}; free: {free})")
     now = datetime.now(UTC)
@@ -278,6 +280,37 @@ class _Snapshot:
     key: tuple[int, int]  # its version (_version)
     record: PoolRecord
     dead: dict[str, datetime | None] | None = None  # its unhealthy nodes, once asked for
+    text: bytes | None = None  # the file's text, where the record was written here
+    raw: dict[str, Any] | None = None  # each node's JSON object by name, once known
+
+    def raw_nodes(self) -> dict[str, Any]:
+        if self.raw is None:
+            self.raw = {n["name"]: n for n in pydantic_core.from_json(self.text)["nodes"]} if self.text else {}
+        return self.raw
+
+
+def _parsed(key: tuple[int, int], text: bytes, previous: _Snapshot | None) -> _Snapshot:
+    """The record of `text`, each node that is as in `previous` taken from it: one write changes a
+    few nodes, and comparing thousands of JSON objects costs a fraction of validating them."""
+    raw = pydantic_core.from_json(text)
+    if (
+        not isinstance(raw, dict)
+        or set(raw) - {"generation", "nodes", "wants"}
+        or not isinstance(raw.get("nodes"), list)
+    ):
+        return _Snapshot(key, PoolRecord.model_validate_json(text))  # not one of ours: its errors in full
+    known = previous.raw_nodes() if previous is not None else {}
+    reused = {n.name: n for n in previous.record.nodes} if previous is not None else {}
+    nodes = [
+        reused[data["name"]] if known.get(data.get("name")) == data else PoolNode.model_validate(data)
+        for data in raw["nodes"]
+    ]
+    record = PoolRecord.model_construct(
+        generation=raw.get("generation", 0),
+        nodes=nodes,
+        wants=[SpareWant.model_validate(want) for want in raw.get("wants", [])],
+    )
+    return _Snapshot(key, record, raw={n["name"]: n for n in raw["nodes"]})
 
 
 @dataclass
@@ -313,6 +346,12 @@ def _version(head: bytes, size: int) -> tuple[int, int]:
 def _working(record: PoolRecord) -> PoolRecord:
     """A copy an edit may change: its own lists of the same frozen nodes and wants."""
     return PoolRecord.model_construct(generation=record.generation, nodes=list(record.nodes), wants=list(record.wants))
+
+
+def _listed(names: list[str], shown: int = 8) -> str:
+    """Names for a message: the first few and how many more (a pool may have thousands free)."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return (", ".join(names[:shown]) + more) or "none"
 
 
 def _claimable(node: PoolNode, run_id: str) -> bool:

@@ -9,7 +9,8 @@ from datetime import timedelta
 
 from prometheus_client import start_http_server
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.metrics import Metrics
@@ -30,13 +31,21 @@ def build_worker(
     cluster: ClusterBackend,
     failpoints: Failpoints | None = None,
     metrics: Metrics | None = None,
+    sandboxed: bool = False,
 ) -> Worker:
-    """A worker that runs TrainingRun and the activities over `cluster` (LocalCluster or KubernetesCluster)."""
+    """A worker that runs TrainingRun and the activities over `cluster` (LocalCluster or KubernetesCluster).
+
+    Workflow code runs outside Temporal's sandbox unless `sandboxed`: the sandbox enters itself
+    (an exec of a code string) for every activation and every payload it converts, which cost a
+    fleet's worker about a fifth of its CPU in a burst of faults (bench/controller_scale.py).
+    What the sandbox would catch, a non-deterministic call in workflow code, the workflow tests
+    and the replay of recorded histories catch in CI, where workers keep the sandbox."""
     stages = RecoveryActivities(cluster, failpoints, metrics)
     return Worker(
         client,
         task_queue=task_queue,
         workflows=[TrainingRun],
+        workflow_runner=SandboxedWorkflowRunner() if sandboxed else UnsandboxedWorkflowRunner(),
         activities=stages.every(),
         # Shutdown waits this long for running activities; detect is cancelled and retried elsewhere.
         graceful_shutdown_timeout=timedelta(seconds=2),

@@ -1,6 +1,12 @@
 """Calling a stage's activity: its timeouts and retries come from the run's recovery policy, and
 what a failure means for the run is decided here, once.
 
+The decision's two stages, reschedule and replace_or_reshard, run as local activities: each reads
+or changes the run directory and the pool in milliseconds, and as local activities they run in the
+workflow task that asks for them, with no round trip to the server and no task of their own (a
+burst of faults across a fleet is decided in a few events a run). They are recorded in the
+history as markers, with their retry policy from the spec as every stage.
+
 A stage that refuses its request for good (a non-retryable ApplicationError) raises StageRefused,
 which the recovery may answer (a spare lost before its claim is decided again); a stage that
 exhausts its retry policy fails the run (RunFailed), with the policy it ran under in the reason.
@@ -76,6 +82,14 @@ def stage_options(stage: StagePolicy) -> dict[str, Any]:
     }
 
 
+LOCAL_DECISION_PATCH = "local-decision"
+"""workflow.patched id: reschedule and replace_or_reshard run as local activities (before: activities
+with a task of their own each)."""
+
+LOCAL_STAGES = ("reschedule", "replace_or_reshard")
+"""Stages that run as local activities (LOCAL_DECISION_PATCH)."""
+
+
 def root_cause(error: BaseException) -> str:
     """The innermost cause's message: what the last attempt died of, not Temporal's wrapping."""
     while error.__cause__ is not None:
@@ -90,15 +104,19 @@ async def call_stage(policy: RecoveryPolicy, name: str, method: Any, request: An
     # ownership gains an owner on its next stage.
     if isinstance(request, RunRequest) and request.owner is None:
         request = request.model_copy(update={"owner": calling_execution()})
+    summary, options = activity_summary(name, request), stage_options(stage)
     try:
-        return await workflow.execute_activity_method(
-            method, request, summary=activity_summary(name, request), **stage_options(stage)
-        )
-    except ActivityError as error:
-        if isinstance(error.cause, ApplicationError) and error.cause.type == NOT_OWNER:
-            raise OwnerChanged(name, error.cause.message, Ownership.model_validate(error.cause.details[0])) from None
-        if isinstance(error.cause, ApplicationError) and error.cause.non_retryable:
-            raise StageRefused(name, error.cause.type or "error", error.cause.message) from None
+        if name in LOCAL_STAGES and workflow.patched(LOCAL_DECISION_PATCH):
+            del options["heartbeat_timeout"]  # a local activity's liveness is its workflow task's
+            return await workflow.execute_local_activity_method(method, request, summary=summary, **options)
+        return await workflow.execute_activity_method(method, request, summary=summary, **options)
+    except (ActivityError, ApplicationError) as error:
+        # A local activity's failure comes as itself, another's inside an ActivityError.
+        cause = error.cause if isinstance(error, ActivityError) else error
+        if isinstance(cause, ApplicationError) and cause.type == NOT_OWNER:
+            raise OwnerChanged(name, cause.message, Ownership.model_validate(cause.details[0])) from None
+        if isinstance(cause, ApplicationError) and cause.non_retryable:
+            raise StageRefused(name, cause.type or "error", cause.message) from None
         attempts = "unlimited" if stage.max_attempts == 0 else stage.max_attempts
         raise RunFailed(
             f"{name} failed after its retry policy (recovery.stages.{name}: {attempts} attempts, "

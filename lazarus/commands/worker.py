@@ -49,6 +49,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="Kubernetes API requests the backend makes at once before --kube-qps paces it "
         "(default: LAZARUS_KUBE_BURST, else 200)",
     )
+    worker.add_argument(
+        "--sandbox",
+        action="store_true",
+        help="run workflow code in Temporal's sandbox, which refuses non-deterministic calls: for "
+        "developing the workflow (it costs a burst of faults about a fifth of the worker's CPU)",
+    )
     worker.set_defaults(handler=work)
 
 
@@ -82,7 +88,9 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
     client = await connect_client(settings)
     metrics = Metrics()
     cluster = _cluster(args, settings)
-    worker = build_worker(client, settings.task_queue, cluster, Failpoints.from_environ(), metrics)
+    worker = build_worker(
+        client, settings.task_queue, cluster, Failpoints.from_environ(), metrics, sandboxed=args.sandbox
+    )
     counter = None
     if args.metrics_port:
         try:

@@ -216,3 +216,21 @@ def test_claims_asked_for_together_are_written_together_and_a_refused_one_alone_
         assert record.node(wanted[run_id]).owner == run_id
         assert cluster.assignment(run_id, 1).nodes[0] == wanted[run_id]
     assert cluster.assignment(refused[0], 1) is None
+
+
+def test_a_write_by_another_process_is_read_once_and_what_it_left_alone_is_kept(tmp_path):
+    """Another process's write is parsed once, and only the nodes it changed are validated anew: the
+    others are the very objects this process had (a look at a fleet reads the pool each time)."""
+    mine, theirs = LocalPool(tmp_path), LocalPool(tmp_path)
+    mine.add(50)
+    before = mine.read()
+    theirs.set_health({"node-7": {"healthy": False, "note": "killed"}})
+    after = mine.read()
+    assert after is mine.read()  # parsed once, then the same snapshot
+    assert after.generation == before.generation + 1 and after == theirs.read()
+    assert not after.node("node-7").healthy and mine.unhealthy() == {"node-7": None}
+    assert all(after.node(n.name) is n for n in before.nodes if n.name != "node-7")
+    assert after.node("node-7") is not before.node("node-7")
+    mine.file.write_text('{"generation": 99, "nodes": [{"name": "node-0"}]}')  # not a pool's record
+    with pytest.raises(ValueError, match="role"):
+        mine.read()
