@@ -42,6 +42,7 @@ class LocalPool:
         self.file = pool_file(Path(home))
         self._snapshot: _Snapshot | None = None  # the record as last read or written by this process
         self._parsing = threading.Lock()
+        self._texts: dict[str, tuple[PoolNode, str]] = {}  # each node's JSON text as last written here
         self._combining = threading.Lock()  # held by the thread that commits a batch of changes
         self._queue_lock = threading.Lock()
         self._queue: list[_Change] = []
@@ -138,9 +139,21 @@ class LocalPool:
     def save(self, record: PoolRecord) -> None:
         """Write the record now, one generation on (only inside a commit, which holds the lock)."""
         record.generation += 1
-        text = record.model_dump_json(indent=1).encode()
-        write_json_atomic(self.file, text.decode())
+        known, texts = self._texts, {}
+        for node in record.nodes:  # a commit changes a few nodes: the others' text is the one written before
+            cached = known.get(node.name)
+            texts[node.name] = (node, cached[1] if cached is not None and cached[0] is node else node.model_dump_json())
+        self._texts = texts
+        wants = ",".join(want.model_dump_json() for want in record.wants)
+        nodes = ",\n".join(text for _, text in texts.values())
+        text = f'{{"generation":{record.generation},\n"nodes":[\n{nodes}],\n"wants":[{wants}]}}\n'.encode()
+        # The snapshot first: a look that opens the new file at once finds it known, not to parse.
         self._snapshot = _Snapshot(_version(text[:HEAD_BYTES], len(text)), record, text=text)
+        try:
+            write_json_atomic(self.file, text.decode())
+        except BaseException:
+            self._snapshot = None
+            raise
 
     # --- changes, each under the lock --------------------------------------------------------
 
