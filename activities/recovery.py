@@ -14,16 +14,22 @@ from datetime import UTC, datetime
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from lazarus.activities.draining import end_incarnation, hold_out
 from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.ownership import acting_for_owner, checked, owned, refused, take_over_run
 from lazarus.activities.preflight import missing_command
-from lazarus.activities.resuming import first_step_done_at, script_restore_point, shows_restored_count, up_when
+from lazarus.activities.resuming import (
+    first_step_done_at,
+    restore_and_start,
+    script_restore_point,
+    shows_restored_count,
+    up_when,
+)
 from lazarus.activities.running import in_thread, timed
 from lazarus.activities.watching import progress_of, watch, watch_until_reported
 from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.infra.ownership import NotOwner, StillActing
-from lazarus.infra.runfiles import survivor_source
 from lazarus.schema.nodelist import natural_key
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory
 from lazarus.schema.stages import (
@@ -159,43 +165,19 @@ class RecoveryActivities:
         # Drain runs once per incident: the place to count the incident's detection time.
         if activity.info().attempt == 1:
             self.metrics.stage_seconds.labels("detect").observe(request.detect_seconds)
-        if request.want is not None:
-            # First: a run recovering at the same moment must see this need before it claims.
-            await in_thread(self.cluster.want_spares, request.run_id, request.want)
         try:
-            await in_thread(self.cluster.quarantine, request.run_id, request.nodes, request.reason)
+            await in_thread(hold_out, self.cluster, request)
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
-        step = None
-        if request.read_step:
-            step = (await in_thread(self.cluster.observe, request.run_id, request.incarnation)).newest_step()
-        survivors = {}
-        if request.survivor_grace_seconds > 0:
-            survivors = await in_thread(
-                self.cluster.await_survivors, request.run_id, request.incarnation, request.survivor_grace_seconds
-            )
-        in_flight, committed = await in_thread(
-            self.cluster.await_checkpoint_in_flight, request.run_id, request.incarnation, request.save_grace_seconds
-        )
-        stopped = await in_thread(self.cluster.stop_incarnation, request.run_id, request.incarnation)
-        removed = await in_thread(self.cluster.remove_partial_checkpoints, request.run_id)
-        await in_thread(self.cluster.remove_stale_survivors, request.run_id, request.incarnation)
+        drained = await in_thread(end_incarnation, self.cluster, request)
         await self._note(
             request.run_id,
             "drained",
-            f"quarantined {', '.join(sorted(request.nodes))}; "
-            f"stopped incarnation {request.incarnation} (ranks {stopped or 'none'} were alive)",
+            f"quarantined {', '.join(drained.quarantined)}; "
+            f"stopped incarnation {request.incarnation} (ranks {drained.stopped_ranks or 'none'} were alive)",
         )
-        return DrainResult(
-            quarantined=sorted(request.nodes),
-            stopped_ranks=stopped,
-            removed_partial_checkpoints=removed,
-            in_flight_checkpoint=in_flight,
-            in_flight_committed=committed,
-            survivors=survivors,
-            step=step,
-        )
+        return drained
 
     @activity.defn(name="reschedule")
     @timed("reschedule")
@@ -245,22 +227,11 @@ class RecoveryActivities:
         checkpoint; return once it is up: past its first new step where the ranks report steps,
         else once every rank runs."""
         run_id, incarnation = request.run_id, request.assignment.incarnation
-        run = self.cluster.run_dir(run_id)
-        newest, skipped = await in_thread(run.newest_checkpoint)
-        if newest >= request.total_steps:
-            await in_thread(self.cluster.release_standbys, run_id)
+        launch, newest, skipped = await in_thread(restore_and_start, self.cluster, request)
+        if launch is None:
             return ResumeResult(
                 resumed_from_step=newest, skipped_checkpoints=skipped, completed=True, restored_from="checkpoint"
             )
-        survivors = None
-        if request.survivors_of is not None:
-            found = await in_thread(survivor_source, run, request.survivors_of, request.assignment.layout, newest)
-            # The last step's state belongs in a checkpoint: a run never ends on survivors' files.
-            if found is not None and found[0] < request.total_steps:
-                newest, survivors = found
-        launch = await in_thread(
-            self.cluster.start_ranks, run_id, incarnation, newest, skipped, request.policy, survivors
-        )
         # The record in force: a retried resume restores what its first attempt chose.
         resumed_from, skipped = launch.resume_step, launch.skipped
         restored_from = "survivors" if launch.survivors else "checkpoint" if resumed_from else "scratch"
@@ -275,12 +246,11 @@ class RecoveryActivities:
             run_id, "resuming", f"incarnation {incarnation} restores step {resumed_from} from {restored_from}"
         )
         verdict, _ = await watch(self.cluster, run_id, incarnation, request.policy, request.total_steps, until=up)
-        await in_thread(self.cluster.drop_want, run_id)  # the recovery is over, whatever became of it
+        beats = await in_thread(self._recovered, run_id, incarnation)
         if verdict.fault:
             return ResumeResult(resumed_from_step=resumed_from, skipped_checkpoints=skipped, fault=verdict.fault)
         if activity.info().attempt == 1:
             self._count_restore(restored_from, request.fault_step, resumed_from)
-        beats = await in_thread(self._heartbeats, run_id, incarnation)
         if request.steps_from != "trainer" and not resumed_from:
             # No checkpoint of Lazarus's was restored: the script restored its own snapshot.
             resumed_from, restored_from = script_restore_point(beats, shows_restored), None
@@ -303,6 +273,12 @@ class RecoveryActivities:
         self.metrics.restores.labels(restored_from).inc()
         if fault_step is not None and resumed_from is not None:
             self.metrics.lost_steps.inc(max(0, fault_step - resumed_from))
+
+    def _recovered(self, run_id: str, incarnation: int) -> list:
+        """The recovery is over, whatever became of it: the run's want of spares goes. Returns the
+        newest heartbeats of the incarnation's ranks."""
+        self.cluster.drop_want(run_id)
+        return self._heartbeats(run_id, incarnation)
 
     def _heartbeats(self, run_id: str, incarnation: int) -> list:
         """The newest heartbeat of every rank of the incarnation that has written one."""

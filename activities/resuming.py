@@ -1,4 +1,4 @@
-"""What a new incarnation's first heartbeats tell resume: when it is up, where a script that
+"""How resume starts a new incarnation, and what its first heartbeats tell resume: when it is up, where a script that
 restores its own snapshot restarted, and when its first step past that was done.
 
 A script read through trainer.progress_pattern names the steps it has done. Most print a step
@@ -12,8 +12,30 @@ reading there was 0.
 from __future__ import annotations
 
 from lazarus.activities.running import in_thread
-from lazarus.schema.contract import Heartbeat
+from lazarus.infra.backend import ClusterBackend
+from lazarus.infra.runfiles import survivor_source
+from lazarus.schema.contract import Heartbeat, LaunchRecord
 from lazarus.schema.stages import ResumeInput
+
+
+def restore_and_start(cluster: ClusterBackend, request: ResumeInput) -> tuple[LaunchRecord | None, int, dict[int, str]]:
+    """Start the new incarnation from what the fault's survivors saved, else from the newest complete
+    checkpoint: the launch record in force, the newest checkpoint's step and the newer ones passed
+    over, each with why. No launch (None) when that checkpoint is of the last step: the run is done."""
+    run = cluster.run_dir(request.run_id)
+    newest, skipped = run.newest_checkpoint()
+    if newest >= request.total_steps:
+        cluster.release_standbys(request.run_id)
+        return None, newest, skipped
+    survivors = None
+    if request.survivors_of is not None:
+        found = survivor_source(run, request.survivors_of, request.assignment.layout, newest)
+        # The last step's state belongs in a checkpoint: a run never ends on survivors' files.
+        if found is not None and found[0] < request.total_steps:
+            newest, survivors = found
+    incarnation = request.assignment.incarnation
+    launch = cluster.start_ranks(request.run_id, incarnation, newest, skipped, request.policy, survivors)
+    return launch, newest, skipped
 
 
 def shows_restored_count(first_heartbeats: list[Heartbeat]) -> bool:

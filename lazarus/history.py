@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
@@ -72,31 +74,12 @@ def largest_payloads(events) -> dict[str, int]:
     return largest
 
 
-def stage_waits(events, stages: tuple[str, ...]) -> dict[str, float]:
-    """Where the first incident's `stages` spent their time, from one history (seconds): for each,
-    `<stage> queued` (scheduled -> started: the activity task waited for a worker), `<stage> ran`
-    (started -> completed) and `<stage> then` (completed -> the next activity scheduled: the
-    workflow task that read the result and decided the next step)."""
-    names = _activity_names(events)
-    at = {e.event_id: e.event_time.ToDatetime() for e in events}
-    started: dict[int, object] = {}
-    waits: dict[str, float] = {}
-    last_completed: tuple[str, object] | None = None
-    opened = False
-    for event in events:
-        if event.HasField("activity_task_scheduled_event_attributes"):
-            if last_completed is not None:
-                name, done = last_completed
-                waits[f"{name} then"] = (at[event.event_id] - done).total_seconds()
-                last_completed = None
-        elif event.HasField("activity_task_started_event_attributes"):
-            started[event.activity_task_started_event_attributes.scheduled_event_id] = at[event.event_id]
-        elif event.HasField("activity_task_completed_event_attributes"):
-            scheduled = event.activity_task_completed_event_attributes.scheduled_event_id
-            name = names[scheduled]
-            opened = opened or name == "drain"
-            if opened and name in stages and f"{name} ran" not in waits:
-                waits[f"{name} queued"] = (started[scheduled] - at[scheduled]).total_seconds()
-                waits[f"{name} ran"] = (at[event.event_id] - started[scheduled]).total_seconds()
-                last_completed = (name, at[event.event_id])
-    return waits
+def local_activity_type(event) -> str | None:
+    """The activity type of a local activity's marker (workflows/stage_calls.py: drain, reschedule,
+    replace_or_reshard run as local activities); None for any other event."""
+    if not event.HasField("marker_recorded_event_attributes"):
+        return None
+    data = event.marker_recorded_event_attributes.details.get("data")
+    if data is None or not data.payloads:
+        return None
+    return json.loads(data.payloads[0].data).get("activity_type")

@@ -1,11 +1,15 @@
 """Calling a stage's activity: its timeouts and retries come from the run's recovery policy, and
 what a failure means for the run is decided here, once.
 
-The decision's two stages, reschedule and replace_or_reshard, run as local activities: each reads
-or changes the run directory and the pool in milliseconds, and as local activities they run in the
-workflow task that asks for them, with no round trip to the server and no task of their own (a
-burst of faults across a fleet is decided in a few events a run). They are recorded in the
-history as markers, with their retry policy from the spec as every stage.
+The stages between a fault's report and the next incarnation's start, drain, reschedule and
+replace_or_reshard, run as local activities: each takes milliseconds to a few seconds on the
+worker that runs the workflow, and as local activities they run one after another in the workflow
+task that follows detect's report, with no round trip to the server and no task of their own. A
+burst of faults across a fleet is decided in a few events a run (bench/controller_scale.py: 0.2 s
+from report to decision for 200 runs, against 0.6 s as activities of their own). They are recorded
+in the history as markers, with their timeouts and retry policy from the spec as every stage; a
+worker lost in one is replaced when the workflow task times out, and the stage runs again (every
+stage is idempotent).
 
 A stage that refuses its request for good (a non-retryable ApplicationError) raises StageRefused,
 which the recovery may answer (a spare lost before its claim is decided again); a stage that
@@ -82,12 +86,12 @@ def stage_options(stage: StagePolicy) -> dict[str, Any]:
     }
 
 
-LOCAL_DECISION_PATCH = "local-decision"
-"""workflow.patched id: reschedule and replace_or_reshard run as local activities (before: activities
-with a task of their own each)."""
+LOCAL_STAGES_PATCH = "local-recovery-stages"
+"""workflow.patched id: drain, reschedule and replace_or_reshard run as local activities (before:
+activities with a task of their own each)."""
 
-LOCAL_STAGES = ("reschedule", "replace_or_reshard")
-"""Stages that run as local activities (LOCAL_DECISION_PATCH)."""
+LOCAL_STAGES = ("drain", "reschedule", "replace_or_reshard")
+"""Stages that run as local activities (LOCAL_STAGES_PATCH)."""
 
 
 def root_cause(error: BaseException) -> str:
@@ -106,7 +110,7 @@ async def call_stage(policy: RecoveryPolicy, name: str, method: Any, request: An
         request = request.model_copy(update={"owner": calling_execution()})
     summary, options = activity_summary(name, request), stage_options(stage)
     try:
-        if name in LOCAL_STAGES and workflow.patched(LOCAL_DECISION_PATCH):
+        if name in LOCAL_STAGES and workflow.patched(LOCAL_STAGES_PATCH):
             del options["heartbeat_timeout"]  # a local activity's liveness is its workflow task's
             return await workflow.execute_local_activity_method(method, request, summary=summary, **options)
         return await workflow.execute_activity_method(method, request, summary=summary, **options)

@@ -22,6 +22,7 @@ from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
+from lazarus.history import local_activity_type
 from lazarus.infra.local import LocalCluster
 from lazarus.infra.ownership import read_owner
 from lazarus.schema import RunStart, RunState, RunStatus, load_spec
@@ -50,8 +51,10 @@ def long_spec(tmp_path_factory):
 
 
 def scheduled(activity: str) -> Callable[[HistoryEvent], bool]:
+    """The event that starts `activity`: its scheduling, or a local activity's marker (drain is one)."""
+
     def test(event: HistoryEvent) -> bool:
-        return (
+        return local_activity_type(event) == activity or (
             event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
             and event.activity_task_scheduled_event_attributes.activity_type.name == activity
         )

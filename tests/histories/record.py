@@ -17,6 +17,8 @@ histories beside the old ones, which keep replaying the unpatched branch:
   story.json         the demo's spec at 60 steps, a node killed at step 25: recorded once detect
                      reported no routine progress (the hourly safety interval) and every
                      activity carried a summary.
+  local_stages.json  a node killed, a spare takes its place, with drain, reschedule and
+                     replace_or_reshard as local activities (LOCAL_STAGES_PATCH).
   restart_done_v1.json, restart_fault_v1.json
                      an operator pauses and resumes, and the resume finds the last step already
                      checkpointed (done) or meets a fault before its first step (fault). Recorded
@@ -110,6 +112,8 @@ async def main() -> None:
     names = set(sys.argv[1:]) or {"hot_spare", "reshard", "clean", "override", "escalation", "story"}
     if "hot_spare" in names:
         await record("hot_spare", load_spec(SMALL), kill_at=15)
+    if "local_stages" in names:
+        await record("local_stages", load_spec(SMALL), kill_at=15)
     if "reshard" in names:
         await record("reshard", changed(SMALL_PP, cluster={"spare_nodes": 0}), kill_at=15)
     if "clean" in names:

@@ -57,7 +57,7 @@ NODES, SPARES, RANKS_PER_NODE = 2048, 8, 8
 INCIDENTS = int(os.environ.get("LAZARUS_LONG_RUN_INCIDENTS", "150"))
 STEPS_PER_INCIDENT = 100
 PAYLOAD_LIMIT = 256 * 1024  # the bound the run keeps to; Temporal's own is 2 MB
-EVENTS_PER_INCIDENT = 30
+EVENTS_PER_INCIDENT = 20  # drain, reschedule and replace_or_reshard are markers of one workflow task
 HISTORY_LIMIT = max(100, INCIDENTS * EVENTS_PER_INCIDENT // 5)  # about five continues-as-new
 # Llama 3's 54 days: most interruptions were hardware (a node lost), then software, then hangs.
 KINDS = ["node_down"] * 78 + ["rank_exit"] * 13 + ["hang"] * 9

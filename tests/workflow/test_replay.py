@@ -32,6 +32,7 @@ def test_histories_are_committed():
         "restart_done_v1",
         "restart_fault_v1",
         "story",
+        "local_stages",
     }
 
 

@@ -1,0 +1,39 @@
+"""What drain does to the cluster, as two blocking calls (each activity's hop to a thread waits
+for the worker's event loop, which a burst of faults keeps busy): hold the blamed nodes out, then
+end the incarnation and clear what it left half done."""
+
+from __future__ import annotations
+
+from lazarus.infra.backend import ClusterBackend
+from lazarus.schema.stages import DrainInput, DrainResult
+
+
+def hold_out(cluster: ClusterBackend, request: DrainInput) -> None:
+    """Lodge the run's need of spares (first: a run recovering at the same moment must see it
+    before it claims), then quarantine the blamed nodes; ClusterError names a node or run unknown."""
+    if request.want is not None:
+        cluster.want_spares(request.run_id, request.want)
+    cluster.quarantine(request.run_id, request.nodes, request.reason)
+
+
+def end_incarnation(cluster: ClusterBackend, request: DrainInput) -> DrainResult:
+    """Read the newest step where asked, give the survivors and a checkpoint in flight their grace,
+    stop every rank of the incarnation, and remove partial checkpoints and stale survivors' states."""
+    run_id, incarnation = request.run_id, request.incarnation
+    step = cluster.observe(run_id, incarnation).newest_step() if request.read_step else None
+    survivors = {}
+    if request.survivor_grace_seconds > 0:
+        survivors = cluster.await_survivors(run_id, incarnation, request.survivor_grace_seconds)
+    in_flight, committed = cluster.await_checkpoint_in_flight(run_id, incarnation, request.save_grace_seconds)
+    stopped = cluster.stop_incarnation(run_id, incarnation)
+    removed = cluster.remove_partial_checkpoints(run_id)
+    cluster.remove_stale_survivors(run_id, incarnation)
+    return DrainResult(
+        quarantined=sorted(request.nodes),
+        stopped_ranks=stopped,
+        removed_partial_checkpoints=removed,
+        in_flight_checkpoint=in_flight,
+        in_flight_committed=committed,
+        survivors=survivors,
+        step=step,
+    )
