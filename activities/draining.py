@@ -4,19 +4,26 @@ end the incarnation and clear what it left half done."""
 
 from __future__ import annotations
 
-from lazarus.infra.backend import ClusterBackend
+from lazarus.infra.backend import ClusterBackend, QuarantineRefused
 from lazarus.schema.stages import DrainInput, DrainResult
 
 
-def hold_out(cluster: ClusterBackend, request: DrainInput) -> None:
+def hold_out(cluster: ClusterBackend, request: DrainInput) -> str:
     """Lodge the run's need of spares (first: a run recovering at the same moment must see it
-    before it claims), then quarantine the blamed nodes; ClusterError names a node or run unknown."""
+    before it claims), then quarantine the blamed nodes; ClusterError names a node or run unknown.
+    Returns why nothing was quarantined ('' when the nodes were): the pool's breaker is open, and
+    the run, which will not recover, needs no spare."""
     if request.want is not None:
         cluster.want_spares(request.run_id, request.want)
-    cluster.quarantine(request.run_id, request.nodes, request.reason)
+    try:
+        cluster.quarantine(request.run_id, request.nodes, request.reason, counted=request.breaker)
+    except QuarantineRefused as refused:
+        cluster.drop_want(request.run_id)
+        return str(refused)
+    return ""
 
 
-def end_incarnation(cluster: ClusterBackend, request: DrainInput) -> DrainResult:
+def end_incarnation(cluster: ClusterBackend, request: DrainInput, held_back: str = "") -> DrainResult:
     """Read the newest step where asked, give the survivors and a checkpoint in flight their grace,
     stop every rank of the incarnation, and remove partial checkpoints and stale survivors' states."""
     run_id, incarnation = request.run_id, request.incarnation
@@ -29,7 +36,8 @@ def end_incarnation(cluster: ClusterBackend, request: DrainInput) -> DrainResult
     removed = cluster.remove_partial_checkpoints(run_id)
     cluster.remove_stale_survivors(run_id, incarnation)
     return DrainResult(
-        quarantined=sorted(request.nodes),
+        quarantined=[] if held_back else sorted(request.nodes),
+        held_back=held_back,
         stopped_ranks=stopped,
         removed_partial_checkpoints=removed,
         in_flight_checkpoint=in_flight,

@@ -8,6 +8,7 @@ spare twice.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 
@@ -28,7 +29,7 @@ from lazarus.activities.resuming import (
 )
 from lazarus.activities.running import in_thread, timed
 from lazarus.activities.watching import progress_of, watch, watch_until_reported
-from lazarus.infra.backend import ClusterBackend, ClusterError
+from lazarus.infra.backend import ClusterBackend, ClusterError, QuarantineRefused
 from lazarus.infra.ownership import NotOwner, StillActing
 from lazarus.schema.nodelist import natural_key
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory
@@ -51,6 +52,9 @@ from lazarus.schema.stages import (
     TakeOverResult,
 )
 from lazarus.schema.tally import write_archived
+
+GATHER_POLL_SECONDS = 0.05
+"""How often reschedule reads the inventory again while runs hit by the same fault domain drain (seconds)."""
 
 
 def _permanent(error: Exception, kind: str) -> ApplicationError:
@@ -166,15 +170,15 @@ class RecoveryActivities:
         if activity.info().attempt == 1:
             self.metrics.stage_seconds.labels("detect").observe(request.detect_seconds)
         try:
-            await in_thread(hold_out, self.cluster, request)
+            held_back = await in_thread(hold_out, self.cluster, request)
         except ClusterError as error:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
-        drained = await in_thread(end_incarnation, self.cluster, request)
+        drained = await in_thread(end_incarnation, self.cluster, request, held_back)
         await self._note(
             request.run_id,
             "drained",
-            f"quarantined {', '.join(drained.quarantined)}; "
+            f"quarantined {', '.join(drained.quarantined) or f'nothing: {held_back}'}; "
             f"stopped incarnation {request.incarnation} (ranks {drained.stopped_ranks or 'none'} were alive)",
         )
         return drained
@@ -183,8 +187,14 @@ class RecoveryActivities:
     @timed("reschedule")
     @owned
     async def reschedule(self, request: RescheduleInput) -> Inventory:
-        """The run's inventory: which spares are free, which nodes are quarantined."""
+        """The run's inventory: which spares are free, which nodes are quarantined. When its nodes
+        failed with other runs' of their fault domain, once those runs have drained (or the gather
+        time ran out): their needs of spares are then lodged, and the spares go by priority."""
         inventory = await in_thread(self.cluster.inventory, request.run_id)
+        deadline = time.monotonic() + request.gather_seconds
+        while inventory.shared and inventory.shared.undrained and time.monotonic() < deadline:
+            await asyncio.sleep(GATHER_POLL_SECONDS)
+            inventory = await in_thread(self.cluster.inventory, request.run_id)
         await self.failpoints.reach("reschedule.after_inventory")
         await self._note(request.run_id, "rescheduled", f"free spares: {', '.join(inventory.free_spares()) or 'none'}")
         return inventory
@@ -203,6 +213,14 @@ class RecoveryActivities:
             master_port=await in_thread(self.cluster.rendezvous_port, request.run_id),
         )
         claims = [node for node in decision.nodes if node not in old.nodes]
+        for node in claims:
+            try:
+                failed = await in_thread(self.cluster.vet_spare, request.run_id, node)
+            except QuarantineRefused as refused:  # it failed, and the open breaker keeps it in the pool
+                raise _permanent(refused, "QuarantineRefused") from None
+            if failed is not None:  # out of the pool now: the run decides again, without it
+                error = ClusterError(f"spare {node} failed the health check before it was handed out: {failed}")
+                raise _permanent(error, "SpareUnavailable")
         try:
             recorded = await in_thread(
                 self.cluster.commit_assignment, request.run_id, proposed, claims, decision.released_nodes

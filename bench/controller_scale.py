@@ -79,6 +79,8 @@ SPEC = {
     "recovery": {"heartbeat_interval_seconds": 0.5, "hang_after_seconds": 30, "progress_every_seconds": 300},
 }
 LAZARUS = Path(sys.executable).parent / "lazarus"
+LAUNCH_WAVE = 100
+"""Runs started at once: the next wave starts when these train."""
 
 
 @dataclass(frozen=True)
@@ -282,15 +284,11 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         try:
             await workers.ready()
             started = time.monotonic()
-            gate = asyncio.Semaphore(50)
-
-            async def start(run_id: str) -> None:
-                async with gate:
-                    await start_run(env.client, settings, spec, run_id)
-
-            await asyncio.gather(*(start(run_id) for run_id in ids))
-            say(f"{sitting.runs} runs started in {time.monotonic() - started:.1f} s; waiting until each trains")
-            await wait_for(env.client, "LazarusState='TRAINING'", sitting.runs, say, "training", 600)
+            # In waves, as a fleet's runs start: a thousand launches in one second is a storm of its own.
+            for first in range(0, sitting.runs, LAUNCH_WAVE):
+                wave = ids[first : first + LAUNCH_WAVE]
+                await asyncio.gather(*(start_run(env.client, settings, spec, run_id) for run_id in wave))
+                await wait_for(env.client, "LazarusState='TRAINING'", first + len(wave), say, "training", 600)
             say(f"all train after {time.monotonic() - started:.1f} s; watching them healthy for {healthy_seconds:g} s")
             await asyncio.sleep(2.0)  # the launches' last activities settle
             cpu_before, at_before = workers.cpu(), time.monotonic()

@@ -30,6 +30,10 @@ class ClusterError(RuntimeError):
     """The backend cannot do what was asked (unknown run or node, a spare taken, a stuck process)."""
 
 
+class QuarantineRefused(ClusterError):
+    """The pool's quarantine breaker is open, or this quarantine trips it: nothing was quarantined."""
+
+
 @dataclass
 class Observation:
     """One look at an incarnation: its ranks and the health of its nodes."""
@@ -127,6 +131,12 @@ class ClusterBackend(Protocol):
         retry of a claim that succeeded succeeds)."""
         ...
 
+    def vet_spare(self, run_id: str, node: str) -> str | None:
+        """Check a free node before the run claims it, with the run's health check where the backend
+        can run one there; a node that fails leaves the pool (quarantined, no run's). Returns why it
+        failed; None when it passed, or nothing could be checked."""
+        ...
+
     def want_spares(self, run_id: str, want: SpareWant) -> None:
         """Lodge the run's need of the pool's spares for a recovery (it replaces the run's earlier
         one), so that every run's reschedule sees it in its inventory's `wants`."""
@@ -182,8 +192,10 @@ class ClusterBackend(Protocol):
         """Delete the survivors' states of incarnations before `incarnation`; returns those incarnations."""
         ...
 
-    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
-        """Hold the nodes out of the run and of every spare pool."""
+    def quarantine(self, run_id: str, nodes: list[str], reason: str, counted: bool = True) -> None:
+        """Hold the nodes out of the run and of every spare pool. Where the pool has a quarantine
+        breaker, it counts them unless not `counted` (an operator's own drain); QuarantineRefused,
+        quarantining nothing, when it is open or these trip it."""
         ...
 
     def return_node(self, run_id: str, node: str) -> Inventory:

@@ -167,6 +167,16 @@ class KubernetesCluster(RunFiles):
         records = node_records(self._pool(settings), run_label(run_id))
         return Inventory(nodes=records, wants=self.wants.others(settings.namespace, settings.pool, run_id))
 
+    def vet_spare(self, run_id: str, node: str) -> str | None:
+        """A free node that a health agent marks sick by one of the run's health.node_conditions is
+        quarantined rather than claimed; returns why (None: no condition set, or none to look at).
+        The command of health.command runs in the node's rank pod, once claimed."""
+        settings, conditions = self._settings(run_id), self.spec(run_id).health.node_conditions
+        why = sick_nodes(self._pool_nodes(settings), [node], conditions).get(node)
+        if why is not None:
+            self.quarantine(run_id, [node], f"sick before it was handed out: {why}")
+        return why
+
     def want_spares(self, run_id: str, want: SpareWant) -> None:
         """Lodge the run's need of the pool's spares on its ConfigMap, where the pool's runs read it."""
         settings = self._settings(run_id)
@@ -176,8 +186,9 @@ class KubernetesCluster(RunFiles):
         """The run's recovery is over: its want comes off its ConfigMap."""
         self.wants.drop(self._settings(run_id).namespace, run_id)
 
-    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
-        """Cordon and taint the nodes, label them with the run and annotate why; an Event on each."""
+    def quarantine(self, run_id: str, nodes: list[str], reason: str, counted: bool = True) -> None:
+        """Cordon and taint the nodes, label them with the run and annotate why; an Event on each.
+        (A Kubernetes pool has no quarantine breaker yet: `counted` changes nothing.)"""
         for name in nodes:
             self.core.patch_node(name, quarantine_patch(self._read_node(name), run_label(run_id), reason))
             self._event(run_id, "Quarantined", f"{name}: {reason}", kind="Node", name=name, namespace="")

@@ -31,6 +31,7 @@ from lazarus.schema.contract import (
     SurvivorSource,
 )
 from lazarus.schema.files import lock_is_held
+from lazarus.schema.health_checks import run_check
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.pool import PoolRecord, SpareWant
 from lazarus.schema.records import Assignment, Inventory
@@ -127,12 +128,29 @@ class LocalCluster(RunFiles):
         kill_standbys(run, [d.name for d in run.standbys() if d.name not in held], wait=False)
         return recorded
 
-    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
+    def quarantine(self, run_id: str, nodes: list[str], reason: str, counted: bool = True) -> None:
         """Hold the nodes out of every run of the pool (drain, after a fault), and end their
-        standbys: a quarantined node runs nothing, even if it comes back to life."""
+        standbys: a quarantined node runs nothing, even if it comes back to life. The pool's
+        quarantine breaker counts them unless not `counted` (QuarantineRefused when it is open)."""
         self._existing(run_id)
-        self.pool.quarantine(run_id, nodes, reason)
+        self.pool.quarantine(run_id, nodes, reason, counted)
         self._kill_standbys_on(nodes)
+
+    def vet_spare(self, run_id: str, node: str) -> str | None:
+        """Run the run's health check (spec health.command) for a free node before the run claims it,
+        as the node's launcher would run it (this machine, the node's name in LAZARUS_NODE); a node
+        that fails it leaves the pool (LocalPool.reject_spare). Returns why it failed; None when it
+        passed or the run has no check."""
+        run, checks = self._existing(run_id), self.spec(run_id).health
+        held = self.pool.read().node(node)
+        if not checks.command or held is None or held.role != "free":
+            return None  # no check; or not a spare (a retried claim's own node): the claim tells
+        env = {**os.environ, ENV_RUN_DIR: str(run.root), ENV_NODE: node}
+        failure = run_check(checks, cwd=run.work_dir if run.work_dir.is_dir() else None, env=env)
+        if failure is not None:
+            self.pool.reject_spare(node, f"failed run {run_id}'s health check before it was handed out: {failure}")
+            self._kill_standbys_on([node])
+        return failure
 
     def return_node(self, run_id: str, node: str) -> Inventory:
         """A repaired node goes back to the pool as a healthy free spare."""
@@ -325,6 +343,29 @@ class LocalCluster(RunFiles):
         self._kill_standbys_on([node])
         self._reap()
         return [group_id for _, _, group_id in killed if group_id is not None]
+
+    def kill_domain(self, domain: str) -> dict[str, str | None]:
+        """Chaos: every node of a fault domain dies at once, as with a rack's switch: marked dead in one
+        write, then every process of every run on them SIGKILLed. Returns node -> the run that held it."""
+        held = self._nodes_of_domain(domain)
+        now = datetime.now(UTC)
+        note = f"killed with {domain} (chaos kill-domain)"
+        self.pool.set_health({node: {"healthy": False, "died_at": now, "note": note} for node in held})
+        self._kill_standbys_on(list(held), wait=False)
+        groups = [g for run in self._runs() for k in run.incarnations() for n in held for g in node_groups(run, k, n)]
+        kill_and_wait(groups)
+        self._kill_standbys_on(list(held))
+        self._reap()
+        return held
+
+    def _nodes_of_domain(self, domain: str) -> dict[str, str | None]:
+        """The pool's nodes in `domain` and who holds each; ClusterError names the domains there are."""
+        record = self.pool.read()
+        held = {n.name: n.owner for n in record.nodes if n.domain == domain}
+        if not held:
+            known = ", ".join(sorted({n.domain for n in record.nodes if n.domain})) or "none (`lazarus pool domain`)"
+            raise ClusterError(f"the pool under {self.home} has no node in fault domain {domain!r}; domains: {known}")
+        return held
 
     def repair_after(self, run_id: str) -> list[str]:
         """Chaos clean-up of an ended run: its active nodes go back to the pool, and what it

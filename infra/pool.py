@@ -1,159 +1,24 @@
-"""The local backend's node pool under LAZARUS_HOME, shared by every run of that home, as a
-Kubernetes pool is shared by its label.
+"""The local backend's node pool under LAZARUS_HOME, shared by every run of that home (and every
+worker that serves them), as a Kubernetes pool is shared by its label.
 
-Every change is a read-modify-write of one record (schema/pool.py) under an exclusive flock of
-`pool/lock`, and the record is replaced by a rename: a claim sees every claim before it, two
-runs can never both take one spare, and a worker killed in the middle leaves either the old
-record or the new one (the kernel drops a dead holder's lock). What changes a run's assignment
-and the pool together (LocalCluster.commit_assignment) holds the lock across both.
-
-A burst of faults across many runs asks for hundreds of changes within a second, and each write
-serializes the whole pool: so the changes that threads of one process ask for while another's
-commit holds the lock go in together, in one read and one write (group commit), and each is
-undone alone when it fails. The record is parsed once per write (this process's own writes need
-no parse at all): `read` hands out one shared snapshot whose nodes and wants are frozen, and a
-change edits a shallow copy, replacing what it changes.
+Every change is an edit of the pool's record under its lock (infra/pool_file.py): a claim sees every
+claim before it, two runs can never both take one spare. What changes a run's assignment and the
+pool together (LocalCluster.commit_assignment) holds the lock across both. The quarantine breaker
+and the fault domains live in the record too (schema/pool.py).
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
-import re
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, TypeVar
 
-import pydantic_core
-
-from lazarus.infra.backend import ClusterError
-from lazarus.schema.files import write_json_atomic
-from lazarus.schema.pool import PoolNode, PoolRecord, SpareWant, node_number, pool_file
-from lazarus.schema.records import Inventory, NodeRecord
+from lazarus.infra.backend import ClusterError, QuarantineRefused
+from lazarus.infra.pool_file import PoolFile
+from lazarus.schema.pool import PoolNode, PoolRecord, QuarantineBreaker, SpareWant, node_number
+from lazarus.schema.records import TOGETHER_SECONDS, Inventory, NodeRecord, SharedFault
 
 
-class LocalPool:
+class LocalPool(PoolFile):
     """The nodes of one home: who holds which, and which are free hot spares."""
-
-    def __init__(self, home: str | Path):
-        self.file = pool_file(Path(home))
-        self._snapshot: _Snapshot | None = None  # the record as last read or written by this process
-        self._parsing = threading.Lock()
-        self._texts: dict[str, tuple[PoolNode, str]] = {}  # each node's JSON text as last written here
-        self._combining = threading.Lock()  # held by the thread that commits a batch of changes
-        self._queue_lock = threading.Lock()
-        self._queue: list[_Change] = []
-        # Assignments whose claims are in the commit under way, not yet written (LocalCluster.commit_assignment).
-        self.assigning: dict[tuple[str, int], Any] = {}
-
-    def read(self) -> PoolRecord:
-        """The record as last written (an empty pool before the first write). Shared and parsed once
-        per write: its nodes and wants are frozen, and changes go through the methods below."""
-        try:
-            with open(self.file, "rb") as handle:
-                head = handle.read(HEAD_BYTES)
-                key = _version(head, os.fstat(handle.fileno()).st_size)
-                snapshot = self._snapshot
-                if key[0] < 0:  # not written by `save`: no version to know it by
-                    return PoolRecord.model_validate_json(head + handle.read())
-                if snapshot is not None and key[0] < snapshot.key[0]:
-                    return snapshot.record  # a commit of this process replaced the file since it was opened
-                if snapshot is None or snapshot.key != key:
-                    with self._parsing:  # the threads that see a new version at once parse it once
-                        snapshot = self._snapshot
-                        if snapshot is None or snapshot.key != key:
-                            snapshot = _parsed(key, head + handle.read(), snapshot)
-                            # A file opened before a commit of this process replaced it is older than
-                            # the snapshot that commit left: keep the newer.
-                            if self._snapshot is None or key[0] > self._snapshot.key[0]:
-                                self._snapshot = snapshot
-                return snapshot.record
-        except FileNotFoundError:
-            return PoolRecord()
-
-    def unhealthy(self) -> dict[str, datetime | None]:
-        """The pool's dead nodes and when each died: what every look asks, worked out once per write
-        (a look at a run of thousands of nodes would otherwise go through them each time)."""
-        record = self.read()
-        snapshot = self._snapshot
-        if snapshot is None or snapshot.record is not record:
-            return {n.name: n.died_at for n in record.nodes if not n.healthy}
-        if snapshot.dead is None:
-            snapshot.dead = {n.name: n.died_at for n in record.nodes if not n.healthy}
-        return snapshot.dead
-
-    def change(self, edit: Callable[[PoolRecord], T], then: Callable[[T], T] | None = None) -> T:
-        """`edit(record)` under the pool's lock, written, and `then(result)` after the write while the
-        lock is still held; returns the result, or raises edit's error (which undoes that edit alone).
-
-        `record` is a working copy: its lists may be changed in place, a node or want only replaced
-        (they are frozen). Edits that other threads ask for meanwhile join the same commit."""
-        mine = _Change(edit, then)
-        with self._queue_lock:
-            self._queue.append(mine)
-        with self._combining:
-            if not mine.done:
-                with self._queue_lock:
-                    batch, self._queue = self._queue, []
-                self._commit(batch)
-        return mine.outcome()
-
-    def _commit(self, batch: list[_Change]) -> None:
-        """Apply a batch of edits to the record read under the lock, write it once, run the then-steps."""
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(self.file.parent / "lock", "a") as handle:
-                fcntl.flock(handle, fcntl.LOCK_EX)
-                try:
-                    record = _working(self.read())
-                    for entry in batch:
-                        trial = _working(record)
-                        try:
-                            entry.result = entry.edit(trial)
-                            record = trial
-                        except Exception as error:  # noqa: BLE001 - the edit's caller gets it
-                            entry.error = error
-                    if any(entry.error is None for entry in batch):
-                        self.save(record)
-                    for entry in batch:
-                        if entry.error is None and entry.then is not None:
-                            try:
-                                entry.result = entry.then(entry.result)
-                            except Exception as error:  # noqa: BLE001 - the edit's caller gets it
-                                entry.error = error
-                finally:
-                    fcntl.flock(handle, fcntl.LOCK_UN)
-        except BaseException as error:  # the lock or the write failed: every edit of the batch did
-            for entry in batch:
-                if entry.error is None:
-                    entry.error = error
-            raise
-        finally:
-            self.assigning.clear()
-            for entry in batch:
-                entry.done = True
-
-    def save(self, record: PoolRecord) -> None:
-        """Write the record now, one generation on (only inside a commit, which holds the lock)."""
-        record.generation += 1
-        known, texts = self._texts, {}
-        for node in record.nodes:  # a commit changes a few nodes: the others' text is the one written before
-            cached = known.get(node.name)
-            texts[node.name] = (node, cached[1] if cached is not None and cached[0] is node else node.model_dump_json())
-        self._texts = texts
-        wants = ",".join(want.model_dump_json() for want in record.wants)
-        nodes = ",\n".join(text for _, text in texts.values())
-        text = f'{{"generation":{record.generation},\n"nodes":[\n{nodes}],\n"wants":[{wants}]}}\n'.encode()
-        # The snapshot first: a look that opens the new file at once finds it known, not to parse.
-        self._snapshot = _Snapshot(_version(text[:HEAD_BYTES], len(text)), record, text=text)
-        try:
-            write_json_atomic(self.file, text.decode())
-        except BaseException:
-            self._snapshot = None
-            raise
 
     # --- changes, each under the lock --------------------------------------------------------
 
@@ -193,17 +58,78 @@ class LocalPool:
 
         return self.change(edit)
 
-    def quarantine(self, run_id: str, names: list[str], reason: str) -> None:
-        """Hold the nodes out of every run until they are returned (the run that holds them drains them)."""
+    def quarantine(self, run_id: str, names: list[str], reason: str, counted: bool = True) -> None:
+        """Hold the nodes out of every run until they are returned (the run that holds them drains them).
 
-        def edit(record: PoolRecord) -> None:
+        Unless not `counted` (an operator's own drain), the quarantine breaker counts them:
+        QuarantineRefused, quarantining nothing, while it is open or when these would take the
+        window past its cap (which trips it, for a person to reset)."""
+
+        def edit(record: PoolRecord) -> str | None:
             nodes = _known(record, dict.fromkeys(names))
             others = [n for n in names if nodes[n].owner not in (None, run_id)]
             if others:
                 raise ClusterError(f"{', '.join(others)} belongs to another run ({nodes[others[0]].owner})")
-            _replace(record, names, role="quarantined", owner=run_id, since=datetime.now(UTC), note=reason)
+            now = datetime.now(UTC)
+            new = [n for n in names if nodes[n].role != "quarantined"]  # a retried drain counts once
+            if counted and new:
+                refusal = _breaker_refusal(record, run_id, new, now)
+                if refusal is not None:
+                    return refusal
+                breaker = record.breaker
+                record.breaker = breaker.model_copy(
+                    update={"quarantined_at": [*breaker.recent(now), *[now] * len(new)]}
+                )
+            _replace(record, names, role="quarantined", owner=run_id, since=now, note=reason)
+            return None
 
-        self.change(edit)
+        refusal = self.change(edit)
+        if refusal is not None:
+            raise QuarantineRefused(refusal)
+
+    def reject_spare(self, name: str, reason: str) -> None:
+        """A free node failed a run's health check before the run claimed it: out of the pool, held by
+        no run (it was none's loss), until returned. The quarantine breaker counts it, as any: a check
+        that fails everywhere must not empty the pool. QuarantineRefused when the breaker refuses."""
+
+        def edit(record: PoolRecord) -> str | None:
+            node = _known(record, {name: None})[name]
+            if node.role != "free":
+                raise ClusterError(f"{name} is no longer a free spare ({name} {_held(node)})")
+            now = datetime.now(UTC)
+            refusal = _breaker_refusal(record, "(a spare's health check)", [name], now)
+            if refusal is not None:
+                return refusal
+            counted_at = [*record.breaker.recent(now), now]
+            record.breaker = record.breaker.model_copy(update={"quarantined_at": counted_at})
+            _replace(record, [name], role="quarantined", owner=None, since=now, note=reason)
+            return None
+
+        refusal = self.change(edit)
+        if refusal is not None:
+            raise QuarantineRefused(refusal)
+
+    def set_breaker(self, max_fraction: float | None = None, window_seconds: float | None = None) -> QuarantineBreaker:
+        """Change the breaker's cap or window (None: as it is); returns it."""
+
+        def edit(record: PoolRecord) -> QuarantineBreaker:
+            changes = {"max_fraction": max_fraction, "window_seconds": window_seconds}
+            fields = record.breaker.model_dump() | {k: v for k, v in changes.items() if v is not None}
+            record.breaker = QuarantineBreaker.model_validate(fields)
+            return record.breaker
+
+        return self.change(edit)
+
+    def reset_breaker(self) -> QuarantineBreaker:
+        """A person closes the breaker: the window starts empty. Returns it."""
+
+        def edit(record: PoolRecord) -> QuarantineBreaker:
+            record.breaker = record.breaker.model_copy(
+                update={"tripped_at": None, "tripped_reason": "", "quarantined_at": []}
+            )
+            return record.breaker
+
+        return self.change(edit)
 
     def return_node(self, name: str) -> PoolNode:
         """A repaired node rejoins the pool as a free healthy spare; returns it as recorded."""
@@ -259,7 +185,41 @@ class LocalPool:
             else:
                 continue
             views.append(NodeRecord(name=node.name, role=role, healthy=node.healthy, died_at=node.died_at, note=note))
-        return Inventory(nodes=views, wants=[w for w in record.wants if w.run_id != run_id])
+        wants = [w for w in record.wants if w.run_id != run_id]
+        return Inventory(nodes=views, wants=wants, shared=shared_fault(record, run_id))
+
+    def set_domain(self, names: list[str], domain: str | None) -> list[str]:
+        """Place the named nodes in fault domain `domain` (None: in none); returns them."""
+
+        def edit(record: PoolRecord) -> list[str]:
+            _known(record, dict.fromkeys(names))
+            _replace(record, names, domain=domain)
+            return names
+
+        return self.change(edit)
+
+
+def shared_fault(record: PoolRecord, run_id: str) -> SharedFault | None:
+    """The nodes of the pool that died within TOGETHER_SECONDS of the run's latest dead node, when
+    they are more than the run's own; None otherwise."""
+    dead = [n for n in record.nodes if not n.healthy and n.died_at is not None]
+    mine = [n for n in dead if n.owner == run_id]
+    if not mine:
+        return None
+    latest = max(n.died_at for n in mine if n.died_at is not None)
+    together = [
+        n for n in dead if n.died_at is not None and abs((n.died_at - latest).total_seconds()) <= TOGETHER_SECONDS
+    ]
+    others = [n for n in together if n.owner != run_id]
+    if not others:
+        return None
+    my_domains = {n.domain for n in together if n.owner == run_id and n.domain}
+    return SharedFault(
+        nodes=[n.name for n in together],
+        domains=sorted({n.domain for n in together if n.domain}),
+        runs=sorted({n.owner for n in others if n.owner}),
+        undrained=sorted({n.owner for n in others if n.owner and n.role == "active" and n.domain in my_domains}),
+    )
 
 
 def claim_and_release(record: PoolRecord, run_id: str, nodes: list[str], releases: list[str], why: str) -> None:
@@ -283,82 +243,23 @@ def claim_and_release(record: PoolRecord, run_id: str, nodes: list[str], release
     _free(record, leftover, now, f"released by {run_id} at {why}")
 
 
-T = TypeVar("T")
-
-
-@dataclass
-class _Snapshot:
-    """The record as this process last read or wrote it, and the file's identity then."""
-
-    key: tuple[int, int]  # its version (_version)
-    record: PoolRecord
-    dead: dict[str, datetime | None] | None = None  # its unhealthy nodes, once asked for
-    text: bytes | None = None  # the file's text, where the record was written here
-    raw: dict[str, Any] | None = None  # each node's JSON object by name, once known
-
-    def raw_nodes(self) -> dict[str, Any]:
-        if self.raw is None:
-            self.raw = {n["name"]: n for n in pydantic_core.from_json(self.text)["nodes"]} if self.text else {}
-        return self.raw
-
-
-def _parsed(key: tuple[int, int], text: bytes, previous: _Snapshot | None) -> _Snapshot:
-    """The record of `text`, each node that is as in `previous` taken from it: one write changes a
-    few nodes, and comparing thousands of JSON objects costs a fraction of validating them."""
-    raw = pydantic_core.from_json(text)
-    if (
-        not isinstance(raw, dict)
-        or set(raw) - {"generation", "nodes", "wants"}
-        or not isinstance(raw.get("nodes"), list)
-    ):
-        return _Snapshot(key, PoolRecord.model_validate_json(text))  # not one of ours: its errors in full
-    known = previous.raw_nodes() if previous is not None else {}
-    reused = {n.name: n for n in previous.record.nodes} if previous is not None else {}
-    nodes = [
-        reused[data["name"]] if known.get(data.get("name")) == data else PoolNode.model_validate(data)
-        for data in raw["nodes"]
-    ]
-    record = PoolRecord.model_construct(
-        generation=raw.get("generation", 0),
-        nodes=nodes,
-        wants=[SpareWant.model_validate(want) for want in raw.get("wants", [])],
+def _breaker_refusal(record: PoolRecord, run_id: str, new: list[str], now: datetime) -> str | None:
+    """Why the breaker refuses to quarantine `new` for `run_id` (tripping it, in `record`, when they
+    would take the window past its cap); None when it lets them through."""
+    breaker, pool_nodes = record.breaker, len(record.nodes)
+    reset = "a person resets it with `lazarus pool breaker --reset`"
+    if breaker.tripped_at is None:
+        held, cap = len(breaker.recent(now)), breaker.cap(pool_nodes)
+        if held + len(new) <= cap:
+            return None
+        why = (
+            f"{held + len(new)} nodes quarantined within {breaker.window_seconds:g} s would pass its cap of {cap} "
+            f"({breaker.max_fraction:.0%} of the pool's {pool_nodes}); run {run_id} asked for {_listed(new)}"
+        )
+        record.breaker = breaker = breaker.model_copy(update={"tripped_at": now, "tripped_reason": why})
+    return (
+        f"the pool's quarantine breaker is open ({breaker.tripped_reason}): nothing more is quarantined until {reset}"
     )
-    return _Snapshot(key, record, raw={n["name"]: n for n in raw["nodes"]})
-
-
-@dataclass
-class _Change:
-    """One thread's edit of the pool, waiting for the commit that carries it."""
-
-    edit: Callable[[PoolRecord], Any]
-    then: Callable[[Any], Any] | None
-    result: Any = None
-    error: BaseException | None = None
-    done: bool = False
-
-    def outcome(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-HEAD_BYTES = 64
-"""How much of the record's file tells its version: the generation, its first field."""
-_GENERATION = re.compile(rb'\{\s*"generation":\s*(\d+)')
-
-
-def _version(head: bytes, size: int) -> tuple[int, int]:
-    """A version of the record's file from its first bytes and its size: its generation grows with
-    every write, under the lock (-1 when the head does not show it: never kept). A file's
-    identity would not do: a rename reuses freed inodes, and modification times are as coarse as
-    the kernel's tick, so two writes within one can look the same."""
-    found = _GENERATION.match(head)
-    return (int(found[1]) if found else -1), size
-
-
-def _working(record: PoolRecord) -> PoolRecord:
-    """A copy an edit may change: its own lists of the same frozen nodes and wants."""
-    return PoolRecord.model_construct(generation=record.generation, nodes=list(record.nodes), wants=list(record.wants))
 
 
 def _listed(names: list[str], shown: int = 8) -> str:
@@ -374,7 +275,9 @@ def _claimable(node: PoolNode, run_id: str) -> bool:
 def _held(node: PoolNode) -> str:
     if node.role == "free":
         return "is dead"
-    return f"is {node.role} in run {node.owner}" if node.role == "active" else f"is quarantined by {node.owner}"
+    if node.role == "active":
+        return f"is active in run {node.owner}"
+    return f"is quarantined by {node.owner}" if node.owner else f"is quarantined ({node.note})"
 
 
 def _known(record: PoolRecord, names: dict) -> dict[str, PoolNode]:

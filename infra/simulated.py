@@ -260,6 +260,13 @@ class SimulatedCluster(LocalCluster):
         self.update_nodes(run_id, {node: {"healthy": False, "died_at": datetime.now(UTC), "note": "killed"}})
         return []
 
+    def kill_domain(self, domain: str) -> dict[str, str | None]:
+        """Every node of the fault domain dies at once: the pool marks them dead, their launchers stop."""
+        held = self._nodes_of_domain(domain)
+        dead = {"healthy": False, "died_at": datetime.now(UTC), "note": f"killed with {domain}"}
+        self.pool.set_health(dict.fromkeys(held, dead))
+        return held
+
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
         await asyncio.sleep(timeout)  # no process to watch: the next look tells
         return False

@@ -323,11 +323,16 @@ class SlurmCluster(LocalCluster):
         self._cancel_standbys(run_id)
         super().release_standbys(run_id)
 
-    def quarantine(self, run_id: str, nodes: list[str], reason: str) -> None:
-        """Hold the nodes out of the pool, end the run's standbys there, and drain them in Slurm with
-        the incident as the reason (`sinfo -R` shows it)."""
+    def vet_spare(self, run_id: str, node: str) -> str | None:
+        """Nothing is checked before a claim on Slurm yet (the check would have to run on the node, in
+        the run's allocation): the node's launcher runs health.command once it trains."""
+        return None
+
+    def quarantine(self, run_id: str, nodes: list[str], reason: str, counted: bool = True) -> None:
+        """Hold the nodes out of the pool (past its quarantine breaker), end the run's standbys there,
+        and drain them in Slurm with the incident as the reason (`sinfo -R` shows it)."""
+        super().quarantine(run_id, nodes, reason, counted)  # the breaker first: refused, nothing is touched
         self._cancel_standbys(run_id, nodes)
-        super().quarantine(run_id, nodes, reason)  # ends what is left of the nodes' standbys
         for node in nodes:
             self._slurm(
                 "scontrol", "update", f"nodename={node}", "state=drain", f"reason=lazarus {run_id}: {reason}"[:250]

@@ -4,9 +4,14 @@ spare in a planned recovery before it crashes the run (the straggler's path)."""
 
 from __future__ import annotations
 
+import subprocess
+
 from pydantic import Field, model_validator
 
 from lazarus.schema.base import MAX_SECONDS, Strict
+
+OUTPUT_KEPT_CHARACTERS = 300
+"""How much of a failed check's output the report keeps (characters, from its end)."""
 
 
 class HealthChecks(Strict):
@@ -47,3 +52,29 @@ class HealthChecks(Strict):
         if "Ready" in self.node_conditions:
             raise ValueError("health.node_conditions: Ready is watched always; name the conditions a health agent sets")
         return self
+
+
+def run_check(checks: HealthChecks, cwd=None, env: dict[str, str] | None = None) -> str | None:
+    """Run the check once (in `cwd`, with `env`: default this process's): None when it passed, else
+    why it failed, in one line. A node's launcher runs it while the node trains; the controller on a
+    spare, before a run claims it."""
+    shown = " ".join(checks.command)
+    try:
+        done = subprocess.run(
+            checks.command,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=checks.timeout_seconds,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"health check `{shown}` gave no answer within {checks.timeout_seconds:g} s"
+    except OSError as error:
+        return f"health check `{shown}` cannot run: {error.strerror}"
+    if done.returncode == 0:
+        return None
+    said = " ".join(done.stdout.decode(errors="replace").split())[-OUTPUT_KEPT_CHARACTERS:]
+    return f"health check `{shown}` exited with {done.returncode}" + (f": {said}" if said else "")

@@ -179,6 +179,16 @@ class RecoveryPolicy(Strict):
         ),
     )
     min_dp: int = Field(default=1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
+    burst_gather_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description=(
+            "When a fault domain (a rack, a switch) takes nodes of several runs at once, how long a run's recovery "
+            "waits for the others hit to drain before it decides, so that the pool's spares go by priority, not "
+            "by who drained first (seconds)."
+        ),
+    )
     capacity_wait_seconds: float = Field(
         default=300.0,
         ge=0,

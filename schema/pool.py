@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from lazarus.schema.base import Record
+from lazarus.schema.base import MAX_SECONDS, Record
 
 NODE_NAME = re.compile(r"node-(0|[1-9][0-9]*)")
 """How the local pool names its nodes: node-0, node-1, ... in the order they were added."""
@@ -83,6 +83,51 @@ class PoolNode(Record):
     died_at: datetime | None = Field(default=None, description="When the node was seen to die (UTC).")
     since: datetime = Field(description="When the node took its role (UTC).")
     note: str = Field(default="", description="Why the node has its role (for quarantine: the fault).")
+    domain: str | None = Field(
+        default=None,
+        description="Its fault domain: the rack, switch or power domain whose failure takes it with the others.",
+    )
+
+
+class QuarantineBreaker(Record):
+    """A cap on how many of the pool's nodes faults may quarantine within a sliding window: past it the
+    breaker trips, and nothing more is quarantined until a person resets it, so a detector that
+    blames healthy nodes cannot drain a fleet (NVSentinel's default: half the cluster in five
+    minutes). An operator's own drain of a node is not counted, nor refused. Frozen: a change
+    replaces it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Share of the pool's nodes that faults may quarantine within window_seconds (fraction).",
+    )
+    window_seconds: float = Field(
+        default=300.0, gt=0, le=MAX_SECONDS, description="The sliding window the quarantines are counted in (seconds)."
+    )
+    quarantined_at: list[datetime] = Field(
+        default_factory=list, description="When each node quarantined within the last window was (UTC), oldest first."
+    )
+    tripped_at: datetime | None = Field(default=None, description="When the breaker tripped (UTC); None: closed.")
+    tripped_reason: str = Field(default="", description="What tripped it, in one line.")
+
+    def cap(self, pool_nodes: int) -> int:
+        """How many nodes the window may hold for a pool of `pool_nodes` (at least one)."""
+        return max(1, int(self.max_fraction * pool_nodes))
+
+    def recent(self, now: datetime) -> list[datetime]:
+        """The quarantines still within the window at `now`."""
+        return [at for at in self.quarantined_at if (now - at).total_seconds() <= self.window_seconds]
+
+    def describe(self, pool_nodes: int, now: datetime) -> str:
+        """Its state in one line."""
+        held = f"{len(self.recent(now))} of at most {self.cap(pool_nodes)} node(s) quarantined in the last "
+        held += f"{self.window_seconds:g} s ({self.max_fraction:.0%} of {pool_nodes})"
+        if self.tripped_at is None:
+            return f"closed: {held}"
+        return f"OPEN since {self.tripped_at:%Y-%m-%d %H:%M:%S} UTC: {self.tripped_reason}"
 
 
 class PoolRecord(Record):
@@ -93,6 +138,9 @@ class PoolRecord(Record):
     nodes: list[PoolNode] = Field(default_factory=list, description="Every node, in the order they were added.")
     wants: list[SpareWant] = Field(
         default_factory=list, description="Runs' needs of spares, from their drain to the end of their resume."
+    )
+    breaker: QuarantineBreaker = Field(
+        default_factory=QuarantineBreaker, description="The cap on quarantines within a window, and whether it tripped."
     )
 
     def node(self, name: str) -> PoolNode | None:

@@ -46,6 +46,33 @@ class NodeRecord(Record):
     note: str = Field(default="", description="Why the node has its role (for quarantine: the fault).")
 
 
+TOGETHER_SECONDS = 1.0
+"""Nodes that die within this many seconds of each other failed together (one cause: a rack, a
+switch, a power domain), as far as an incident's report goes (seconds)."""
+
+
+class SharedFault(Record):
+    """The nodes of the pool that failed together with the run's own (within TOGETHER_SECONDS): one
+    cause taking nodes of many runs at once."""
+
+    nodes: NodeList = Field(description="Every node of the pool that failed then, the run's own included.")
+    domains: list[str] = Field(default_factory=list, description="Their fault domains, where the pool names them.")
+    runs: list[str] = Field(default_factory=list, description="The other runs that lost nodes then.")
+    undrained: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Of those runs, the ones whose nodes in the run's own fault domain are still active: they have not "
+            "drained, so their need of the pool's spares is not lodged yet."
+        ),
+    )
+
+    def describe(self) -> str:
+        """In one line, for the incident's report."""
+        domains = f"{', '.join(self.domains)}: " if self.domains else ""
+        runs = f" of {len(self.runs)} other run(s) ({', '.join(self.runs[:8])}{', ...' if len(self.runs) > 8 else ''})"
+        return f"{domains}{len(self.nodes)} node(s){runs if self.runs else ''} failed within {TOGETHER_SECONDS:g} s"
+
+
 class Inventory(Record):
     """The run's nodes as the backend sees them."""
 
@@ -55,6 +82,10 @@ class Inventory(Record):
     wants: list[SpareWant] = Field(
         default_factory=list,
         description="Other runs' needs of the pool's spares, from recoveries under way (placed ones included).",
+    )
+    shared: SharedFault | None = Field(
+        default=None,
+        description="The nodes that failed together with the run's dead ones, where the pool tells (None: none did).",
     )
 
     def free_spares(self) -> list[str]:
@@ -168,6 +199,9 @@ class Incident(Record):
         default_factory=dict, description="Stage name -> its timing; detect spans fault to report."
     )
     decision: Decision | None = Field(default=None, description="Reschedule's decision.")
+    shared: SharedFault | None = Field(
+        default=None, description="The nodes of other runs that failed together with this fault's (a rack, a switch)."
+    )
     old_assignment: Assignment = Field(description="Assignment of the incarnation that failed.")
     new_assignment: Assignment | None = Field(default=None, description="Assignment of the incarnation that resumed.")
     checkpoint_in_flight: int | None = Field(
@@ -201,11 +235,12 @@ class Incident(Record):
     first_step_at: datetime | None = Field(
         default=None, description="When the new incarnation completed its first step (UTC)."
     )
-    outcome: Literal["recovering", "recovered", "interrupted", "failed", "taken over"] = Field(
+    outcome: Literal["recovering", "recovered", "interrupted", "failed", "paused", "taken over"] = Field(
         default="recovering",
         description=(
             "recovered: trained past the checkpoint; interrupted: a new fault hit before that (see the next "
-            "incident); failed: the run failed; taken over: a reset or an adoption took the run over mid-recovery."
+            "incident); failed: the run failed; paused: nothing was quarantined (the pool's quarantine breaker is "
+            "open) and the run waits for a person; taken over: a reset or an adoption took the run over mid-recovery."
         ),
     )
 

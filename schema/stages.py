@@ -97,6 +97,10 @@ class DrainInput(RunRequest):
             "operator, and its step is only the workflow's last progress report."
         ),
     )
+    breaker: bool = Field(
+        default=True,
+        description="The pool's quarantine breaker counts the nodes (false for an operator's own drain of a node).",
+    )
 
 
 class DrainResult(Record):
@@ -117,10 +121,23 @@ class DrainResult(Record):
     step: int | None = Field(
         default=None, description="With read_step: the newest step a rank reported before the stop (None: unknown)."
     )
+    held_back: str = Field(
+        default="",
+        description="Why nothing was quarantined (the pool's quarantine breaker is open): the run waits for a person.",
+    )
 
 
 class RescheduleInput(RunRequest):
     """Read the inventory for a recovery decision."""
+
+    gather_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "When the run's nodes failed with other runs' of their fault domain, how long to wait for those runs "
+            "to drain and lodge their needs of spares before reading the inventory it decides on (seconds)."
+        ),
+    )
 
 
 class ReplaceInput(RunRequest):

@@ -4,13 +4,9 @@ while its ranks train: the node is sick once a run of it fails, and the node's r
 
 from __future__ import annotations
 
-import subprocess
 import threading
 
-from lazarus.schema.health_checks import HealthChecks
-
-OUTPUT_KEPT_CHARACTERS = 300
-"""How much of a failed check's output the report keeps (characters, from its end)."""
+from lazarus.schema.health_checks import HealthChecks, run_check
 
 
 class HealthCheck:
@@ -41,26 +37,3 @@ class HealthCheck:
                 self.changed()
                 return
             self._stop.wait(self.checks.interval_seconds)
-
-
-def run_check(checks: HealthChecks, cwd=None) -> str | None:
-    """Run the check once: None when it passed, else why it failed, in one line."""
-    shown = " ".join(checks.command)
-    try:
-        done = subprocess.run(
-            checks.command,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            timeout=checks.timeout_seconds,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return f"health check `{shown}` gave no answer within {checks.timeout_seconds:g} s"
-    except OSError as error:
-        return f"health check `{shown}` cannot run: {error.strerror}"
-    if done.returncode == 0:
-        return None
-    said = " ".join(done.stdout.decode(errors="replace").split())[-OUTPUT_KEPT_CHARACTERS:]
-    return f"health check `{shown}` exited with {done.returncode}" + (f": {said}" if said else "")

@@ -11,8 +11,8 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
     from lazarus.schema.policy import RecoveryPolicy
-    from lazarus.schema.records import FaultReport, Incident, RunStatus, StageRecord
-    from lazarus.schema.stages import ArchiveInput, StopResult
+    from lazarus.schema.records import FaultReport, Incident, RunState, RunStatus, StageRecord
+    from lazarus.schema.stages import ArchiveInput, ResumeResult, StopResult
     from lazarus.schema.tally import downtime_seconds, to_archive
 
 from lazarus.workflows.stage_calls import RunFailed, call_stage
@@ -57,7 +57,7 @@ def crash_loop(incidents: list[Incident], fault: FaultReport) -> str | None:
 
 
 class Incidents:
-    """Opening and archiving the run's incidents."""
+    """Opening, ending and archiving the run's incidents."""
 
     _status: RunStatus
 
@@ -65,6 +65,36 @@ class Incidents:
     def _policy(self) -> RecoveryPolicy:
         """The recovery policy in force (OperatorControls)."""
         raise NotImplementedError
+
+    def _enter(self, state: RunState) -> None:
+        """Move the run to `state`, as the state machine allows (TrainingRun)."""
+        raise NotImplementedError
+
+    def _end_crash_loop(self, incident: Incident, looping: str) -> ResumeResult:
+        """The program fails the same way on every restart: no recovery can help and no node is to
+        blame. FAILED with the rank's exception, or PAUSED on its nodes for an operator to fix the
+        program and resume (recovery.crash_loop)."""
+        fault, status = incident.fault, self._status
+        status.failure = fault
+        tail = f"; last lines of rank {fault.rank}'s log:\n{fault.log_tail}" if fault.log_tail else ""
+        if self._policy.crash_loop == "fail":
+            raise RunFailed(f"crash loop: {looping}{tail}")
+        incident.outcome = "failed"
+        status.reason = f"crash loop, paused for an operator (recovery.crash_loop: pause): {looping}"
+        self._enter(RunState.PAUSED)
+        return ResumeResult(resumed_from_step=None)
+
+    def _hold_for_a_person(self, incident: Incident, held_back: str) -> ResumeResult:
+        """Drain stopped the ranks but quarantined nothing (the pool's quarantine breaker is open): no
+        recovery follows. PAUSED on the run's nodes, with why and what a person does next."""
+        nodes = ", ".join(incident.fault.nodes)
+        incident.outcome = "paused"
+        self._status.reason = (
+            f"paused: {nodes} not quarantined: {held_back}; then `lazarus run resume {self._status.run_id}` "
+            "restarts it on its nodes (a node that is really faulty fails it again, and is recovered from)"
+        )
+        self._enter(RunState.PAUSED)
+        return ResumeResult(resumed_from_step=None)
 
     async def _archive_old_incidents(self) -> None:
         """Keep the carried status small: once it holds too many incidents, the oldest closed ones

@@ -62,8 +62,9 @@ class Rescheduling:
         capacity_until, min_dp = self._policy.capacity_wait_seconds, self._policy.min_dp
         while True:
             self._check_abort()
-            reading = RescheduleInput(run_id=self._status.run_id)
+            reading = RescheduleInput(run_id=self._status.run_id, gather_seconds=self._policy.burst_gather_seconds)
             inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, incident)
+            incident.shared = inventory.shared or incident.shared
             incident.decision = decision = self._plan(inventory, fault, min_dp)
             if decision.action != "wait":
                 self._status.awaiting_approval = None

@@ -282,6 +282,8 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         drained = await self._drain(incident, fault)
         if looping is not None:
             return self._end_crash_loop(incident, looping)
+        if drained.held_back:
+            return self._hold_for_a_person(incident, drained.held_back)
         survivors_of = fault.incarnation if drained.survivors else None
         while True:
             decision = await self._reschedule(incident, fault)
@@ -298,20 +300,6 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         self._show()
         await self._archive_old_incidents()
         return resumed
-
-    def _end_crash_loop(self, incident: Incident, looping: str) -> ResumeResult:
-        """The program fails the same way on every restart: no recovery can help and no node is to
-        blame. FAILED with the rank's exception, or PAUSED on its nodes for an operator to fix the
-        program and resume (recovery.crash_loop)."""
-        fault, status = incident.fault, self._status
-        status.failure = fault
-        tail = f"; last lines of rank {fault.rank}'s log:\n{fault.log_tail}" if fault.log_tail else ""
-        if self._policy.crash_loop == "fail":
-            raise RunFailed(f"crash loop: {looping}{tail}")
-        incident.outcome = "failed"
-        status.reason = f"crash loop, paused for an operator (recovery.crash_loop: pause): {looping}"
-        self._enter(RunState.PAUSED)
-        return ResumeResult(resumed_from_step=None)
 
     async def _drain(self, incident: Incident, fault: FaultReport) -> DrainResult:
         """Quarantine the blamed nodes and stop every rank of the failed incarnation."""
@@ -333,6 +321,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             want=self._want(fault),
             # Detect's own faults carry the step of their look; the others only the last progress report.
             read_step=fault.kind in ("external", "operator"),
+            breaker=fault.kind != "operator",  # an operator's own drain is a person's decision
         )
         drained = await self._stage("drain", RecoveryActivities.drain, draining, incident)
         if drained.step is not None and (fault.step is None or drained.step > fault.step):

@@ -1,5 +1,5 @@
-"""`lazarus chaos kill-node|slow-node|return-node`: break or slow a node of a local run on purpose,
-and repair it."""
+"""`lazarus chaos kill-node|kill-domain|slow-node|return-node`: break or slow a node of a local run
+(or a whole fault domain of the pool) on purpose, and repair it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     kill.add_argument("run_id", metavar="RUN", type=run_id, help=RUN_HELP)
     kill.add_argument("node", metavar="NODE", type=node_name, help="node name, e.g. node-2")
     kill.set_defaults(handler=kill_node)
+    rack = chaos_commands.add_parser(
+        "kill-domain",
+        help="every node of a fault domain dies at once (a rack, a switch): nodes of every run that holds one",
+        description="Kill a fault domain of the pool on purpose, as a rack's switch or power would: every node "
+        "`lazarus pool domain` placed in it is marked dead at the same moment and every process of every run on "
+        "it is SIGKILLed. Each run hit recovers by its own policy; spares go by cluster.priority, then first come.",
+    )
+    rack.add_argument("domain", metavar="DOMAIN", help="the fault domain, e.g. rack-2 (`lazarus pool` lists them)")
+    rack.set_defaults(handler=kill_domain)
     slow = chaos_commands.add_parser(
         "slow-node",
         help="slow every process of a node by a factor (SIGSTOP/SIGCONT in cycles of 0.1 s) until Ctrl-C",
@@ -47,6 +56,20 @@ def kill_node(args: argparse.Namespace, settings: Settings) -> int:
     except ClusterError as error:
         raise UserError(str(error)) from None
     print(f"killed {args.node} of run {args.run_id} (pids: {', '.join(map(str, pids)) or 'none alive'})")
+    return 0
+
+
+def kill_domain(args: argparse.Namespace, settings: Settings) -> int:
+    """Kill every node of a fault domain at once."""
+    from lazarus.infra.backend import ClusterError
+    from lazarus.infra.local import LocalCluster
+
+    try:
+        held = LocalCluster(settings.home).kill_domain(args.domain)
+    except ClusterError as error:
+        raise UserError(str(error)) from None
+    runs = sorted({owner for owner in held.values() if owner})
+    print(f"killed {args.domain}: {', '.join(held)} (nodes of {len(runs)} run(s): {', '.join(runs) or 'none'})")
     return 0
 
 

@@ -1,10 +1,15 @@
-"""`lazarus pool [list|add|return]`: the local backend's node pool, shared by every run of LAZARUS_HOME.
+"""`lazarus pool [list|add|return|domain|breaker]`: the local backend's node pool, shared by every run
+of LAZARUS_HOME (and by every worker that serves them).
 
 A run takes its active nodes from the pool at launch and claims free nodes as spares when it
 loses one; what a fault quarantined stays out of every run until it is returned here (or with
 `lazarus run return-node`). On Kubernetes the pool is the nodes labelled `lazarus.dev/pool`, and
 kubectl manages them. On Slurm the pool names the cluster's nodes: a node a Slurm run quarantined
 is drained in Slurm too, and returning it resumes it there.
+
+A node may belong to a fault domain (a rack, a switch: nodes that fail together), and the pool's
+quarantine breaker caps how many nodes faults may quarantine within a window: past it nothing more
+is quarantined, the runs that would need it pause, and a person resets it here.
 """
 
 from __future__ import annotations
@@ -36,6 +41,24 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     back.add_argument("node", metavar="NODE", type=node_name, help="the repaired node, e.g. node-2")
     back.set_defaults(handler=return_node)
+    domain = actions.add_parser(
+        "domain", help="place nodes in a fault domain (a rack, a switch: nodes that fail together)"
+    )
+    domain.add_argument("domain", metavar="DOMAIN", help="the domain's name, e.g. rack-2; '-' takes them out of any")
+    domain.add_argument("nodes", metavar="NODE", nargs="+", type=node_name, help="nodes of the pool, e.g. node-0 node-4")
+    domain.set_defaults(handler=place_nodes)
+    breaker = actions.add_parser(
+        "breaker",
+        help="show the quarantine breaker, change its cap or window, or reset it once it tripped",
+        description="Faults may quarantine at most --max-fraction of the pool's nodes within --window-seconds. "
+        "A quarantine past that trips the breaker: nothing more is quarantined, and each run that would need it "
+        "stops its ranks and pauses with the reason, until a person resets the breaker (then `lazarus run resume`). "
+        "An operator's own `lazarus run drain-node` is neither counted nor refused.",
+    )
+    breaker.add_argument("--max-fraction", type=float, help="share of the pool's nodes, 0 < F <= 1 (default 0.5)")
+    breaker.add_argument("--window-seconds", type=float, help="the sliding window, in seconds (default 300)")
+    breaker.add_argument("--reset", action="store_true", help="close the breaker; its window starts empty")
+    breaker.set_defaults(handler=set_breaker)
 
 
 def list_pool(args: argparse.Namespace, settings: Settings) -> int:
@@ -51,14 +74,56 @@ def list_pool(args: argparse.Namespace, settings: Settings) -> int:
     if not record.nodes:
         print(f"the pool under {settings.home} has no node yet: a run's launch adds what it needs")
         return 0
-    grid = table("NODE", "ROLE", "RUN", "HEALTH", "SINCE", "NOTE")
+    grid = table("NODE", "ROLE", "RUN", "HEALTH", "DOMAIN", "SINCE", "NOTE")
     for node in record.nodes:
         health = "ok" if node.healthy else f"dead since {node.died_at:%H:%M:%S}" if node.died_at else "dead"
         since = f"{node.since:%Y-%m-%d %H:%M:%S}"
-        grid.add_row(node.name, node.role, node.owner or "", health, since, node.note)
+        grid.add_row(node.name, node.role, node.owner or "", health, node.domain or "", since, node.note)
     stdout.print(grid)
     free = len(record.free())
     print(f"{len(record.nodes)} node(s), {free} free hot spare(s); pool generation {record.generation}")
+    print(_breaker_line(record))
+    return 0
+
+
+def _breaker_line(record) -> str:
+    """The quarantine breaker in one line, with the command that resets it once it tripped."""
+    from datetime import UTC, datetime
+
+    line = f"quarantine breaker {record.breaker.describe(len(record.nodes), datetime.now(UTC))}"
+    return line + ("; reset it with `lazarus pool breaker --reset`" if record.breaker.tripped_at else "")
+
+
+def place_nodes(args: argparse.Namespace, settings: Settings) -> int:
+    """Place nodes of the pool in a fault domain."""
+    from lazarus.infra.backend import ClusterError
+    from lazarus.infra.pool import LocalPool
+
+    domain = None if args.domain == "-" else args.domain
+    try:
+        LocalPool(settings.home).set_domain(args.nodes, domain)
+    except ClusterError as error:
+        raise UserError(str(error)) from None
+    print(f"{', '.join(args.nodes)} {'in fault domain ' + domain if domain else 'in no fault domain'}")
+    return 0
+
+
+def set_breaker(args: argparse.Namespace, settings: Settings) -> int:
+    """Show the quarantine breaker; change its cap or window; reset it."""
+    from pydantic import ValidationError
+
+    from lazarus.infra.pool import LocalPool
+
+    pool = LocalPool(settings.home)
+    try:
+        if args.max_fraction is not None or args.window_seconds is not None:
+            pool.set_breaker(args.max_fraction, args.window_seconds)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        raise UserError(f"--{str(problem['loc'][0]).replace('_', '-')}: {problem['msg']}") from None
+    if args.reset:
+        pool.reset_breaker()
+    print(_breaker_line(pool.read()))
     return 0
 
 

@@ -9,8 +9,8 @@ from kubernetes import client as k8s
 from pydantic import ValidationError
 
 from lazarus.infra.kubernetes_objects import node_sick
-from lazarus.schema.health_checks import HealthChecks
-from lazarus.trainer.health_check import HealthCheck, run_check
+from lazarus.schema.health_checks import HealthChecks, run_check
+from lazarus.trainer.health_check import HealthCheck
 from tests.support.waiting import wait_until
 
 
