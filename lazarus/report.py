@@ -130,6 +130,8 @@ def _seconds_cell(seconds: float | None) -> str:
 def _incident_notes(incident: Incident) -> list[str]:
     """What an incident's stage table leaves out: the decision, a layout change, checkpoints, outcome."""
     notes = []
+    if incident.shared:
+        notes.append(f"failed together: {incident.shared.describe()}")
     if incident.decision:
         notes.append(f"decision: {incident.decision.reason}")
     if incident.new_assignment and incident.new_assignment.layout != incident.old_assignment.layout:

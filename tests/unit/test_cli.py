@@ -104,3 +104,34 @@ def test_the_pool_lists_adds_and_returns_nodes_and_refuses_unknown_ones(tmp_path
     assert LocalPool(tmp_path).read().node("node-1").role == "free"
     assert_one_line_error(lazarus("pool", "return", "node-7", env=env), f"the pool under {tmp_path} has no node node-7")
     assert_one_line_error(lazarus("pool", "add", "0", env=env), "argument COUNT: '0' is not a whole number")
+
+
+def test_the_pool_places_nodes_in_domains_and_shows_and_resets_its_quarantine_breaker(tmp_path):
+    import pytest
+
+    from lazarus.infra.backend import QuarantineRefused
+    from lazarus.infra.pool import LocalPool
+
+    env = {"LAZARUS_HOME": str(tmp_path), "LAZARUS_TEMPORAL_ADDRESS": "127.0.0.1:1"}
+    lazarus("pool", "add", "4", env=env)
+    placed = lazarus("pool", "domain", "rack-1", "node-0", "node-1", env=env)
+    assert placed.returncode == 0 and placed.stdout == "node-0, node-1 in fault domain rack-1\n", placed.stderr
+    assert [n.domain for n in LocalPool(tmp_path).read().nodes] == ["rack-1", "rack-1", None, None]
+    capped = lazarus("pool", "breaker", "--max-fraction", "0.25", env=env)
+    assert "closed: 0 of at most 1 node(s) quarantined in the last 300 s (25% of 4)" in capped.stdout
+    assert_one_line_error(lazarus("pool", "breaker", "--max-fraction", "2", env=env), "--max-fraction: Input should be")
+    # A second quarantine within the window trips it: `lazarus pool` says so, and how to reset it.
+    pool = LocalPool(tmp_path)
+    pool.quarantine("a", ["node-0"], "incident 1")
+    with pytest.raises(QuarantineRefused):
+        pool.quarantine("b", ["node-2"], "incident 1")
+    listed = lazarus("pool", env=env).stdout
+    assert "quarantine breaker OPEN since" in listed and "reset it with `lazarus pool breaker --reset`" in listed
+    assert "rack-1" in listed
+    reset = lazarus("pool", "breaker", "--reset", env=env)
+    assert reset.stdout.startswith("quarantine breaker closed: 0 of at most 1")
+    assert_one_line_error(lazarus("pool", "domain", "rack-2", "node-9", env=env), "the pool has no node node-9")
+    assert_one_line_error(
+        lazarus("chaos", "kill-domain", "rack-9", env=env),
+        f"the pool under {tmp_path} has no node in fault domain 'rack-9'; domains: rack-1",
+    )

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from lazarus.infra.backend import ClusterError
+from lazarus.infra.backend import ClusterError, QuarantineRefused
 from lazarus.infra.local import LocalCluster
 from lazarus.infra.pool import LocalPool
 from lazarus.schema import Assignment, parse_spec
@@ -234,3 +234,38 @@ def test_a_write_by_another_process_is_read_once_and_what_it_left_alone_is_kept(
     mine.file.write_text('{"generation": 99, "nodes": [{"name": "node-0"}]}')  # not a pool's record
     with pytest.raises(ValueError, match="role"):
         mine.read()
+
+
+def test_the_breaker_trips_at_its_cap_counts_a_node_once_and_lets_an_operator_s_drain_through(two_runs):
+    pool = two_runs.pool
+    pool.set_breaker(max_fraction=0.4)  # two of the pool's five nodes
+    two_runs.quarantine("a", ["node-1"], "incident 1: node_down")
+    two_runs.quarantine("a", ["node-1"], "incident 1: node_down")  # a retried drain: counted once
+    two_runs.quarantine("b", ["node-4"], "incident 1: external")
+    assert len(pool.read().breaker.quarantined_at) == 2 and pool.read().breaker.tripped_at is None
+    with pytest.raises(QuarantineRefused, match="3 nodes quarantined within 300 s would pass its cap of 2"):
+        two_runs.quarantine("b", ["node-3"], "incident 2: external")
+    record = pool.read()
+    assert record.node("node-3").role == "active" and record.breaker.tripped_at is not None
+    with pytest.raises(QuarantineRefused, match="the pool's quarantine breaker is open"):
+        two_runs.quarantine("a", ["node-0"], "incident 2: node_down")  # open: refused, whatever the count
+    two_runs.quarantine("b", ["node-3"], "operator: drain node-3", counted=False)  # a person's own drain
+    assert pool.read().node("node-3").role == "quarantined"
+    pool.reset_breaker()
+    two_runs.quarantine("a", ["node-0"], "incident 2: node_down")
+    assert pool.read().breaker.tripped_at is None and len(pool.read().breaker.quarantined_at) == 1
+
+
+def test_a_spare_that_fails_the_run_s_health_check_leaves_the_pool_unclaimed(tmp_path):
+    cluster = LocalCluster(tmp_path)
+    checked = spec().model_copy(
+        update={"health": spec().health.model_copy(update={"command": ["sh", "-c", 'test "$LAZARUS_NODE" != node-2']})}
+    )
+    cluster.create("a", checked)
+    assert cluster.vet_spare("a", "node-2").startswith("health check `sh -c")
+    assert cluster.vet_spare("a", "node-2") is None  # no longer a spare: nothing to vet
+    node = cluster.pool.read().node("node-2")
+    assert node.role == "quarantined" and node.owner is None and "before it was handed out" in node.note
+    assert "node-2" not in cluster.inventory("a").free_spares()
+    cluster.pool.add(1)
+    assert cluster.vet_spare("a", "node-3") is None and cluster.pool.read().node("node-3").role == "free"
