@@ -91,12 +91,32 @@ class Sitting:
     spread: float
     workers: int = 1
     kill_worker: bool = False
+    rack: bool = False  # one rack with a node of every run fails at once; spares for half the runs
 
     def caption(self) -> str:
         workers = f"{self.workers} worker{'s' if self.workers > 1 else ''}"
         if self.kill_worker:
             workers += " (one SIGKILLed mid-burst)"
+        if self.rack:
+            return (
+                f"{workers}, {self.runs} concurrent runs of priorities 0-2, one rack holding a node of each failing "
+                f"at once, spares for half of them"
+            )
         return f"{workers}, {self.runs} concurrent runs, one node of each run killed within {self.spread:g} s"
+
+    def spec(self, index: int):
+        """The spec of run `index`: with a rack, priorities 0, 1, 2 in turn."""
+        return parse_spec({**SPEC, "cluster": {**SPEC["cluster"], "priority": index % 3 if self.rack else 0}})
+
+    def faults(self, pool: LocalPool, ids: list[str], rng: random.Random) -> list[tuple[float, list[str]]]:
+        """When which nodes die, seconds from the burst's start; the spares added first."""
+        if not self.rack:
+            pool.add(self.runs - len(pool.read().free()), "a hot spare per run")
+            return plan_faults(pool, ids, self.spread, rng)
+        pool.add(self.runs // 2 - len(pool.read().free()), "a hot spare for every other run")
+        rack = [pool.read().held_by(run_id)[0].name for run_id in ids]
+        pool.set_domain(rack, "rack-0")
+        return [(0.0, rack)]
 
 
 ISSUE_SITTINGS = (
@@ -104,6 +124,7 @@ ISSUE_SITTINGS = (
     Sitting(200, 1.0),
     Sitting(1000, 10.0),
     Sitting(200, 10.0, workers=3, kill_worker=True),
+    Sitting(200, 0.0, rack=True),
 )
 
 
@@ -237,6 +258,19 @@ async def burst(pool: LocalPool, faults: list[tuple[float, list[str]]], workers:
             say(f"  SIGKILLed worker pid {workers.kill_one()} after {index + 1} of {len(faults)} faults")
 
 
+def spares_by_priority(statuses) -> dict:
+    """Who got the rack's spares: no run went without one while a run of lower priority got one."""
+    decided = [(s.incidents[0].decision.action, s.run_id) for s in statuses if s.incidents]
+    priority = {s.run_id: int(s.run_id[-4:]) % 3 for s in statuses}
+    replaced = [priority[run_id] for action, run_id in decided if action == "replace"]
+    others = [priority[run_id] for action, run_id in decided if action != "replace"]
+    return {
+        "replaced": len(replaced),
+        "resharded_or_waiting": len(others),
+        "in_order": not replaced or not others or min(replaced) >= max(others),
+    }
+
+
 def check_exactly_once(home: Path, ids: list[str], statuses) -> list[str]:
     """What breaks exactly-once: a run with other than one recovered incident or one new incarnation,
     a node in two runs' assignments, the pool's holder of a node not the run whose assignment has it."""
@@ -275,7 +309,6 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
     env = await local_environment(runtime=quiet_runtime())
     settings = Settings(task_queue="controller-scale")
     address = env.client.service_client.config.target_host
-    spec = parse_spec(SPEC)
     ids = [f"scale-{i:04d}" for i in range(sitting.runs)]
     with tempfile.TemporaryDirectory() as folder:
         home = Path(folder)
@@ -286,18 +319,17 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
             started = time.monotonic()
             # In waves, as a fleet's runs start: a thousand launches in one second is a storm of its own.
             for first in range(0, sitting.runs, LAUNCH_WAVE):
-                wave = ids[first : first + LAUNCH_WAVE]
-                await asyncio.gather(*(start_run(env.client, settings, spec, run_id) for run_id in wave))
+                wave = range(first, min(first + LAUNCH_WAVE, sitting.runs))
+                await asyncio.gather(*(start_run(env.client, settings, sitting.spec(i), ids[i]) for i in wave))
                 await wait_for(env.client, "LazarusState='TRAINING'", first + len(wave), say, "training", 600)
             say(f"all train after {time.monotonic() - started:.1f} s; watching them healthy for {healthy_seconds:g} s")
             await asyncio.sleep(2.0)  # the launches' last activities settle
             cpu_before, at_before = workers.cpu(), time.monotonic()
             await asyncio.sleep(healthy_seconds)
             watch_cpu = (workers.cpu() - cpu_before) / (time.monotonic() - at_before)
-            # One free spare per run, added once every run holds its active nodes (before, a run's
-            # launch would take them as its actives).
-            await asyncio.to_thread(pool.add, sitting.runs - len(pool.read().free()), "a hot spare per run")
-            faults = plan_faults(pool, ids, sitting.spread, rng)
+            # The spares are added once every run holds its active nodes (before, a run's launch would
+            # take them as its actives).
+            faults = await asyncio.to_thread(sitting.faults, pool, ids, rng)
             say(f"{sum(len(n) for _, n in faults)} nodes die in {len(faults)} fault(s) within {sitting.spread:g} s")
             cpu_before, at_before = workers.cpu(), time.monotonic()
             await burst(pool, faults, workers, sitting.kill_worker, say)
@@ -320,6 +352,7 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
             workers.stop()
             await env.shutdown()
     incidents = [s.incidents[0] for s in statuses if s.incidents]
+    by_priority = spares_by_priority(statuses) if sitting.rack else None
     to_decision = [(i.stages["replace_or_reshard"].ended_at - i.fault.detected_at).total_seconds() for i in incidents]
     mttr = [i.mttr_seconds for i in incidents]
     first_fault = min(i.fault.occurred_at for i in incidents)
@@ -334,7 +367,8 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         "incidents": len(incidents),
         "claims_refused": refused,
         "worker_cpu_ms_per_incident": burst_cpu * 1000 / max(len(incidents), 1),
-        "arrival_per_s": len(incidents) / max((last_fault - first_fault).total_seconds(), 1e-3),
+        # Faults that all came in one write (a rack) arrived at once: no rate.
+        "arrival_per_s": len(incidents) / (last_fault - first_fault).total_seconds() if last_fault > first_fault else None,
         "incidents_per_s": len(incidents) / (last_step - first_fault).total_seconds(),
         "report_to_decision_median_s": statistics.median(to_decision),
         "report_to_decision_p99_s": percentile(to_decision, 99),
@@ -342,6 +376,7 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         "mttr_p99_s": percentile(mttr, 99),
         "events_per_incident": statistics.median([s[0] for s in map(incident_spans, histories) if s]),
         "stage_activity_mean_s": {stage: timed[stage] for stage in DECISION_PATH if stage in timed},
+        "spares_by_priority": by_priority,
         "exactly_once": not problems,
         "problems": problems[:20],
     }
@@ -365,11 +400,12 @@ def breakdown(incidents) -> dict[str, float]:
 
 
 def table(result: dict) -> perf_page.Table:
-    sitting = Sitting(**{k: result[k] for k in ("runs", "spread", "workers", "kill_worker")})
+    sitting = Sitting(**{k: result[k] for k in ("runs", "spread", "workers", "kill_worker", "rack")})
     rows = [
         [
             "incidents handled per second (faults arrived per second)",
-            f"{result['incidents_per_s']:.2f} ({result['arrival_per_s']:.1f})",
+            f"{result['incidents_per_s']:.2f} ("
+            + (f"{result['arrival_per_s']:.1f})" if result["arrival_per_s"] else "all at once)"),
             None,
         ],
         [
@@ -400,6 +436,18 @@ def table(result: dict) -> perf_page.Table:
         ["claims refused (a spare taken by another run first; decided again)", f"{result['claims_refused']}", None],
         ["history events per incident", f"{result['events_per_incident']:.0f}", None],
         ["exactly once (incidents, incarnations, claims)", "yes" if result["exactly_once"] else "NO", None],
+        *(
+            [
+                [
+                    "spares by priority (replaced / resharded; none of higher priority went without)",
+                    f"{order['replaced']} / {order['resharded_or_waiting']}, "
+                    + ("in order" if order["in_order"] else "OUT OF ORDER"),
+                    None,
+                ]
+            ]
+            if (order := result["spares_by_priority"])
+            else []
+        ),
     ]
     caption = f"{sitting.caption()}: {result['incidents']} incidents"
     return perf_page.Table(["figure", "median / value", "p99"], rows, caption)
@@ -416,6 +464,12 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=1, help="worker processes on the task queue (default 1)")
     parser.add_argument("--kill-worker", action="store_true", help="SIGKILL one worker once half the faults landed")
+    parser.add_argument(
+        "--rack",
+        action="store_true",
+        help="instead: one rack holding a node of every run fails at once, with spares for half the runs "
+        "(priorities 0, 1, 2 in turn): the spares must go by priority",
+    )
     parser.add_argument(
         "--healthy-seconds",
         type=float,
@@ -434,7 +488,9 @@ def main() -> None:
     if args.kill_worker and args.workers < 2:
         parser.error("--kill-worker needs --workers 2 or more (someone must take over the runs)")
     sittings = (
-        ISSUE_SITTINGS if args.issue else [Sitting(args.runs, args.spread_seconds, args.workers, args.kill_worker)]
+        ISSUE_SITTINGS
+        if args.issue
+        else [Sitting(args.runs, args.spread_seconds, args.workers, args.kill_worker, args.rack)]
     )
     page = perf_page.begin()
     started = time.monotonic()
@@ -458,7 +514,7 @@ def main() -> None:
                 print(f"  {name:<70} {value or '':>12}" + (f"   p99 {p99}" if p99 else ""))
             for problem in result["problems"]:
                 print(f"  not exactly once: {problem}")
-    if not all(result["exactly_once"] for result in results):
+    if not all(r["exactly_once"] and (r["spares_by_priority"] or {"in_order": True})["in_order"] for r in results):
         sys.exit(1)
 
 
