@@ -368,7 +368,9 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         "claims_refused": refused,
         "worker_cpu_ms_per_incident": burst_cpu * 1000 / max(len(incidents), 1),
         # Faults that all came in one write (a rack) arrived at once: no rate.
-        "arrival_per_s": len(incidents) / (last_fault - first_fault).total_seconds() if last_fault > first_fault else None,
+        "arrival_per_s": (
+            len(incidents) / (last_fault - first_fault).total_seconds() if last_fault > first_fault else None
+        ),
         "incidents_per_s": len(incidents) / (last_step - first_fault).total_seconds(),
         "report_to_decision_median_s": statistics.median(to_decision),
         "report_to_decision_p99_s": percentile(to_decision, 99),
