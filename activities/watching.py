@@ -48,7 +48,7 @@ async def watch(
     """Look at the incarnation until judge finds a fault, completion or a stop, or `until(verdict,
     now)` (or what it awaits) holds; returns the verdict and the time of its look."""
     last_poll = last_beat = time.time()
-    exited = False
+    exited, late = False, 0.0
     pace = Pace.of(run_id, incarnation, policy)
     timeout = activity.info().heartbeat_timeout
     beat_every = timeout.total_seconds() / 3 if timeout else HEARTBEAT_EVERY_SECONDS
@@ -75,8 +75,15 @@ async def watch(
         if now - last_beat >= beat_every:
             activity.heartbeat(progress_of(verdict, now))
             last_beat = now
-        wait = EXIT_SETTLE_SECONDS if exited else policy.heartbeat_interval_seconds
+        wait = EXIT_SETTLE_SECONDS if exited else policy.heartbeat_interval_seconds + late
+        waited_from = time.monotonic()
         exited = await cluster.wait_for_exit(run_id, incarnation, wait)
+        if not exited:
+            # Woken late: the worker's event loop has more to do than it can. The next wait is longer
+            # by about as much, so that a worker with more watches than it can serve looks less often
+            # rather than falling behind on everything (its recoveries, their heartbeats).
+            behind = max(0.0, time.monotonic() - waited_from - wait)
+            late = min(0.5 * late + behind, beat_every / 2)
 
 
 STACK_KEPT_CHARACTERS = 4000

@@ -78,7 +78,8 @@ class LocalCluster(RunFiles):
     def inventory(self, run_id: str) -> Inventory:
         """The run's active nodes, the nodes it quarantined, and the pool's free nodes as its spares."""
         self._existing(run_id)
-        return self.pool.inventory(run_id)
+        cluster = self.spec(run_id).cluster
+        return self.pool.inventory(run_id, allowance=cluster.active_nodes + cluster.spare_nodes)
 
     def dead_nodes(self, assignment: Assignment) -> dict[str, datetime]:
         """The assignment's nodes the pool has seen die, and when."""

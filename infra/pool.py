@@ -173,12 +173,18 @@ class LocalPool(PoolFile):
 
     # --- what one run sees -------------------------------------------------------------------
 
-    def inventory(self, run_id: str, record: PoolRecord | None = None) -> Inventory:
-        """The run's view: its active nodes, what it quarantined, and every free node as a spare."""
+    def inventory(self, run_id: str, record: PoolRecord | None = None, allowance: int | None = None) -> Inventory:
+        """The run's view: its active nodes, what it quarantined, and the free nodes as spares: all
+        of them, or, given the run's `allowance` (the most nodes it may hold), as many as it could
+        ever take, past the other runs' needs that may come first (a fleet's pool has thousands)."""
         record = record or self.read()
-        views = []
+        views, listed = [], None
+        if allowance is not None:
+            listed = sum(w.needed for w in record.wants if w.run_id != run_id and not w.placed) + allowance
         for node in record.nodes:
             if node.role == "free":
+                if listed is not None and (listed := listed - 1) < 0:
+                    continue
                 role, note = "spare", node.note or "hot spare of the pool"
             elif node.owner == run_id:
                 role, note = node.role, node.note

@@ -19,6 +19,7 @@ import fcntl
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -55,7 +56,7 @@ class PoolFile:
                 snapshot = self._snapshot
                 if key[0] < 0:  # not written by `save`: no version to know it by
                     return PoolRecord.model_validate_json(head + handle.read())
-                if snapshot is not None and key[0] < snapshot.key[0]:
+                if snapshot is not None and key[0] < snapshot.key[0] and snapshot.written_just_now():
                     return snapshot.record  # a commit of this process replaced the file since it was opened
                 if snapshot is None or snapshot.key != key:
                     with self._parsing:  # the threads that see a new version at once parse it once
@@ -147,7 +148,7 @@ class PoolFile:
             f'{{"generation":{record.generation},\n"nodes":[\n{nodes}],\n"wants":[{wants}],\n"breaker":{breaker}}}\n'
         ).encode()
         # The snapshot first: a look that opens the new file at once finds it known, not to parse.
-        self._snapshot = _Snapshot(_version(text[:HEAD_BYTES], len(text)), record, text=text)
+        self._snapshot = _Snapshot(_version(text[:HEAD_BYTES], len(text)), record, text=text, written=time.monotonic())
         try:
             write_json_atomic(self.file, text.decode())
         except BaseException:
@@ -167,6 +168,12 @@ class _Snapshot:
     dead: dict[str, datetime | None] | None = None  # its unhealthy nodes, once asked for
     text: bytes | None = None  # the file's text, where the record was written here
     raw: dict[str, Any] | None = None  # each node's JSON object by name, once known
+    written: float | None = None  # when this process wrote it (time.monotonic()); None: read
+
+    def written_just_now(self) -> bool:
+        """Whether this process wrote it a moment ago: a file older than it, opened meanwhile, was
+        replaced by it (an older file found later means someone replaced the pool's record)."""
+        return self.written is not None and time.monotonic() - self.written < JUST_NOW_SECONDS
 
     def raw_nodes(self) -> dict[str, Any]:
         if self.raw is None:
@@ -214,6 +221,9 @@ class _Change:
             raise self.error
         return self.result
 
+
+JUST_NOW_SECONDS = 1.0
+"""How long after this process wrote the record a reader may take an older file for a replaced one (seconds)."""
 
 HEAD_BYTES = 64
 """How much of the record's file tells its version: the generation, its first field."""

@@ -45,7 +45,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "domain", help="place nodes in a fault domain (a rack, a switch: nodes that fail together)"
     )
     domain.add_argument("domain", metavar="DOMAIN", help="the domain's name, e.g. rack-2; '-' takes them out of any")
-    domain.add_argument("nodes", metavar="NODE", nargs="+", type=node_name, help="nodes of the pool, e.g. node-0 node-4")
+    domain.add_argument(
+        "nodes", metavar="NODE", nargs="+", type=node_name, help="nodes of the pool, e.g. node-0 node-4"
+    )
     domain.set_defaults(handler=place_nodes)
     breaker = actions.add_parser(
         "breaker",
