@@ -53,7 +53,7 @@ from lazarus.history import chain_histories, incident_spans
 from lazarus.infra.backend import free_ports
 from lazarus.infra.pool import LocalPool
 from lazarus.infra.temporal_server import local_environment, quiet_runtime
-from lazarus.schema import parse_spec
+from lazarus.schema import RunState, parse_spec
 from lazarus.schema.rundir import RunDir
 
 PAGE_TITLE = "The controller under a fleet's load"
@@ -224,7 +224,10 @@ async def wait_for(client, query: str, wanted: int, say, what: str, timeout: flo
     deadline, last = time.monotonic() + timeout, -1
     while (found := await count(client, query)) < wanted:
         failed = await count(client, "ExecutionStatus='Failed'")
-        if failed:
+        if failed and give_up and found + failed >= wanted:
+            say(f"  {found} of {wanted} {what}, {failed} failed")
+            return found
+        if failed and not give_up:
             async for run in client.list_workflows("WorkflowType='TrainingRun' AND ExecutionStatus='Failed'"):
                 try:
                     await client.get_workflow_handle(run.id).result()
@@ -364,6 +367,7 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
             timed = workers.stage_seconds()
             refused = workers.refused_claims()
             done = [s for s in statuses if s.run_id in hit and s.incidents and s.incidents[0].outcome == "recovered"]
+            failed = [s for s in statuses if s.state == RunState.FAILED]
             problems = check_exactly_once(home, [s.run_id for s in done], done)
             histories = [(await chain_histories(env.client, run_id))[0] for run_id in hit[:50]]
             logging.getLogger("temporalio").setLevel(logging.CRITICAL)  # terminating cancels every watch
@@ -387,6 +391,8 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         "watch_cores": watch_cpu,
         "incidents": len(incidents),
         "faults": len(hit),
+        "failed": len(failed),
+        "failed_first": f"{failed[0].run_id}: {failed[0].reason}" if failed else "",
         "claims_refused": refused,
         "worker_cpu_ms_per_incident": burst_cpu * 1000 / max(len(incidents), 1),
         # Faults that all came in one write (a rack) arrived at once: no rate.
@@ -481,7 +487,10 @@ def table(result: dict) -> perf_page.Table:
     ]
     caption = f"{sitting.caption()}: {result['incidents']} incidents"
     if result["incidents"] < result["faults"]:
-        caption += f", of {result['faults']} runs hit (the rest not recovered within {RECOVERY_WAIT_SECONDS:g} s)"
+        caption += f", of {result['faults']} runs hit; {result['failed']} failed, the rest did not recover within "
+        caption += f"{RECOVERY_WAIT_SECONDS:g} s"
+        if result["failed"]:
+            caption += f" (first failure: {result['failed_first']})"
     return perf_page.Table(["figure", "median / value", "p99"], rows, caption)
 
 
@@ -526,6 +535,8 @@ def main() -> None:
     )
     page = perf_page.begin()
     started = time.monotonic()
+    # Stopped by a signal, the bench still stops its workers and its server (the finally clauses).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("controller_scale: stopped by SIGTERM"))
 
     def say(message: str) -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
