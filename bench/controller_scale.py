@@ -371,8 +371,9 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
             problems = check_exactly_once(home, [s.run_id for s in done], done)
             histories = [(await chain_histories(env.client, run_id))[0] for run_id in hit[:50]]
             logging.getLogger("temporalio").setLevel(logging.CRITICAL)  # terminating cancels every watch
-            for run_id in ids:
-                await env.client.get_workflow_handle(run_id).terminate("benchmark done")
+            for status in statuses:
+                if status.state not in (RunState.FAILED, RunState.COMPLETED, RunState.ABORTED):
+                    await env.client.get_workflow_handle(status.run_id).terminate("benchmark done")
         finally:
             workers.stop()
             await env.shutdown()

@@ -168,9 +168,7 @@ class KubernetesCluster(RunFiles):
         return Inventory(nodes=records, wants=self.wants.others(settings.namespace, settings.pool, run_id))
 
     def vet_spare(self, run_id: str, node: str) -> str | None:
-        """A free node that a health agent marks sick by one of the run's health.node_conditions is
-        quarantined rather than claimed; returns why (None: no condition set, or none to look at).
-        The command of health.command runs in the node's rank pod, once claimed."""
+        """A free node a health agent marks sick (health.node_conditions) is quarantined; returns why."""
         settings, conditions = self._settings(run_id), self.spec(run_id).health.node_conditions
         why = sick_nodes(self._pool_nodes(settings), [node], conditions).get(node)
         if why is not None:
@@ -187,8 +185,7 @@ class KubernetesCluster(RunFiles):
         self.wants.drop(self._settings(run_id).namespace, run_id)
 
     def quarantine(self, run_id: str, nodes: list[str], reason: str, counted: bool = True) -> None:
-        """Cordon and taint the nodes, label them with the run and annotate why; an Event on each.
-        (A Kubernetes pool has no quarantine breaker yet: `counted` changes nothing.)"""
+        """Cordon, taint, label with the run and annotate why; an Event each (no breaker yet: `counted` unused)."""
         for name in nodes:
             self.core.patch_node(name, quarantine_patch(self._read_node(name), run_label(run_id), reason))
             self._event(run_id, "Quarantined", f"{name}: {reason}", kind="Node", name=name, namespace="")

@@ -44,6 +44,7 @@ class LocalCluster(RunFiles):
 
     backend = "local"
     quick_observe = True  # the run directory's files and the pool's record
+    vets_spares = True  # a spare's health check runs here, where its ranks would
 
     def __init__(self, home: str | Path, python: str = sys.executable):
         super().__init__(home)
@@ -144,7 +145,7 @@ class LocalCluster(RunFiles):
         passed or the run has no check."""
         run, checks = self._existing(run_id), self.spec(run_id).health
         held = self.pool.read().node(node)
-        if not checks.command or held is None or held.role != "free":
+        if not self.vets_spares or not checks.command or held is None or held.role != "free":
             return None  # no check; or not a spare (a retried claim's own node): the claim tells
         env = {**os.environ, ENV_RUN_DIR: str(run.root), ENV_NODE: node}
         failure = run_check(checks, cwd=run.work_dir if run.work_dir.is_dir() else None, env=env)

@@ -13,8 +13,16 @@ from datetime import UTC, datetime
 
 from lazarus.infra.backend import ClusterError, QuarantineRefused
 from lazarus.infra.pool_file import PoolFile
-from lazarus.schema.pool import PoolNode, PoolRecord, QuarantineBreaker, SpareWant, node_number
-from lazarus.schema.records import TOGETHER_SECONDS, Inventory, NodeRecord, SharedFault
+from lazarus.schema.pool import (
+    TOGETHER_SECONDS,
+    PoolNode,
+    PoolRecord,
+    QuarantineBreaker,
+    SharedFault,
+    SpareWant,
+    node_number,
+)
+from lazarus.schema.records import Inventory, NodeRecord
 
 
 class LocalPool(PoolFile):

@@ -72,6 +72,7 @@ class SlurmCluster(LocalCluster):
 
     backend = "slurm"
     quick_observe = False  # it asks slurmctld which nodes are down (sinfo)
+    vets_spares = False  # a spare's health check would have to run on the node, in the run's allocation
 
     def __init__(self, home: str | Path, python: str = sys.executable, environ: dict | None = None):
         super().__init__(home, python)
@@ -323,14 +324,8 @@ class SlurmCluster(LocalCluster):
         self._cancel_standbys(run_id)
         super().release_standbys(run_id)
 
-    def vet_spare(self, run_id: str, node: str) -> str | None:
-        """Nothing is checked before a claim on Slurm yet (the check would have to run on the node, in
-        the run's allocation): the node's launcher runs health.command once it trains."""
-        return None
-
     def quarantine(self, run_id: str, nodes: list[str], reason: str, counted: bool = True) -> None:
-        """Hold the nodes out of the pool (past its quarantine breaker), end the run's standbys there,
-        and drain them in Slurm with the incident as the reason (`sinfo -R` shows it)."""
+        """Hold the nodes out of the pool (its breaker first), end their standbys, drain them in Slurm (`sinfo -R`)."""
         super().quarantine(run_id, nodes, reason, counted)  # the breaker first: refused, nothing is touched
         self._cancel_standbys(run_id, nodes)
         for node in nodes:

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from lazarus.schema.base import MAX_SECONDS, Record
+from lazarus.schema.nodelist import NodeList
 
 NODE_NAME = re.compile(r"node-(0|[1-9][0-9]*)")
 """How the local pool names its nodes: node-0, node-1, ... in the order they were added."""
@@ -128,6 +129,33 @@ class QuarantineBreaker(Record):
         if self.tripped_at is None:
             return f"closed: {held}"
         return f"OPEN since {self.tripped_at:%Y-%m-%d %H:%M:%S} UTC: {self.tripped_reason}"
+
+
+TOGETHER_SECONDS = 1.0
+"""Nodes that die within this many seconds of each other failed together (one cause: a rack, a
+switch, a power domain), as far as an incident's report goes (seconds)."""
+
+
+class SharedFault(Record):
+    """The nodes of the pool that failed together with the run's own (within TOGETHER_SECONDS): one
+    cause taking nodes of many runs at once."""
+
+    nodes: NodeList = Field(description="Every node of the pool that failed then, the run's own included.")
+    domains: list[str] = Field(default_factory=list, description="Their fault domains, where the pool names them.")
+    runs: list[str] = Field(default_factory=list, description="The other runs that lost nodes then.")
+    undrained: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Of those runs, the ones whose nodes in the run's own fault domain are still active: they have not "
+            "drained, so their need of the pool's spares is not lodged yet."
+        ),
+    )
+
+    def describe(self) -> str:
+        """In one line, for the incident's report."""
+        domains = f"{', '.join(self.domains)}: " if self.domains else ""
+        runs = f" of {len(self.runs)} other run(s) ({', '.join(self.runs[:8])}{', ...' if len(self.runs) > 8 else ''})"
+        return f"{domains}{len(self.nodes)} node(s){runs if self.runs else ''} failed within {TOGETHER_SECONDS:g} s"
 
 
 class PoolRecord(Record):

@@ -13,7 +13,7 @@ from lazarus.schema.layout import Layout
 from lazarus.schema.names import RunId
 from lazarus.schema.nodelist import NodeGroups, NodeList, RankList, natural_key
 from lazarus.schema.policy import RecoveryPolicy
-from lazarus.schema.pool import SpareWant
+from lazarus.schema.pool import TOGETHER_SECONDS, SharedFault, SpareWant  # noqa: F401 - recorded here too
 from lazarus.schema.run import RunSpec
 from lazarus.schema.states import RunState
 from lazarus.schema.tally import IncidentTally
@@ -44,33 +44,6 @@ class NodeRecord(Record):
     healthy: bool = Field(default=True, description="False once the backend saw the node die.")
     died_at: datetime | None = Field(default=None, description="When the node was seen to die (UTC).")
     note: str = Field(default="", description="Why the node has its role (for quarantine: the fault).")
-
-
-TOGETHER_SECONDS = 1.0
-"""Nodes that die within this many seconds of each other failed together (one cause: a rack, a
-switch, a power domain), as far as an incident's report goes (seconds)."""
-
-
-class SharedFault(Record):
-    """The nodes of the pool that failed together with the run's own (within TOGETHER_SECONDS): one
-    cause taking nodes of many runs at once."""
-
-    nodes: NodeList = Field(description="Every node of the pool that failed then, the run's own included.")
-    domains: list[str] = Field(default_factory=list, description="Their fault domains, where the pool names them.")
-    runs: list[str] = Field(default_factory=list, description="The other runs that lost nodes then.")
-    undrained: list[str] = Field(
-        default_factory=list,
-        description=(
-            "Of those runs, the ones whose nodes in the run's own fault domain are still active: they have not "
-            "drained, so their need of the pool's spares is not lodged yet."
-        ),
-    )
-
-    def describe(self) -> str:
-        """In one line, for the incident's report."""
-        domains = f"{', '.join(self.domains)}: " if self.domains else ""
-        runs = f" of {len(self.runs)} other run(s) ({', '.join(self.runs[:8])}{', ...' if len(self.runs) > 8 else ''})"
-        return f"{domains}{len(self.nodes)} node(s){runs if self.runs else ''} failed within {TOGETHER_SECONDS:g} s"
 
 
 class Inventory(Record):
