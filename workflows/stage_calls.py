@@ -5,8 +5,8 @@ The stages between a fault's report and the next incarnation's start, drain, res
 replace_or_reshard, run as local activities: each takes milliseconds to a few seconds on the
 worker that runs the workflow, and as local activities they run one after another in the workflow
 task that follows detect's report, with no round trip to the server and no task of their own. A
-burst of faults across a fleet is decided in a few events a run (bench/controller_scale.py: 0.2 s
-from report to decision for 200 runs, against 0.6 s as activities of their own). They are recorded
+burst of faults across a fleet is decided in a few events a run (bench/controller_scale.py: 0.1 to
+0.2 s from report to decision for 200 runs, against 0.6 s as activities of their own). They are recorded
 in the history as markers, with their timeouts and retry policy from the spec as every stage; a
 worker lost in one is replaced when the workflow task times out, and the stage runs again (every
 stage is idempotent).
