@@ -84,10 +84,7 @@ class LocalPool(PoolFile):
                 refusal = _breaker_refusal(record, run_id, new, now)
                 if refusal is not None:
                     return refusal
-                breaker = record.breaker
-                record.breaker = breaker.model_copy(
-                    update={"quarantined_at": [*breaker.recent(now), *[now] * len(new)]}
-                )
+                record.breaker = record.breaker.counting(new, now, record.out())
             _replace(record, names, role="quarantined", owner=run_id, since=now, note=reason)
             return None
 
@@ -108,8 +105,7 @@ class LocalPool(PoolFile):
             refusal = _breaker_refusal(record, "(a spare's health check)", [name], now)
             if refusal is not None:
                 return refusal
-            counted_at = [*record.breaker.recent(now), now]
-            record.breaker = record.breaker.model_copy(update={"quarantined_at": counted_at})
+            record.breaker = record.breaker.counting([name], now, record.out())
             _replace(record, [name], role="quarantined", owner=None, since=now, note=reason)
             return None
 
@@ -133,7 +129,7 @@ class LocalPool(PoolFile):
 
         def edit(record: PoolRecord) -> QuarantineBreaker:
             record.breaker = record.breaker.model_copy(
-                update={"tripped_at": None, "tripped_reason": "", "quarantined_at": []}
+                update={"tripped_at": None, "tripped_reason": "", "quarantined": {}}
             )
             return record.breaker
 
@@ -263,7 +259,7 @@ def _breaker_refusal(record: PoolRecord, run_id: str, new: list[str], now: datet
     breaker, pool_nodes = record.breaker, len(record.nodes)
     reset = "a person resets it with `lazarus pool breaker --reset`"
     if breaker.tripped_at is None:
-        held, cap = len(breaker.recent(now)), breaker.cap(pool_nodes)
+        held, cap = len(breaker.recent(now, record.out())), breaker.cap(pool_nodes)
         if held + len(new) <= cap:
             return None
         why = (

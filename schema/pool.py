@@ -108,8 +108,12 @@ class QuarantineBreaker(Record):
     window_seconds: float = Field(
         default=300.0, gt=0, le=MAX_SECONDS, description="The sliding window the quarantines are counted in (seconds)."
     )
-    quarantined_at: list[datetime] = Field(
-        default_factory=list, description="When each node quarantined within the last window was (UTC), oldest first."
+    quarantined: dict[str, datetime] = Field(
+        default_factory=dict,
+        description=(
+            "Nodes faults quarantined within the last window, and when (UTC); a node returned since (repaired: a "
+            "person saw to it) no longer counts."
+        ),
     )
     tripped_at: datetime | None = Field(default=None, description="When the breaker tripped (UTC); None: closed.")
     tripped_reason: str = Field(default="", description="What tripped it, in one line.")
@@ -118,13 +122,18 @@ class QuarantineBreaker(Record):
         """How many nodes the window may hold for a pool of `pool_nodes` (at least one)."""
         return max(1, int(self.max_fraction * pool_nodes))
 
-    def recent(self, now: datetime) -> list[datetime]:
-        """The quarantines still within the window at `now`."""
-        return [at for at in self.quarantined_at if (now - at).total_seconds() <= self.window_seconds]
+    def recent(self, now: datetime, still_out: set[str]) -> dict[str, datetime]:
+        """The quarantines within the window at `now` of nodes `still_out` (quarantined still)."""
+        window = self.window_seconds
+        return {n: at for n, at in self.quarantined.items() if (now - at).total_seconds() <= window and n in still_out}
 
-    def describe(self, pool_nodes: int, now: datetime) -> str:
+    def counting(self, nodes: list[str], now: datetime, still_out: set[str]) -> QuarantineBreaker:
+        """The breaker with `nodes` quarantined at `now` counted, and what left the window dropped."""
+        return self.model_copy(update={"quarantined": {**self.recent(now, still_out), **dict.fromkeys(nodes, now)}})
+
+    def describe(self, pool_nodes: int, now: datetime, still_out: set[str]) -> str:
         """Its state in one line."""
-        held = f"{len(self.recent(now))} of at most {self.cap(pool_nodes)} node(s) quarantined in the last "
+        held = f"{len(self.recent(now, still_out))} of at most {self.cap(pool_nodes)} node(s) quarantined in the last "
         held += f"{self.window_seconds:g} s ({self.max_fraction:.0%} of {pool_nodes})"
         if self.tripped_at is None:
             return f"closed: {held}"
@@ -174,6 +183,10 @@ class PoolRecord(Record):
     def node(self, name: str) -> PoolNode | None:
         """The node of that name, if the pool has one."""
         return next((n for n in self.nodes if n.name == name), None)
+
+    def out(self) -> set[str]:
+        """The nodes quarantined now."""
+        return {n.name for n in self.nodes if n.role == "quarantined"}
 
     def held_by(self, run_id: str, role: str = "active") -> list[PoolNode]:
         """The nodes `run_id` holds in `role` (active or quarantined), in the order they were added."""

@@ -92,7 +92,7 @@ def _breaker_line(record) -> str:
     """The quarantine breaker in one line, with the command that resets it once it tripped."""
     from datetime import UTC, datetime
 
-    line = f"quarantine breaker {record.breaker.describe(len(record.nodes), datetime.now(UTC))}"
+    line = f"quarantine breaker {record.breaker.describe(len(record.nodes), datetime.now(UTC), record.out())}"
     return line + ("; reset it with `lazarus pool breaker --reset`" if record.breaker.tripped_at else "")
 
 

@@ -161,7 +161,7 @@ async def test_a_detector_blaming_healthy_nodes_stops_at_the_breaker_and_the_run
         assert "quarantine breaker is open" in status.reason and "lazarus pool breaker --reset" in status.reason
         assert record.node(blamed[run_id]).role == "active" and record.node(blamed[run_id]).owner == run_id
         assert fleet.cluster.run_dir(run_id).ended_file(0).exists()
-    assert record.breaker.tripped_at is not None and len(record.breaker.quarantined_at) == 2
+    assert record.breaker.tripped_at is not None and len(record.breaker.quarantined) == 2
     assert sum(n.role == "quarantined" for n in record.nodes) == 2
 
     # A person resets the breaker and resumes a paused run: it trains again, on the nodes it held.

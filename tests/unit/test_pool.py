@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+from datetime import UTC, datetime
 
 import pytest
 
@@ -242,7 +243,7 @@ def test_the_breaker_trips_at_its_cap_counts_a_node_once_and_lets_an_operator_s_
     two_runs.quarantine("a", ["node-1"], "incident 1: node_down")
     two_runs.quarantine("a", ["node-1"], "incident 1: node_down")  # a retried drain: counted once
     two_runs.quarantine("b", ["node-4"], "incident 1: external")
-    assert len(pool.read().breaker.quarantined_at) == 2 and pool.read().breaker.tripped_at is None
+    assert sorted(pool.read().breaker.quarantined) == ["node-1", "node-4"] and pool.read().breaker.tripped_at is None
     with pytest.raises(QuarantineRefused, match="3 nodes quarantined within 300 s would pass its cap of 2"):
         two_runs.quarantine("b", ["node-3"], "incident 2: external")
     record = pool.read()
@@ -253,7 +254,11 @@ def test_the_breaker_trips_at_its_cap_counts_a_node_once_and_lets_an_operator_s_
     assert pool.read().node("node-3").role == "quarantined"
     pool.reset_breaker()
     two_runs.quarantine("a", ["node-0"], "incident 2: node_down")
-    assert pool.read().breaker.tripped_at is None and len(pool.read().breaker.quarantined_at) == 1
+    assert pool.read().breaker.tripped_at is None and len(pool.read().breaker.quarantined) == 1
+    # A node a person returned no longer counts: the window holds what is still out.
+    pool.return_node("node-0")
+    two_runs.quarantine("b", ["node-3"], "incident 3: node_down")  # already out (the operator's drain): not new
+    assert sorted(pool.read().breaker.recent(datetime.now(UTC), pool.read().out())) == []
 
 
 def test_a_spare_that_fails_the_run_s_health_check_leaves_the_pool_unclaimed(tmp_path):
