@@ -114,6 +114,7 @@ def drive_every_method(harness: Harness) -> set[str]:
     cluster.remove_stale_survivors("r1", 0)
     assert cluster.assignment("r1", 0) == old and cluster.run_dir("r1").root.is_dir()
     new = old.model_copy(update={"incarnation": 1, "nodes": [harness.active[0], spare]})
+    assert cluster.vet_spare("r1", spare) is None  # no health agent marks it sick
     cluster.commit_assignment("r1", new, claims=[spare])
     cluster.log_tail("r1", 0, 0)
     cluster.drop_want("r1")
