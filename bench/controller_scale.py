@@ -13,7 +13,10 @@ workers' CPU is read over --healthy-seconds (what watching healthy runs costs); 
 each run dies at a random moment within --spread-seconds. With --kill-worker one worker is
 SIGKILLed once half the faults have landed. Printed:
   incidents/s        incidents recovered / (last recovery's first step - first fault), beside the
-                     faults' own arrival rate
+                     faults' own arrival rate: at most N / (spread + MTTR), below the arrival rate
+                     even for a controller that keeps up
+  decisions/s        decisions / (last decision - first decision), the pace the controller kept,
+                     and the arrival rate, faults / (last fault - first fault), beside it
   report->decision   detect's fault report to the replace decision recorded (replace_or_reshard's
                      end, as the workflow records it): median, p99
   fault->first step  the MTTR of the simulated recovery: median, p99 (the simulated ranks take
@@ -66,7 +69,10 @@ server. Each run has 4 active nodes; the pool holds one free spare per run. *Wat
 workers' CPU while every run trains and nothing fails, per run and minute. Then one node of each
 run dies at a random moment within the spread. *Incidents handled per second* is the incidents
 recovered over the time from the first fault to the last recovery's first step (the faults' own
-arrival rate beside it); *fault report -> replace decision* runs from detect's report to
+arrival rate beside it: at most N / (spread + MTTR), so below the arrival rate even for a
+controller that keeps up); *decisions made per second* counts them over the span the decisions
+took, first to last, the pace the controller kept against the faults' pace (faults over the
+span from first fault to last); *fault report -> replace decision* runs from detect's report to
 replace_or_reshard's end as the workflow records it; *fault -> first step* is the simulated
 recovery's MTTR (it includes the simulated ranks' 0.55 s from launch to their first step);
 *exactly once*: every run recovered from its one incident once, into one new incarnation, and no
@@ -401,6 +407,7 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
             len(incidents) / (last_fault - first_fault).total_seconds() if last_fault > first_fault else None
         ),
         "incidents_per_s": len(incidents) / (last_step - first_fault).total_seconds(),
+        "decisions_per_s": decision_rate(incidents),
         "report_to_decision_median_s": statistics.median(to_decision),
         "report_to_decision_p99_s": percentile(to_decision, 99),
         "keeping_up_s": keeping_up(incidents),
@@ -415,6 +422,14 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
 
 
 DECISION_PATH = ("drain", "reschedule", "replace_or_reshard")
+
+
+def decision_rate(incidents) -> float | None:
+    """Decisions per second over the span they were made in (first decision to last): the pace the
+    controller kept, to set beside the faults' (None for a single decision)."""
+    decided = sorted(i.stages["replace_or_reshard"].ended_at for i in incidents)
+    span = (decided[-1] - decided[0]).total_seconds()
+    return len(decided) / span if span > 0 else None
 
 
 def breakdown(incidents) -> dict[str, float]:
@@ -437,6 +452,12 @@ def table(result: dict) -> perf_page.Table:
         [
             "incidents handled per second (faults arrived per second)",
             f"{result['incidents_per_s']:.2f} ("
+            + (f"{result['arrival_per_s']:.1f})" if result["arrival_per_s"] else "all at once)"),
+            None,
+        ],
+        [
+            "decisions made per second, first decision to last (faults arrived per second)",
+            (f"{result['decisions_per_s']:.2f} (" if result.get("decisions_per_s") else "- (")
             + (f"{result['arrival_per_s']:.1f})" if result["arrival_per_s"] else "all at once)"),
             None,
         ],

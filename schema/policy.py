@@ -184,9 +184,9 @@ class RecoveryPolicy(Strict):
         ge=0,
         le=MAX_SECONDS,
         description=(
-            "When a fault domain (a rack, a switch) takes nodes of several runs at once, how long a run's recovery "
-            "waits for the others hit to drain before it decides, so that the pool's spares go by priority, not "
-            "by who drained first (seconds)."
+            "When a fault domain (a rack, a switch) takes nodes of several runs at once, a run's recovery waits "
+            "for the others hit to drain before it decides, so that the pool's spares go by priority, not by who "
+            "drained first; it stops waiting when none of them drained for this long (seconds)."
         ),
     )
     capacity_wait_seconds: float = Field(

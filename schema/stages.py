@@ -134,8 +134,9 @@ class RescheduleInput(RunRequest):
         default=0.0,
         ge=0,
         description=(
-            "When the run's nodes failed with other runs' of their fault domain, how long to wait for those runs "
-            "to drain and lodge their needs of spares before reading the inventory it decides on (seconds)."
+            "When the run's nodes failed with other runs' of their fault domain, wait for those runs to drain and "
+            "lodge their needs of spares before reading the inventory it decides on, until none of them drained "
+            "for this long (seconds)."
         ),
     )
 

@@ -7,6 +7,7 @@ it; a spare that fails the run's health check is never handed out."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -38,7 +39,7 @@ def fleet_spec(name: str, priority: int = 0, min_dp: int = 1, health: dict | Non
 class Fleet:
     """Runs on one home and one worker; each `until` polls the runs' statuses (a condition, with a deadline)."""
 
-    def __init__(self, client, cluster: SimulatedCluster, queue: str):
+    def __init__(self, client, cluster: StaggeredDrains, queue: str):
         self.client, self.cluster = client, cluster
         self.settings = Settings(task_queue=queue, home=cluster.home)
 
@@ -77,9 +78,22 @@ class Fleet:
         return [n.name for n in self.cluster.pool.read().held_by(run_id)]
 
 
+class StaggeredDrains(SimulatedCluster):
+    """The simulated backend, where a run's drain takes `drain_delays[run_id]` longer (seconds):
+    a burst's drains queue on busy workers and finish one after another."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drain_delays: dict[str, float] = {}
+
+    def want_spares(self, run_id, want):
+        time.sleep(self.drain_delays.get(run_id, 0.0))  # a backend call that is slow, not a wait on a condition
+        super().want_spares(run_id, want)
+
+
 @pytest.fixture
 async def fleet(dev_env, tmp_path):
-    cluster = SimulatedCluster(tmp_path / "home", steps_per_second=50.0, startup_seconds=0.1, report_seconds=0.1)
+    cluster = StaggeredDrains(tmp_path / "home", steps_per_second=50.0, startup_seconds=0.1, report_seconds=0.1)
     queue = f"fleet-{uuid.uuid4()}"
     try:
         async with build_worker(dev_env.client, queue, cluster):
@@ -93,8 +107,13 @@ async def fleet(dev_env, tmp_path):
 
 
 async def test_a_rack_failure_hands_spares_out_by_priority_and_the_others_reshard_or_wait(fleet):
-    # Five runs, priorities 4..0; p0 may not shrink (min_dp 2), the others may.
-    runs = {f"p{p}": fleet_spec(f"p{p}", priority=p, min_dp=2 if p == 0 else 1) for p in range(5)}
+    # Five runs, priorities 4..0; p0 may not shrink (min_dp 2), the others may. The lowest priority
+    # drains first and the highest last, 0.6 s apart: 2.4 s in all, past the 1 s gather, which
+    # lasts while the others keep draining.
+    runs = {
+        f"p{p}": fleet_spec(f"p{p}", priority=p, min_dp=2 if p == 0 else 1, burst_gather_seconds=1.0) for p in range(5)
+    }
+    fleet.cluster.drain_delays = {f"p{p}": 0.6 * p for p in range(5)}
     for run_id, spec in runs.items():
         await fleet.start(run_id, spec)
     before = {run_id: await fleet.training(run_id, past_step=5) for run_id in runs}
