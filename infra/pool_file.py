@@ -105,7 +105,8 @@ class PoolFile:
             with open(self.file.parent / "lock", "a") as handle:
                 fcntl.flock(handle, fcntl.LOCK_EX)
                 try:
-                    record = _working(self.read())
+                    read = self.read()
+                    record = _working(read)
                     for entry in batch:
                         trial = _working(record)
                         try:
@@ -113,7 +114,7 @@ class PoolFile:
                             record = trial
                         except Exception as error:  # noqa: BLE001 - the edit's caller gets it
                             entry.error = error
-                    if any(entry.error is None for entry in batch):
+                    if any(entry.error is None for entry in batch) and _changed(read, record):
                         self.save(record)
                     for entry in batch:
                         if entry.error is None and entry.then is not None:
@@ -237,6 +238,13 @@ def _version(head: bytes, size: int) -> tuple[int, int]:
     the kernel's tick, so two writes within one can look the same."""
     found = _GENERATION.match(head)
     return (int(found[1]) if found else -1), size
+
+
+def _changed(before: PoolRecord, after: PoolRecord) -> bool:
+    """Whether a batch's edits changed anything: most nodes are the very same objects (compared in
+    C), and a recovery's closing steps (drop a want already gone) often change nothing, which then
+    costs no write of thousands of nodes and no parse by every other process."""
+    return after.nodes != before.nodes or after.wants != before.wants or after.breaker != before.breaker
 
 
 def _working(record: PoolRecord) -> PoolRecord:

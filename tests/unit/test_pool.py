@@ -237,6 +237,21 @@ def test_a_write_by_another_process_is_read_once_and_what_it_left_alone_is_kept(
         mine.read()
 
 
+def test_a_change_that_changes_nothing_writes_nothing(tmp_path):
+    """Dropping a want that is gone already (every recovery's last step) leaves the file alone: at a
+    fleet's size each write costs thousands of nodes' text, and a parse in every other process."""
+    pool, other = LocalPool(tmp_path), LocalPool(tmp_path)
+    pool.add(3)
+    written = pool.read()
+    mtime = pool.file.stat().st_mtime_ns
+    pool.drop_want("a")
+    assert pool.read() is written and pool.file.stat().st_mtime_ns == mtime
+    other.drop_want("a")
+    assert other.read().generation == written.generation and pool.read() is written
+    pool.set_health({"node-1": {"healthy": False, "note": "killed"}})  # a change is still written
+    assert other.read().generation == written.generation + 1 and not other.read().node("node-1").healthy
+
+
 def test_the_breaker_trips_at_its_cap_counts_a_node_once_and_lets_an_operator_s_drain_through(two_runs):
     pool = two_runs.pool
     pool.set_breaker(max_fraction=0.4)  # two of the pool's five nodes
