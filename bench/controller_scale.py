@@ -416,6 +416,7 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         "report_to_decision_median_s": statistics.median(to_decision),
         "report_to_decision_p99_s": percentile(to_decision, 99),
         "keeping_up_s": keeping_up(incidents),
+        "drained_s": drain_spread(incidents),
         "mttr_median_s": statistics.median(mttr),
         "mttr_p99_s": percentile(mttr, 99),
         "events_per_incident": statistics.median([s[0] for s in map(incident_spans, histories) if s]),
@@ -427,6 +428,14 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
 
 
 DECISION_PATH = ("drain", "reschedule", "replace_or_reshard")
+
+
+def drain_spread(incidents) -> tuple[float, float, float]:
+    """From the first fault to the first run's drain, to the median run's, to the last run's (s):
+    how long a burst's runs take to lodge their needs, which a rack's gather waits out."""
+    first_fault = min(i.fault.occurred_at for i in incidents)
+    drained = sorted((i.stages["drain"].ended_at - first_fault).total_seconds() for i in incidents)
+    return drained[0], statistics.median(drained), drained[-1]
 
 
 def decision_rate(incidents) -> float | None:
@@ -464,6 +473,11 @@ def table(result: dict) -> perf_page.Table:
             "decisions made per second, first decision to last (faults arrived per second)",
             (f"{result['decisions_per_s']:.2f} (" if result.get("decisions_per_s") else "- (")
             + (f"{result['arrival_per_s']:.1f})" if result["arrival_per_s"] else "all at once)"),
+            None,
+        ],
+        [
+            "first fault -> drained: the first run, the median run, the last run (s)",
+            "{:.2f} / {:.2f} / {:.2f}".format(*result["drained_s"]),
             None,
         ],
         [

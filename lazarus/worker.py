@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import signal
 from datetime import timedelta
@@ -24,17 +23,13 @@ MAX_CONCURRENT_ACTIVITIES = 2000
 """Activities one worker runs at once. Every training run holds one (its detect, a long watch
 that sleeps between looks), so this bounds the runs a worker can watch; the SDK's default of
 100 would leave run 101 unwatched."""
-MAX_CONCURRENT_RECOVERIES = 2000
-"""Workflow tasks and local activities one worker runs at once. A recovery's drain, reschedule and
-replace_or_reshard are local activities in one workflow task, which holds a slot of each while they
-run, and a rack's reschedule waits there for the other runs hit to drain: with the SDK's default of
-100, the first hundred runs of a 200-run rack held every slot while the others could not drain,
-and their wait ran out (bench/controller_scale.py --rack)."""
-
-
-WORKFLOW_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=500, thread_name_prefix="workflow")
-"""Where the workers of this process run workflow activations: the SDK's default pool, as many
-threads as there are workflow task slots, would grow to 2,000 threads in a burst."""
+MAX_CONCURRENT_RECOVERIES = 100
+"""Workflow tasks and local activities one worker runs at once: its admission control. A
+recovery's drain, reschedule and replace_or_reshard are local activities in one workflow task,
+which holds a slot of each while they run; the recoveries of a burst beyond this wait in the
+server's task queue, where waiting costs nothing and counts against no timeout. A thousand at
+once on one worker (bench/controller_scale.py --runs 1000) starved every heartbeat: 37 of 1,000
+runs recovered in 380 s with 2,000 slots, 705 with 100."""
 
 
 def build_worker(
@@ -64,7 +59,6 @@ def build_worker(
         max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
         max_concurrent_workflow_tasks=MAX_CONCURRENT_RECOVERIES,
         max_concurrent_local_activities=MAX_CONCURRENT_RECOVERIES,
-        workflow_task_executor=WORKFLOW_THREADS,
         # After a worker dies, the run's next workflow task waits this long on the dead
         # worker's sticky queue before any worker may take it (SDK default: 10 s). A
         # controller crash mid-recovery should cost seconds, not tens of them.

@@ -27,6 +27,12 @@ SHARED_SPARES_PATCH = "shared-spares"
 at most cluster.active_nodes + cluster.spare_nodes nodes (before: any free spare, first come)."""
 ESCALATE_PATCH = "escalate-to-operator"
 """workflow.patched id: after the capacity wait, wait for an operator's approval (before: fail)."""
+GATHER_PATCH = "gather-in-workflow"
+"""workflow.patched id: a run hit with others of its fault domain waits for them to drain on a
+timer of its own, between reads of the inventory (before: inside the reschedule activity, where
+it held the worker's slots that the others needed to drain)."""
+GATHER_POLL_SECONDS = 1.0
+"""How often a gathering run reads the inventory again (seconds)."""
 
 
 class Rescheduling:
@@ -60,10 +66,14 @@ class Rescheduling:
         self._enter(RunState.RESCHEDULING)
         waited_since = workflow.now()
         capacity_until, min_dp = self._policy.capacity_wait_seconds, self._policy.min_dp
+        gather_here = workflow.patched(GATHER_PATCH)
         while True:
             self._check_abort()
-            reading = RescheduleInput(run_id=self._status.run_id, gather_seconds=self._policy.burst_gather_seconds)
+            gather = 0.0 if gather_here else self._policy.burst_gather_seconds
+            reading = RescheduleInput(run_id=self._status.run_id, gather_seconds=gather)
             inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, incident)
+            if gather_here:
+                inventory = await self._gathered(inventory, incident)
             incident.shared = inventory.shared or incident.shared
             incident.decision = decision = self._plan(inventory, fault, min_dp)
             if decision.action != "wait":
@@ -79,6 +89,27 @@ class Rescheduling:
                 min_dp = 1
             else:
                 capacity_until = waited + approval.wait_seconds
+
+    async def _gathered(self, inventory: Inventory, incident: Incident) -> Inventory:
+        """The inventory once the runs hit with this one in its fault domain have drained (their
+        needs of spares are then lodged, and the spares go by priority), read again every
+        GATHER_POLL_SECONDS: the wait ends when none of them drained for
+        recovery.burst_gather_seconds, and lasts at most the reschedule stage's timeout."""
+        gather = self._policy.burst_gather_seconds
+        started = last_drain = workflow.now()
+        limit = self._policy.stages.reschedule.timeout_seconds
+        undrained = len(inventory.shared.undrained) if inventory.shared else 0
+        while undrained and (workflow.now() - last_drain).total_seconds() < gather:
+            if (workflow.now() - started).total_seconds() >= limit:
+                break
+            await workflow.sleep(GATHER_POLL_SECONDS)
+            reading = RescheduleInput(run_id=self._status.run_id)
+            inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, incident)
+            now_undrained = len(inventory.shared.undrained) if inventory.shared else 0
+            if now_undrained < undrained:
+                last_drain = workflow.now()
+            undrained = now_undrained
+        return inventory
 
     def _want(self, fault: FaultReport) -> SpareWant | None:
         """What the fault makes the run need of the pool's spares (None for runs from before the shared pool)."""

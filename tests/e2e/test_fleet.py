@@ -141,7 +141,9 @@ async def test_a_rack_failure_hands_spares_out_by_priority_and_the_others_reshar
         status = await fleet.training(run_id, past_step=0, incarnation=1)
         [incident] = status.incidents
         assert incident.decision.action == "reshard" and status.assignment.layout.dp == 1
-        assert "p4" in incident.decision.reason or "p3" in incident.decision.reason  # who took the spares first
+        # Whoever decides last finds the spares claimed already; before, it reads who outranked it.
+        reason = incident.decision.reason
+        assert "p4" in reason or "p3" in reason or "0 free spare(s)" in reason, reason
     # p0 may not shrink: it waits for capacity.
     waiting = await fleet.until("p0", lambda s: s.state == RunState.WAITING_FOR_CAPACITY, "p0 waiting for capacity")
     assert waiting.incidents[0].decision.action == "wait"

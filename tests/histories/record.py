@@ -19,6 +19,8 @@ histories beside the old ones, which keep replaying the unpatched branch:
                      activity carried a summary.
   local_stages.json  a node killed, a spare takes its place, with drain, reschedule and
                      replace_or_reshard as local activities (LOCAL_STAGES_PATCH).
+  rack.json          two runs lose a node each to one rack (simulated nodes); the one recorded
+                     waits on its timer for the other to drain before it decides (GATHER_PATCH).
   restart_done_v1.json, restart_fault_v1.json
                      an operator pauses and resumes, and the resume finds the last step already
                      checkpointed (done) or meets a fault before its first step (fault). Recorded
@@ -34,12 +36,14 @@ import contextlib
 import io
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.demo import run_demo
 from lazarus.infra.local import LocalCluster
+from lazarus.infra.simulated import SimulatedCluster
 from lazarus.infra.temporal_server import local_environment
 from lazarus.schema import RunState, controls, load_spec, parse_spec
 from lazarus.worker import build_worker
@@ -108,6 +112,71 @@ async def escalation(client, settings, cluster, spec) -> None:
     await handle.result()
 
 
+class SlowToLodge(SimulatedCluster):
+    """The simulated backend, where run rack-b takes a second longer to lodge its need of spares
+    at drain: rack-a reads the inventory before it, and waits."""
+
+    def want_spares(self, run_id, want):
+        if run_id == "rack-b":
+            time.sleep(1.0)  # a slow backend call, as a busy worker's is
+        super().want_spares(run_id, want)
+
+
+async def rack(name: str) -> None:
+    """Two runs (priorities 1 and 0, simulated nodes) lose a node each to one rack at once, with one
+    spare in the pool; rack-a drains first and waits on its timer for rack-b (GATHER_PATCH), then
+    takes the spare. Saves rack-a's history."""
+    with tempfile.TemporaryDirectory() as home:
+        env = await local_environment()
+        cluster = SlowToLodge(Path(home), steps_per_second=50.0, startup_seconds=0.1, report_seconds=0.1)
+        try:
+            settings = Settings(
+                address=env.client.service_client.config.target_host, home=Path(home), task_queue="record"
+            )
+            async with build_worker(env.client, settings.task_queue, cluster):
+                handles = {}
+                for run_id, priority in (("rack-a", 1), ("rack-b", 0)):
+                    spec = {
+                        "name": run_id,
+                        "trainer": {"steps": 10_000_000, "checkpoint_every": 1_000_000},
+                        "layout": {"dp": 2, "ranks_per_node": 1},
+                        "cluster": {"active_nodes": 2, "spare_nodes": 1, "priority": priority},
+                        "recovery": {"progress_every_seconds": 600},
+                    }
+                    handles[run_id] = await start_run(env.client, settings, parse_spec(spec), run_id)
+                for handle in handles.values():
+                    await wait_for_state(handle, lambda s: s.state == RunState.TRAINING and s.assignment is not None)
+                pool = cluster.pool
+                pool.set_domain([pool.read().held_by(run_id)[0].name for run_id in handles], "rack-1")
+                pool.add(max(0, 1 - len(pool.read().free())), "spare")
+                cluster.kill_domain("rack-1")
+                status = await wait_for_state(
+                    handles["rack-a"],
+                    lambda s: (
+                        s.state == RunState.TRAINING and s.assignment is not None and s.assignment.incarnation == 1
+                    ),
+                )
+                assert status.incidents[0].decision.action == "replace", status.incidents[0].decision
+                history = await handles["rack-a"].fetch_history()
+                assert any(e.HasField("timer_started_event_attributes") for e in history.events), "rack-a did not wait"
+                for handle in handles.values():
+                    await handle.terminate("recorded")
+            (HERE / f"{name}.json").write_text(history.to_json())
+            print(f"{name}: {len(history.events)} events -> {HERE / (name + '.json')}", file=sys.stderr)
+        finally:
+            cluster.close()
+            await env.shutdown()
+
+
+async def wait_for_state(handle, holds, timeout: float = 60.0):
+    """The run's status once `holds(status)`, queried every 0.1 s (AssertionError past `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while not holds(status := await handle.query(TrainingRun.status)):
+        assert time.monotonic() < deadline, f"{handle.id}: timed out: {status}"
+        await asyncio.sleep(0.1)
+    return status
+
+
 async def main() -> None:
     names = set(sys.argv[1:]) or {"hot_spare", "reshard", "clean", "override", "escalation", "story"}
     if "hot_spare" in names:
@@ -130,6 +199,8 @@ async def main() -> None:
             ),
             drive=escalation,
         )
+    if "rack" in names:
+        await rack("rack")
     if "story" in names:
         await record("story", changed(DEMO, trainer={"steps": 60}), kill_at=25)
     if "no_capacity" in names:
