@@ -11,6 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
+LAG_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30)
+
+
 @dataclass(frozen=True)
 class Span:
     """One successful activity attempt as the activity itself timed it (wall clock, seconds since the epoch)."""
@@ -56,6 +59,13 @@ class Metrics:
             "lazarus_runs",
             "TrainingRun workflows by state (from the LazarusState search attribute).",
             ["state"],
+            registry=self.registry,
+        )
+        self.loop_lag = Histogram(
+            "lazarus_loop_lag_seconds",
+            "How late the worker's event loop ran a timer (seconds): every heartbeat and every look waits "
+            "on it, so a lag near an activity's heartbeat timeout fails its attempts.",
+            buckets=LAG_BUCKETS,
             registry=self.registry,
         )
         # The newest attempts, for benchmarks that split a recovery into work and orchestration.

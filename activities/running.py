@@ -44,12 +44,40 @@ THREADS_OF_STAGE: contextvars.ContextVar[list[threading.Event] | None] = context
 cancelled stage's thread runs on, and the stage counts as acting until that thread ends."""
 
 
+LAST_HEARTBEAT: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("last_heartbeat", default=None)
+"""When the running activity last heartbeat (time.monotonic(), in a list the activity's calls share)."""
+
+
+def heartbeat(*details) -> None:
+    """Heartbeat the running activity, and remember when (since_heartbeat)."""
+    held = LAST_HEARTBEAT.get()
+    if held is None:
+        LAST_HEARTBEAT.set(held := [0.0])
+    held[0] = time.monotonic()
+    activity.heartbeat(*details)
+
+
+def since_heartbeat() -> float:
+    """Seconds since the running activity last heartbeat through `heartbeat` (infinite before its
+    first: an attempt that starts late in a busy worker beats at its first chance). One count for
+    the whole attempt: a stage of several backend calls, each queued for less than its heartbeat
+    spacing in a busy worker, would otherwise never beat (a 1,000-run burst failed resumes so)."""
+    held = LAST_HEARTBEAT.get()
+    return time.monotonic() - held[0] if held is not None else float("inf")
+
+
+def heartbeat_spacing() -> float | None:
+    """How often the running activity heartbeats: a third of its heartbeat timeout (seconds; None
+    without a timeout)."""
+    timeout = activity.info().heartbeat_timeout
+    return timeout.total_seconds() / 3 if timeout else None
+
+
 async def in_thread(call, *args):
     """Run a blocking backend call in a thread, heartbeating while it runs, so that a call that
     outlasts the activity's heartbeat timeout (a drain waiting for pods to go) is not taken for
     a lost worker."""
-    timeout = activity.info().heartbeat_timeout
-    every = timeout.total_seconds() / 3 if timeout else None
+    every = heartbeat_spacing()
     ended, threads = threading.Event(), THREADS_OF_STAGE.get()
     if threads is not None:
         threads.append(ended)
@@ -63,10 +91,11 @@ async def in_thread(call, *args):
     task = asyncio.ensure_future(asyncio.to_thread(run))
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=every)
+            wait = None if every is None else max(0.0, every - since_heartbeat())
+            done, _ = await asyncio.wait({task}, timeout=wait)
             if done:
                 return task.result()
-            activity.heartbeat()
+            heartbeat()
     finally:
         task.cancel()  # on cancellation: the thread runs on, its result is dropped
 

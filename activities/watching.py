@@ -14,11 +14,9 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from temporalio import activity
-
 from lazarus.activities.health import Verdict
 from lazarus.activities.pace import Pace
-from lazarus.activities.running import in_thread, look, look_in_thread
+from lazarus.activities.running import heartbeat, heartbeat_spacing, in_thread, look, look_in_thread, since_heartbeat
 from lazarus.infra.backend import ClusterBackend
 from lazarus.schema.records import FaultKind, FaultReport, RankProgress
 from lazarus.schema.stacks import odd_ones_out, where_it_waited
@@ -47,11 +45,10 @@ async def watch(
 ) -> tuple[Verdict, float]:
     """Look at the incarnation until judge finds a fault, completion or a stop, or `until(verdict,
     now)` (or what it awaits) holds; returns the verdict and the time of its look."""
-    last_poll = last_beat = time.time()
+    last_poll = time.time()
     exited, late = False, 0.0
     pace = Pace.of(run_id, incarnation, policy)
-    timeout = activity.info().heartbeat_timeout
-    beat_every = timeout.total_seconds() / 3 if timeout else HEARTBEAT_EVERY_SECONDS
+    beat_every = heartbeat_spacing() or HEARTBEAT_EVERY_SECONDS
     while True:
         looking = (cluster, run_id, incarnation, policy, last_poll, total_steps, pace)
         verdict, now = look(*looking) if cluster.quick_observe else await look_in_thread(*looking)
@@ -72,9 +69,8 @@ async def watch(
             if done:
                 return verdict, now
         last_poll = now
-        if now - last_beat >= beat_every:
-            activity.heartbeat(progress_of(verdict, now))
-            last_beat = now
+        if since_heartbeat() >= beat_every:
+            heartbeat(progress_of(verdict, now))
         wait = EXIT_SETTLE_SECONDS if exited else policy.heartbeat_interval_seconds + late
         waited_from = time.monotonic()
         exited = await cluster.wait_for_exit(run_id, incarnation, wait)

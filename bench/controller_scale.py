@@ -188,6 +188,18 @@ class Workers:
                     sums.setdefault(stage, [0.0, 0.0])[kind == "count"] += float(value)
         return {stage: total / count for stage, (total, count) in sums.items() if count}
 
+    def loop_lag(self) -> dict[float, float]:
+        """The live workers' event-loop ticks by lateness: bucket bound (s) -> ticks at most that late
+        (lazarus_loop_lag_seconds, cumulative, summed over the workers; inf: every tick)."""
+        counts: dict[float, float] = {}
+        for process, port in zip(self.processes, self.metrics_ports, strict=True):
+            if process.poll() is not None:
+                continue
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            for bound, value in re.findall(r'lazarus_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)', text):
+                counts[float(bound)] = counts.get(float(bound), 0.0) + float(value)
+        return counts
+
     def refused_claims(self) -> int:
         """Claims refused because another run took the spare first (each decided again)."""
         return sum(log.read_text().count("ApplicationError: SpareUnavailable") for log in self.log_files())
@@ -365,13 +377,14 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
             # take them as its actives).
             faults = await asyncio.to_thread(sitting.faults, pool, ids, rng)
             say(f"{sum(len(n) for _, n in faults)} nodes die in {len(faults)} fault(s) within {sitting.spread:g} s")
-            cpu_before, at_before = workers.cpu(), time.monotonic()
+            cpu_before, at_before, lag_before = workers.cpu(), time.monotonic(), workers.loop_lag()
             await burst(pool, faults, workers, sitting.kill_worker, say)
             hit = sorted({n.owner for n in pool.read().nodes if not n.healthy and n.owner})
             recovered_query = "LazarusState='TRAINING' AND LazarusIncidents>=1"
             await wait_for(env.client, recovered_query, len(hit), say, "recovered", RECOVERY_WAIT_SECONDS, give_up=True)
             # What the incidents cost the workers beyond watching: a killed worker's share is lost.
             burst_cpu = workers.cpu() - cpu_before - watch_cpu * (time.monotonic() - at_before)
+            lag = late_ticks(lag_before, workers.loop_lag())
             say(f"all recovered after {time.monotonic() - started:.1f} s; reading statuses and histories")
             statuses = await statuses_of(env.client, ids)
             timed = workers.stage_seconds()
@@ -413,6 +426,7 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         ),
         "incidents_per_s": len(incidents) / (last_step - first_fault).total_seconds(),
         "decisions_per_s": decision_rate(incidents),
+        "loop_late_share": lag,
         "report_to_decision_median_s": statistics.median(to_decision),
         "report_to_decision_p99_s": percentile(to_decision, 99),
         "keeping_up_s": keeping_up(incidents),
@@ -428,6 +442,17 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
 
 
 DECISION_PATH = ("drain", "reschedule", "replace_or_reshard")
+
+
+def late_ticks(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
+    """Of the workers' event-loop ticks from the burst to the last recovery, the share later than
+    1 s and than 5 s (a killed worker's ticks drop out of the sums: they are counted up to zero)."""
+    ticks = max(after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0), 1.0)
+    late = {}
+    for bound in (1.0, 5.0):
+        within = after.get(bound, 0.0) - before.get(bound, 0.0)
+        late[f"{bound:g}"] = max(0.0, 1 - max(within, 0.0) / ticks)
+    return late
 
 
 def drain_spread(incidents) -> tuple[float, float, float]:
@@ -473,6 +498,11 @@ def table(result: dict) -> perf_page.Table:
             "decisions made per second, first decision to last (faults arrived per second)",
             (f"{result['decisions_per_s']:.2f} (" if result.get("decisions_per_s") else "- (")
             + (f"{result['arrival_per_s']:.1f})" if result["arrival_per_s"] else "all at once)"),
+            None,
+        ],
+        [
+            "worker's event loop late by more than 1 s / 5 s, share of its 0.25 s ticks during the burst",
+            "{:.1%} / {:.1%}".format(result["loop_late_share"]["1"], result["loop_late_share"]["5"]),
             None,
         ],
         [

@@ -78,21 +78,35 @@ async def count_runs_by_state(client: Client, metrics: Metrics, every: float = 1
         await asyncio.sleep(every)
 
 
+LOOP_LAG_TICK_SECONDS = 0.25
+"""How often the worker times its own event loop (lazarus_loop_lag_seconds)."""
+
+
+async def time_the_loop(metrics: Metrics) -> None:
+    """Observe, every LOOP_LAG_TICK_SECONDS, how late the event loop woke this task: the lag every
+    heartbeat and look of this worker suffers then."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + LOOP_LAG_TICK_SECONDS
+        await asyncio.sleep(LOOP_LAG_TICK_SECONDS)
+        metrics.loop_lag.observe(max(0.0, loop.time() - due))
+
+
 def serve_metrics(port: int, metrics: Metrics, address: str = "127.0.0.1"):
     """Serve /metrics on address:port (Prometheus text format); returns the server (shutdown() stops it)."""
     server, _ = start_http_server(port, addr=address, registry=metrics.registry)
     return server
 
 
-async def serve(worker: Worker, counter: asyncio.Task | None = None) -> None:
-    """Run the worker until SIGINT or SIGTERM, then shut it down cleanly."""
+async def serve(worker: Worker, *helpers: asyncio.Task) -> None:
+    """Run the worker until SIGINT or SIGTERM, then shut it down cleanly, and its helper tasks."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     async with worker:
         await stop.wait()
-    if counter is not None:
-        counter.cancel()
+    for helper in helpers:
+        helper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await counter
+            await helper

@@ -83,7 +83,7 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
     """Serve the task queue until SIGINT or SIGTERM, with Prometheus metrics when asked."""
     from lazarus.activities.failpoints import Failpoints
     from lazarus.activities.metrics import Metrics
-    from lazarus.worker import build_worker, count_runs_by_state, serve, serve_metrics
+    from lazarus.worker import build_worker, count_runs_by_state, serve, serve_metrics, time_the_loop
 
     client = await connect_client(settings)
     metrics = Metrics()
@@ -91,7 +91,7 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
     worker = build_worker(
         client, settings.task_queue, cluster, Failpoints.from_environ(), metrics, sandboxed=args.sandbox
     )
-    counter = None
+    helpers = []
     if args.metrics_port:
         try:
             serve_metrics(args.metrics_port, metrics, args.metrics_address)
@@ -99,7 +99,10 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
             raise UserError(
                 f"--metrics-port {args.metrics_port} on {args.metrics_address}: {error.strerror or error}"
             ) from None
-        counter = asyncio.ensure_future(count_runs_by_state(client, metrics))
+        helpers = [
+            asyncio.ensure_future(count_runs_by_state(client, metrics)),
+            asyncio.ensure_future(time_the_loop(metrics)),
+        ]
     metrics_url = f", metrics on http://{args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""
     print(
         f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} "
@@ -107,7 +110,7 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
         flush=True,
     )
     try:
-        await serve(worker, counter)
+        await serve(worker, *helpers)
     finally:
         cluster.close()
     return 0
