@@ -15,7 +15,7 @@ from temporalio import workflow
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHistoryEventFilterType
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 from temporalio.worker import (
@@ -30,6 +30,7 @@ from temporalio.worker import (
 from lazarus.schema.node_reports import read_node_reports
 from lazarus.schema.records import RankProgress, RunStatus
 from lazarus.schema.rundir import RunDir
+from lazarus.schema.states import TERMINAL_STATES, RunState
 from lazarus.workflows.progress import take_progress
 from lazarus.workflows.training_run import TrainingRun
 
@@ -85,6 +86,8 @@ async def read_status(client: Client, run_id: str, home: Path | None = None) -> 
     if description.status != WorkflowExecutionStatus.RUNNING:
         status = await replayed_status(client, run_id)
         closed = description.status.name.lower()
+        if status.state not in TERMINAL_STATES:
+            await _ended_from_outside(client, handle, status, closed, description.close_time)
         return StatusReading(status, f"the workflow's history, replayed here (the run is {closed})", served=False)
     status, why = await ask_worker(client, run_id, task_queue)
     if status is not None:
@@ -94,6 +97,22 @@ async def read_status(client: Client, run_id: str, home: Path | None = None) -> 
         reading = StatusReading(status, "the workflow's history, replayed here", served=False, note=why)
     await _overlay_step(reading, description, client, home)
     return reading
+
+
+async def _ended_from_outside(
+    client: Client, handle, status: RunStatus, closed: str, close_time: datetime | None
+) -> None:
+    """A workflow ended by someone else (terminated, cancelled, timed out) stops where it stood, in a
+    live state: the run is over all the same, so it reads ABORTED, with how it ended and where it stood."""
+    why = ""
+    async for event in handle.fetch_history_events(event_filter_type=WorkflowHistoryEventFilterType.CLOSE_EVENT):
+        if event.HasField("workflow_execution_terminated_event_attributes"):
+            ended = event.workflow_execution_terminated_event_attributes
+            # What the terminating client said comes as details (the reason is often the server's own words).
+            said = await client.data_converter.decode(ended.details.payloads) if ended.details.payloads else []
+            why = ": ".join(filter(None, [ended.reason, *(str(detail) for detail in said)]))
+    status.reason = f"the workflow was {closed}{f' ({why})' if why else ''} while the run was {status.state.value}"
+    status.state, status.ended_at = RunState.ABORTED, close_time
 
 
 async def ask_worker(client: Client, run_id: str, task_queue: str) -> tuple[RunStatus | None, str]:

@@ -244,6 +244,8 @@ def run_report(status: RunStatus, summary: dict) -> Group:
         Text(""),
         stage_tables(status),
     ]
+    if status.reason:  # why a failed or aborted run ended
+        parts.insert(1, Text(f"{status.state.value}: {status.reason}"))
     if status.interventions:
         parts += [Text(""), Text("Operator interventions", style="bold"), _interventions_table(status)]
     return Group(*parts)

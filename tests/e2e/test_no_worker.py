@@ -101,3 +101,17 @@ async def test_runs_answer_with_no_worker_closed_and_training_after_a_recovery(d
     assert rows[short_run][1:3] == ["completed", "COMPLETED"] and rows[short_run][4] == "-"
     assert f"No worker is serving task queue '{queue}'" in " ".join(listing.split())
     await long_handle.terminate("test over")
+
+    # Terminated from outside, the run is over although its history stops in TRAINING: it reads
+    # ABORTED, with how it ended and where it stood, in status and report alike.
+    status = status_of(dev_env, home, long_run)
+    assert status["state"] == "ABORTED" and status["ended_at"] is not None
+    assert status["reason"].startswith("the workflow was terminated (") and status["reason"].endswith(
+        ": test over) while the run was TRAINING"
+    )
+    assert status["read_from"] == "the workflow's history, replayed here (the run is terminated)"
+    text = lazarus(dev_env, home, "run", "status", long_run).stdout
+    [state_row] = [line for line in text.splitlines() if line.startswith("state")]
+    assert state_row.split() == ["state", "ABORTED"] and "test over) while the run was TRAINING" in text
+    report = lazarus(dev_env, home, "run", "report", long_run).stdout
+    assert "ABORTED" in report and "test over) while the run was TRAINING" in report
