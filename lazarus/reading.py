@@ -86,9 +86,10 @@ async def read_status(client: Client, run_id: str, home: Path | None = None) -> 
     if description.status != WorkflowExecutionStatus.RUNNING:
         status = await replayed_status(client, run_id)
         closed = description.status.name.lower()
+        reading = StatusReading(status, f"the workflow's history, replayed here (the run is {closed})", served=False)
         if status.state not in TERMINAL_STATES:
-            await _ended_from_outside(client, handle, status, closed, description.close_time)
-        return StatusReading(status, f"the workflow's history, replayed here (the run is {closed})", served=False)
+            await _ended_from_outside(client, handle, reading, closed, description.close_time, home)
+        return reading
     status, why = await ask_worker(client, run_id, task_queue)
     if status is not None:
         reading = StatusReading(status, f"the workflow (its worker on task queue {task_queue!r})", served=True)
@@ -99,20 +100,50 @@ async def read_status(client: Client, run_id: str, home: Path | None = None) -> 
     return reading
 
 
+RANKS_QUIET_FLOOR_SECONDS = 2.0
+"""Ranks whose newest heartbeat is older than this (or three of the run's heartbeat intervals, if
+longer) have stopped (seconds)."""
+
+
 async def _ended_from_outside(
-    client: Client, handle, status: RunStatus, closed: str, close_time: datetime | None
+    client: Client, handle, reading: StatusReading, closed: str, close_time: datetime | None, home: Path | None
 ) -> None:
     """A workflow ended by someone else (terminated, cancelled, timed out) stops where it stood, in a
-    live state: the run is over all the same, so it reads ABORTED, with how it ended and where it stood."""
-    why = ""
+    live state. Where its ranks still beat after it ended, they train on with no one to recover them,
+    and the state stays, with a note that says so; else the run is over, and reads ABORTED, with how
+    it ended and where it stood."""
+    status = reading.status
+    how = closed + await _termination_words(client, handle)
+    progress = step_in_run_directory(status, home)
+    interval = status.policy.heartbeat_interval_seconds if status.policy is not None else 0.0
+    quiet_after = max(RANKS_QUIET_FLOOR_SECONDS, 3 * interval)
+    if (
+        progress is not None
+        and close_time is not None
+        and progress.at > close_time
+        and (datetime.now(UTC) - progress.at).total_seconds() < quiet_after
+    ):
+        take_progress(status, progress)
+        reading.note = (
+            f"the workflow was {how}, but the ranks train on with no one to recover them: "
+            f"`lazarus run adopt {status.run_id}` takes them up"
+        )
+        return
+    status.reason = f"the workflow was {how} while the run was {status.state.value}"
+    status.state, status.ended_at = RunState.ABORTED, close_time
+
+
+async def _termination_words(client: Client, handle) -> str:
+    """What a termination said, in parentheses ("" for another ending): the server's reason and the
+    terminating client's details."""
     async for event in handle.fetch_history_events(event_filter_type=WorkflowHistoryEventFilterType.CLOSE_EVENT):
         if event.HasField("workflow_execution_terminated_event_attributes"):
             ended = event.workflow_execution_terminated_event_attributes
-            # What the terminating client said comes as details (the reason is often the server's own words).
+            # What the client said comes as details; the reason is often the server's own words.
             said = await client.data_converter.decode(ended.details.payloads) if ended.details.payloads else []
-            why = ": ".join(filter(None, [ended.reason, *(str(detail) for detail in said)]))
-    status.reason = f"the workflow was {closed}{f' ({why})' if why else ''} while the run was {status.state.value}"
-    status.state, status.ended_at = RunState.ABORTED, close_time
+            words = ": ".join(filter(None, [ended.reason, *(str(detail) for detail in said)]))
+            return f" ({words})" if words else ""
+    return ""
 
 
 async def ask_worker(client: Client, run_id: str, task_queue: str) -> tuple[RunStatus | None, str]:

@@ -19,7 +19,7 @@ from lazarus.infra.local import LocalCluster
 from lazarus.schema import RunSpec, RunState, load_spec
 from lazarus.worker import build_worker
 from lazarus.workflows.training_run import TrainingRun
-from tests.support.runs import SMALL_SPEC, trained_step
+from tests.support.runs import SMALL_SPEC, kill_rank_processes, trained_step
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -102,10 +102,20 @@ async def test_runs_answer_with_no_worker_closed_and_training_after_a_recovery(d
     assert f"No worker is serving task queue '{queue}'" in " ".join(listing.split())
     await long_handle.terminate("test over")
 
-    # Terminated from outside, the run is over although its history stops in TRAINING: it reads
-    # ABORTED, with how it ended and where it stood, in status and report alike.
+    # Terminated from outside while its ranks train on: the state stays, and the note says that no
+    # one recovers them and how to take them up.
     status = status_of(dev_env, home, long_run)
-    assert status["state"] == "ABORTED" and status["ended_at"] is not None
+    assert status["state"] == "TRAINING" and "the workflow was terminated (" in status["note"]
+    assert f"lazarus run adopt {long_run}" in status["note"] and status["step"] > at_stop + 5
+
+    # Once its ranks are gone too (as after a launch stopped by a signal), the run is over although
+    # its history stops in TRAINING: it reads ABORTED, with how it ended and where it stood.
+    kill_rank_processes(home)
+    await asyncio.to_thread(
+        wait_until, lambda: status_of(dev_env, home, long_run)["state"] == "ABORTED", "ABORTED once quiet", 60
+    )
+    status = status_of(dev_env, home, long_run)
+    assert status["ended_at"] is not None
     assert status["reason"].startswith("the workflow was terminated (") and status["reason"].endswith(
         ": test over) while the run was TRAINING"
     )
