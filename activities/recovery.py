@@ -8,7 +8,6 @@ spare twice.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from datetime import UTC, datetime
 
@@ -17,6 +16,7 @@ from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.draining import end_incarnation, hold_out
 from lazarus.activities.failpoints import Failpoints
+from lazarus.activities.gathering import gathered
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.ownership import acting_for_owner, checked, owned, refused, take_over_run
 from lazarus.activities.preflight import missing_command
@@ -52,21 +52,6 @@ from lazarus.schema.stages import (
     TakeOverResult,
 )
 from lazarus.schema.tally import write_archived
-
-GATHER_POLL_SECONDS = 0.2
-"""How often reschedule reads the inventory again while runs hit by the same fault domain drain (seconds)."""
-
-
-def _undrained(inventory: Inventory) -> int:
-    """How many other runs hit with this one have not drained yet."""
-    return len(inventory.shared.undrained) if inventory.shared else 0
-
-
-def _gather_bound(gather_seconds: float) -> float:
-    """The longest a gather may last, however steadily the others drain: half the activity's own
-    timeout, so that the wait never times the stage out (seconds)."""
-    timeout = activity.info().start_to_close_timeout
-    return max(gather_seconds, timeout.total_seconds() / 2) if timeout else gather_seconds
 
 
 def _permanent(error: Exception, kind: str) -> ApplicationError:
@@ -199,22 +184,10 @@ class RecoveryActivities:
     @timed("reschedule")
     @owned
     async def reschedule(self, request: RescheduleInput) -> Inventory:
-        """The run's inventory: which spares are free, which nodes are quarantined. When its nodes
-        failed with other runs' of their fault domain, once those runs have drained (or none of them
-        drained for the gather time): their needs of spares are then lodged, and the spares go by
-        priority."""
-        inventory = await in_thread(self.cluster.inventory, request.run_id)
-        # The wait runs out only when no other run drained for gather_seconds: a burst's drains queue
-        # on the workers, and a fixed wait would hand spares out by who drained first, not priority.
-        started = time.monotonic()
-        last_drain, undrained = started, _undrained(inventory)
-        give_up = started + _gather_bound(request.gather_seconds)
-        while undrained and time.monotonic() - last_drain < request.gather_seconds and time.monotonic() < give_up:
-            await asyncio.sleep(GATHER_POLL_SECONDS)
-            inventory = await in_thread(self.cluster.inventory, request.run_id)
-            if (now_undrained := _undrained(inventory)) < undrained:
-                last_drain = time.monotonic()
-            undrained = now_undrained
+        """The run's inventory: which spares are free, which nodes are quarantined. An execution from
+        before the workflow gathered on its own timer asks it to wait here for the runs that failed
+        with its own (activities/gathering.py)."""
+        inventory = await gathered(self.cluster, request)
         await self.failpoints.reach("reschedule.after_inventory")
         await self._note(request.run_id, "rescheduled", f"free spares: {', '.join(inventory.free_spares()) or 'none'}")
         return inventory
