@@ -24,10 +24,13 @@ def hold_out(cluster: ClusterBackend, request: DrainInput) -> str:
 
 
 def end_incarnation(cluster: ClusterBackend, request: DrainInput, held_back: str = "") -> DrainResult:
-    """Read the newest step where asked, give the survivors and a checkpoint in flight their grace,
-    stop every rank of the incarnation, and remove partial checkpoints and stale survivors' states."""
+    """Read the newest step where asked, stop the ranks of a hung node, give the survivors and a
+    checkpoint in flight their grace, stop every rank of the incarnation, and remove partial
+    checkpoints and stale survivors' states."""
     run_id, incarnation = request.run_id, request.incarnation
     step = cluster.observe(run_id, incarnation).newest_step() if request.read_step else None
+    if request.stop_first:
+        cluster.stop_nodes(run_id, incarnation, request.stop_first)
     survivors = {}
     if request.survivor_grace_seconds > 0:
         survivors = cluster.await_survivors(run_id, incarnation, request.survivor_grace_seconds)

@@ -9,9 +9,10 @@ from lazarus.infra.backend import RankObservation
 from lazarus.schema.contract import RankExit
 
 PROGRAM_ERROR_SETTLE_SECONDS = 2.0
-"""How long after the first rank of a fresh run fails before its first step the others get to
-fail the same way (then the program is broken: the run fails); past it, the first one's failure is
-a rank_error, restarted in place."""
+"""How long after the first rank of a fresh run fails before its first step the others get to end
+too, so that the rank that failed for a reason of its own is told from those that lost it. Either
+way the failure restarts in place (a rank_error): a first failure may be a transient fault that
+reached Python as an exception; the same failure again is the crash loop that ends the run."""
 
 PEER_LOSS_SETTLE_SECONDS = 2.0
 """How long after the first rank reports a lost peer the silent ranks get to report how they
@@ -35,17 +36,29 @@ PEER_WAIT_ERRORS = ("wait timeout", "timed out", "timeout")
 """Parts of the errors of a rank that gave up waiting for its peers (a rendezvous, a store key):
 a witness too, of a peer that never came."""
 
+PROGRAM_ERROR_TYPES = frozenset(
+    "AttributeError AssertionError ImportError IndexError KeyError ModuleNotFoundError NameError "
+    "NotImplementedError SyntaxError TypeError UnboundLocalError ValueError ZeroDivisionError".split()
+)
+"""Python exceptions no lost peer raises: a rank that raised one failed for a reason of its own,
+whatever words its message holds (an AttributeError about a `timeout` attribute is no timeout)."""
+
 
 def waited_in_vain(ended: RankExit) -> bool:
     """Whether a rank's exit record says it gave up waiting for a peer, or lost one."""
     error = ended.error.lower()
-    return lost_a_peer(ended) or any(part in error for part in PEER_WAIT_ERRORS)
+    return lost_a_peer(ended) or (not _own_type(ended) and any(part in error for part in PEER_WAIT_ERRORS))
 
 
 def lost_a_peer(ended: RankExit) -> bool:
     """Whether a rank's exit record says it ended because a peer went away."""
     error = ended.error.lower()
-    return any(part in error for part in PEER_LOST_ERRORS)
+    return not _own_type(ended) and any(part in error for part in PEER_LOST_ERRORS)
+
+
+def _own_type(ended: RankExit) -> bool:
+    """Whether the exception in the record is of a type only a program's own failure raises."""
+    return ended.error.split(":", 1)[0].strip().rsplit(".", 1)[-1] in PROGRAM_ERROR_TYPES
 
 
 def ended_words(rank: RankObservation) -> str:
@@ -88,14 +101,9 @@ def judge_exits(look: Look) -> Verdict | None:
         # ranks (its standby or launcher hung) is the one at fault, not those that waited for it.
         reason = f"rank(s) {', '.join(str(r.rank) for r in never_started)} never started; then {ended_words(first)}"
         return look.fault("rank_exit", never_started, exit_of(first).time, reason)
-    if look.fresh_and_untrained:
-        # The run's first launch failing before a step: if every rank ends on its own within
-        # a moment of the first, it is the program (a bad flag, a missing file), not a node.
-        if not look.steady and all(r.exit is not None and not r.alive for r in look.ranks):
-            reason = f"every rank ended before training a step; first: {ended_words(first)}"
-            return look.fault("program_error", [first], exit_of(first).time, reason)
-        if look.now - exit_of(first).time < PROGRAM_ERROR_SETTLE_SECONDS:
-            return look.verdict()
+    every_ended = not look.steady and all(r.exit is not None and not r.alive for r in look.ranks)
+    if look.fresh_and_untrained and not every_ended and look.now - exit_of(first).time < PROGRAM_ERROR_SETTLE_SECONDS:
+        return look.verdict()  # the others may be about to end too: the one that failed first on its own is the cause
     own = [r for r in failed if not waited_in_vain(exit_of(r))]
     if own:
         # The root cause: the first rank that failed for a reason of its own; its peers' broken
@@ -103,7 +111,10 @@ def judge_exits(look: Look) -> Verdict | None:
         culprit = own[0]
         followers = len(failed) - 1
         then = f"; then {followers} other rank(s) failed" if followers else ""
-        reason = f"{ended_words(culprit)} (the program's failure on a healthy node: no node is blamed){then}"
+        reason = (
+            f"{ended_words(culprit)}{_when(look, culprit)} (the program's failure on a healthy node: no node is "
+            f"blamed){then}"
+        )
         return look.fault("rank_error", [culprit], exit_of(culprit).time, reason, nodes=[])
     if all(lost_a_peer(exit_of(r)) for r in failed):
         verdict = _silent_peer(look, failed)
@@ -111,8 +122,24 @@ def judge_exits(look: Look) -> Verdict | None:
             return verdict
     if look.now - exit_of(first).time < PEER_LOSS_SETTLE_SECONDS:
         return look.verdict()  # the rank whose failure they witnessed may be about to record it
-    reason = f"{ended_words(first)}; no rank failed for a reason of its own and no node went silent"
+    reason = (
+        f"{ended_words(first)}{_when(look, first)}; every rank that failed lost a peer or gave up waiting for one, "
+        "and no node went silent"
+    )
     return look.fault("rank_error", [first], exit_of(first).time, reason, nodes=[])
+
+
+def _when(look: Look, rank: RankObservation) -> str:
+    """When a rank failed, in the words of a fault's reason, where its step does not say: before
+    the run's first step, or how long after the start of a script that reports no steps."""
+    launched = look.observation.launched_at
+    if launched is None or not (look.source is None or look.fresh_and_untrained):
+        return ""
+    seconds = max(0.0, exit_of(rank).time - launched)
+    after = f"within {seconds:.1f} s of its start" if look.fresh_and_untrained else f"{seconds:.0f} s after its start"
+    if look.source is None:
+        return f", {after}; the script reports no steps"
+    return f", before the run's first step, {after}"
 
 
 def _silent_peer(look: Look, failed: list[RankObservation]) -> Verdict | None:

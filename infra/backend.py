@@ -184,6 +184,12 @@ class ClusterBackend(Protocol):
         the ranks that were alive. Idempotent."""
         ...
 
+    def stop_nodes(self, run_id: str, incarnation: int, nodes: list[str]) -> list[int]:
+        """End the incarnation's ranks on `nodes` only and return once none of them runs; returns
+        those that were alive. A hung node's peers then see a broken collective, as for a death,
+        and save what they hold. Idempotent."""
+        ...
+
     def remove_partial_checkpoints(self, run_id: str) -> list[int]:
         """Delete checkpoint folders that never committed; returns their steps."""
         ...

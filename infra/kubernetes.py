@@ -311,6 +311,33 @@ class KubernetesCluster(RunFiles):
             time.sleep(PODS_POLL_SECONDS)
         return sorted(r.rank for r in observation.ranks if r.alive)
 
+    def stop_nodes(self, run_id: str, incarnation: int, nodes: list[str]) -> list[int]:
+        """Delete the incarnation's rank pods and the standby pods on `nodes` at once (grace 0: a hung
+        node would never confirm) and wait until they are gone; returns the ranks that ran there."""
+        run, assignment = self._incarnation(run_id, incarnation)
+        namespace = self._settings(run_id).namespace
+        indices = {i for i, node in enumerate(assignment.nodes) if node in nodes}
+        running = sorted(r.rank for r in self.observe(run_id, incarnation).ranks if r.alive and r.node in nodes)
+        standbys = self.node_pods.pods(run_id, namespace, watched=False)
+        ranks = self.node_pods.rank_pods(run_id, namespace, incarnation)
+        doomed = [name_of(standbys[n]) for n in nodes if n in standbys] + [
+            name_of(ranks[i]) for i in indices & set(ranks)
+        ]
+        self.node_pods.delete(doomed, namespace, 0)
+        deadline = time.monotonic() + PODS_GONE_SECONDS
+        while set(doomed) & {name_of(p) for p in self._pods_of(run_id, namespace, incarnation)}:
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"pods {', '.join(doomed)} of run {run_id!r} still exist {PODS_GONE_SECONDS:.0f} s after deletion"
+                )
+            time.sleep(PODS_POLL_SECONDS)
+        return running
+
+    def _pods_of(self, run_id: str, namespace: str, incarnation: int) -> list:
+        """The run's standby pods and the incarnation's rank pods, listed (the API server's word)."""
+        standbys = self.node_pods.pods(run_id, namespace, watched=False)
+        return [*standbys.values(), *self.node_pods.rank_pods(run_id, namespace, incarnation).values()]
+
     def _lost(self, run_id: str) -> set[str]:
         """The pool's nodes that this run quarantined or that are not ready. A fresh list, not the
         watch: the quarantine drain wrote a moment ago must be seen."""

@@ -316,6 +316,14 @@ class LocalCluster(RunFiles):
         self._reap()
         return sorted(rank for _, ranks, _ in killed for rank in ranks)
 
+    def stop_nodes(self, run_id: str, incarnation: int, nodes: list[str]) -> list[int]:
+        """SIGKILL the incarnation's launchers and ranks on `nodes` and wait until they are gone;
+        returns the ranks that were alive."""
+        run, _ = self._incarnation(run_id, incarnation)
+        killed = kill_and_wait([group for node in nodes for group in node_groups(run, incarnation, node)])
+        self._reap()
+        return sorted(rank for _, ranks, _ in killed for rank in ranks)
+
     # --- what the local backend alone does: chaos and clean-up ---------------------------
 
     def stop_run(self, run_id: str) -> None:

@@ -255,6 +255,15 @@ class SimulatedCluster(LocalCluster):
         per_node = assignment.layout.ranks_per_node
         return [r for r in range(assignment.layout.world_size) if assignment.nodes[r // per_node] not in dead]
 
+    def stop_nodes(self, run_id: str, incarnation: int, nodes: list[str]) -> list[int]:
+        """No process to stop: returns the ranks of `nodes` while the incarnation runs and they live."""
+        run, assignment = self._incarnation(run_id, incarnation)
+        if run.ended_file(incarnation).exists() or self.launch(run, incarnation) is None:
+            return []
+        dead, per_node = self.dead_nodes(assignment), assignment.layout.ranks_per_node
+        live = [i for i, node in enumerate(assignment.nodes) if node in nodes and node not in dead]
+        return [i * per_node + r for i in live for r in range(per_node)]
+
     def kill_node(self, run_id: str, node: str) -> list[int]:
         """The node dies: the pool marks it dead and its simulated launchers stop reporting."""
         self.update_nodes(run_id, {node: {"healthy": False, "died_at": datetime.now(UTC), "note": "killed"}})

@@ -299,14 +299,32 @@ class SlurmCluster(LocalCluster):
         return {f["NodeName"]: f.get("NodeAddr", f["NodeName"]) for f in fields if "NodeName" in f}
 
     def stop_incarnation(self, run_id: str, incarnation: int) -> list[int]:
-        """End the incarnation's launchers and ranks: the standbys of live nodes kill those they
-        forked (and stay warm), the cold launchers' steps are cancelled, then whatever is left is
-        killed (LocalCluster.stop_incarnation) and waited for; returns the ranks that were alive."""
+        """End the incarnation's launchers and ranks (_stop_steps), then kill whatever is left
+        (LocalCluster.stop_incarnation) and wait for it; returns the ranks that were alive."""
         run, assignment = self._incarnation(run_id, incarnation)
         run.end(incarnation)  # before any stop: a launcher ordered a moment ago must not start ranks
-        alive = {r for r in range(assignment.layout.world_size) if lock_is_held(run.lock_file(incarnation, r))}
+        alive = self._stop_steps(run, assignment, assignment.nodes)
+        return sorted(alive.union(super().stop_incarnation(run_id, incarnation)))
+
+    def stop_nodes(self, run_id: str, incarnation: int, nodes: list[str]) -> list[int]:
+        """End the incarnation's launchers and ranks on `nodes` as stop_incarnation does."""
+        run, assignment = self._incarnation(run_id, incarnation)
+        alive = self._stop_steps(run, assignment, nodes)
+        return sorted(alive.union(super().stop_nodes(run_id, incarnation, nodes)))
+
+    def _stop_steps(self, run: RunDir, assignment: Assignment, nodes: list[str]) -> set[int]:
+        """The standbys of live `nodes` kill the launchers they forked (and stay warm), the cold
+        launchers' steps are cancelled; returns the ranks on `nodes` that were alive."""
+        incarnation, per_node = assignment.incarnation, assignment.layout.ranks_per_node
+        indices = [i for i, node in enumerate(assignment.nodes) if node in nodes]
+        alive = {
+            r
+            for i in indices
+            for r in range(i * per_node, (i + 1) * per_node)
+            if lock_is_held(run.lock_file(incarnation, r))
+        }
         dead = set(self.dead_nodes(assignment))
-        records = {i: read_json(run.node_pid_file(incarnation, i)) or {} for i in range(len(assignment.nodes))}
+        records = {i: read_json(run.node_pid_file(incarnation, i)) or {} for i in indices}
         warm = [assignment.nodes[i] for i, r in records.items() if r.get("step_is_standby")]
         fan_out(
             [
@@ -315,9 +333,10 @@ class SlurmCluster(LocalCluster):
                 if node not in dead
             ]
         )
-        cold_steps = [r["slurm_step"] for r in records.values() if r.get("slurm_step") and not r.get("step_is_standby")]
-        self._cancel(cold_steps)
-        return sorted(alive.union(super().stop_incarnation(run_id, incarnation)))
+        self._cancel(
+            [r["slurm_step"] for r in records.values() if r.get("slurm_step") and not r.get("step_is_standby")]
+        )
+        return alive
 
     def release_standbys(self, run_id: str) -> None:
         """The run ended: cancel its standbys' steps, and wait until they are gone."""

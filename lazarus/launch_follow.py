@@ -174,7 +174,8 @@ def say_end(final, say) -> int:
     reason = final.reason.split("; last lines of")[0].splitlines()[0] if final.reason else ""
     say(f"run {final.run_id} {final.state.value}: {reason}")
     if failure is not None and failure.log_tail:
-        say(f"last lines of rank {failure.rank}'s log ({failure.nodes[0] if failure.nodes else ''}):")
+        node = failure.node or (failure.nodes[0] if failure.nodes else None)
+        say(f"last lines of rank {failure.rank}'s log" + (f" ({node}):" if node else ":"))
         sys.stderr.write(failure.log_tail.rstrip("\n") + "\n")
     return code
 

@@ -75,6 +75,13 @@ class DrainInput(RunRequest):
         ge=0,
         description="How long to let a checkpoint being written commit before the ranks are stopped (seconds).",
     )
+    stop_first: NodeList = Field(
+        default_factory=list,
+        description=(
+            "Nodes whose ranks are stopped before anything else (empty: none): a hung node, so that its peers, "
+            "waiting on it in a collective, see it broken and save what they hold, as they do for a death."
+        ),
+    )
     survivor_grace_seconds: float = Field(
         default=0.0,
         ge=0,

@@ -336,7 +336,9 @@ class OperatorControls:
 
     async def _pause_now(self, pending: Pending[PauseRequest]) -> bool:
         stopped = await self._stop_ranks(f"pause: {pending.request.reason}")
-        assert stopped is not None, "pause is accepted only while the run trains"
+        if stopped is None:  # paused since the request was accepted: by a crash loop's verdict
+            self._finish(pending, f"the run was paused already: {self._status.reason}")
+            return False
         self._enter(RunState.PAUSED)
         if stopped.step is None:
             self._finish(pending, "paused; the ranks were ended (the script reports no steps)")

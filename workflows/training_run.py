@@ -311,6 +311,8 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             nodes=fault.nodes,
             reason=f"incident {incident.number}: {fault.kind}: {fault.reason}",
             save_grace_seconds=self._policy.save_grace_seconds,
+            # The peers of a hung rank wait on it in a collective: stopped, it breaks that as a death does.
+            stop_first=fault.nodes if fault.kind == "hang" else [],
             # A script that does not save its state on a broken collective would only cost the grace.
             survivor_grace_seconds=(
                 self._policy.survivor_grace_seconds

@@ -20,6 +20,10 @@ with workflow.unsafe.imports_passed_through():
 from lazarus.workflows.stage_calls import RunFailed, root_cause, stage_options
 from lazarus.workflows.story import activity_summary
 
+KEPT_REPORT_PATCH = "watch-report-kept"
+"""workflow.patched id: a watch that reports in the workflow task that interrupts it returns its
+report (before: dropped, and with it a fault the watch had found)."""
+
 
 async def watch(
     status: RunStatus,
@@ -60,7 +64,11 @@ async def watch(
             raise RunFailed(f"detect failed after its retry policy: {root_cause(error)}") from None
     detect.cancel()
     try:
-        await detect
+        reported_anyway = await detect
+        # A watch that reported in the same workflow task as the interruption (its verdict and an
+        # operator's request arrive together) keeps its report: a fault is never dropped.
+        if workflow.patched(KEPT_REPORT_PATCH):
+            return reported_anyway
     except (ActivityError, asyncio.CancelledError):
         pass
     report = signalled_fault(reported, status.assignment)

@@ -136,6 +136,17 @@ def test_stop_leaves_no_rank_running_and_fences_the_incarnation(backend):
     assert commit_checkpoint(run, 10, incarnation=0) is False  # a late commit of the stopped incarnation
 
 
+def test_stop_nodes_ends_the_ranks_of_those_nodes_only(backend):
+    backend.launch("r1")
+    every_rank_training(backend, "r1")
+    hung = backend.active[1]
+    assert backend.cluster.stop_nodes("r1", 0, [hung]) == [1]
+    observation = backend.cluster.observe("r1", 0)
+    assert [r.rank for r in observation.ranks if r.alive] == [0]  # its peer runs on (until drain ends it)
+    assert backend.cluster.stop_nodes("r1", 0, [hung]) == []  # again: nothing left there
+    assert backend.cluster.stop_incarnation("r1", 0) == [0]
+
+
 def test_a_dead_node_is_observed_dead(backend):
     backend.launch("r1")
     every_rank_training(backend, "r1")

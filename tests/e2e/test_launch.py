@@ -93,11 +93,13 @@ def test_a_script_that_fails_on_every_rank_gives_its_exit_status_and_log(dev_env
     process, out, err = launched(["--nnodes", "2", str(script), "--lr", "3e-4"], env)
     assert process.wait(timeout=120) == 3
     said = err.read_text()
-    assert "FAILED: the training program failed: every rank ended before training a step" in said
+    # A first failure restarts in place (it may be transient); the same failure again is the crash loop.
+    assert "incident 1: rank_error" in said and "the script reports no steps" in said
+    assert "FAILED: crash loop: the same failure again after a restart in place (incident 1)" in said
     assert "exited with code 3" in said
     # The first rank to fail is blamed, and its log's tail shown.
     assert re.search(r"last lines of rank (\d)'s log \(node-\1\):\nrank \1: no dataset at /data/x\n$", said), said
-    assert out.read_text() == "rank 0: no dataset at /data/x\n"
+    assert out.read_text() == "rank 0: no dataset at /data/x\n" * 2  # the first start and the restart
     assert "Traceback" not in said
 
 

@@ -73,7 +73,7 @@ async def test_user_ddp_script_resumes_from_its_own_checkpoint(dev_env, home, re
     assert all(line.startswith(f"{killed} rank {rank} | ") for line in lines)
 
 
-async def test_a_command_that_exits_at_once_fails_the_run_with_its_log(dev_env, home):
+async def test_a_command_that_exits_at_once_restarts_in_place_once_then_fails_as_a_crash_loop(dev_env, home):
     spec = parse_spec(
         {
             "name": "bad-exit",
@@ -82,9 +82,13 @@ async def test_a_command_that_exits_at_once_fails_the_run_with_its_log(dev_env, 
     )
     status, _, _ = await run_spec(dev_env, home, spec, kill_at=None)
     assert status.state == RunState.FAILED
-    assert "the training program failed: every rank ended before training a step" in status.reason
+    # Restarted in place once (a first failure may be transient), then the same failure is a crash loop.
+    assert "crash loop: the same failure again after a restart in place (incident 1)" in status.reason
     assert "exited with code 3" in status.reason and "bad config: no such dataset" in status.reason
-    assert status.incidents == []  # no node was blamed, no spare was spent
+    assert "the script reports no steps" in status.reason and "before" not in status.reason.split(";")[0]
+    [first, second] = status.incidents
+    assert first.new_assignment.nodes == first.old_assignment.nodes  # in place
+    assert status.quarantined_nodes == [] and first.fault.nodes == second.fault.nodes == []  # no spare spent
 
 
 async def test_a_command_that_does_not_exist_is_refused(dev_env, home, tmp_path):

@@ -191,6 +191,17 @@ def test_a_node_that_is_not_ready_is_dead_and_drain_deletes_every_pod(pool, back
     assert cluster.run_dir("r1").ended_file(0).exists()
 
 
+def test_stop_nodes_deletes_only_the_pods_of_a_hung_node_at_once(pool, backend_api, confirming_kubelet, tmp_path):
+    cluster = KubernetesCluster(tmp_path, backend_api)
+    launched(cluster, "r1", k8s_spec(tmp_path))
+    confirming_kubelet.dead.add("worker-1")  # a hung node's kubelet never confirms: only grace 0 removes its pod
+    assert cluster.stop_nodes("r1", 0, ["worker-1"]) == [1]
+    left = pool.list_namespaced_pod("lz", label_selector=f"{RUN_LABEL}=r1").items
+    assert [p.spec.node_name for p in left] == ["worker-0"]
+    assert cluster.stop_nodes("r1", 0, ["worker-1"]) == []  # again: nothing left there
+    assert cluster.stop_incarnation("r1", 0) == [0]
+
+
 def test_replacing_claims_the_spare_exactly_once_and_releases_leftovers(pool, backend_api, tmp_path):
     cluster = KubernetesCluster(tmp_path, backend_api)
     old = launched(cluster, "r1", k8s_spec(tmp_path))

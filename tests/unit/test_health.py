@@ -197,7 +197,7 @@ def test_a_rank_gone_while_its_launcher_writes_its_record_is_not_judged_yet():
     assert judge(observe(rank(0), pending), POLICY, NOW, NOW - 0.1, 40).fault.nodes == ["node-1"]
 
 
-def test_every_rank_failing_before_its_first_step_is_a_program_error():
+def test_every_rank_failing_before_its_first_step_restarts_in_place_once():
     failed = {"code": 3, "time": NOW - 1, "step": 0, "error": "ValueError: no such dataset"}
     starting = dict(step=0, phase="starting")
     first_launch = dict(incarnation=0)
@@ -210,8 +210,10 @@ def test_every_rank_failing_before_its_first_step_is_a_program_error():
         NOW - 0.1,
         40,
     )
-    assert both.fault.kind == "program_error" and both.fault.exit_code == 3
-    assert "every rank ended before training a step" in both.fault.reason
+    # A first failure, even of every rank at once, may be transient: restarted in place, no node blamed
+    # (the same failure again is the crash loop: tests/unit/test_crash_loop.py).
+    assert both.fault.kind == "rank_error" and both.fault.exit_code == 3 and both.fault.nodes == []
+    assert "before the run's first step, within 99.0 s of its start" in both.fault.reason
     # One rank failed a second ago and the other still runs: give it a moment to fail too...
     one = observe(rank(0, alive=False, exit=failed, **starting), rank(1, **starting), **first_launch)
     assert judge(one, POLICY, NOW, NOW - 0.1, 40).fault is None
@@ -322,11 +324,22 @@ def test_steps_read_from_output_count_the_ranks_that_print_them():
     assert stale.fault.kind == "hang" and stale.fault.rank == 0  # no step line for hang_after_seconds
 
 
-def test_a_script_that_reports_nothing_fails_as_a_program_only_while_young():
+def test_a_script_that_reports_nothing_failing_says_when_not_which_step():
     failed = {"code": 3, "time": NOW - 0.5}
     everyone = observe(silent(0, False, failed), silent(1, False, failed), incarnation=0)
-    everyone.launched_at = NOW - 10
-    assert judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault.kind == "program_error"
-    # An hour in, every rank ending is a fault of the run to recover from, not a broken program.
+    everyone.launched_at = NOW - 2.6
+    young = judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault
+    assert young.kind == "rank_error" and young.nodes == []
+    assert "within 2.1 s of its start; the script reports no steps" in young.reason
+    assert "before" not in young.reason  # nothing says whether it trained
     everyone.launched_at = NOW - 3600
-    assert judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault.kind == "rank_error"
+    old = judge(everyone, POLICY, NOW, NOW - 0.1, 40).fault
+    assert old.kind == "rank_error" and "3600 s after its start; the script reports no steps" in old.reason
+
+
+def test_an_exception_whose_message_speaks_of_a_timeout_is_still_the_rank_s_own():
+    own = {"code": 1, "time": NOW - 3, "step": 7, "error": "AttributeError: 'Config' object has no attribute 'timeout'"}
+    lost = {"code": 1, "time": NOW - 2.9, "step": 7, "error": "RuntimeError: Connection closed by peer [10.0.0.3]:7090"}
+    fault = judge(observe(rank(0, alive=False, exit=lost), rank(1, alive=False, exit=own)), POLICY, NOW, NOW, 40).fault
+    assert fault.kind == "rank_error" and fault.rank == 1 and "AttributeError" in fault.reason
+    assert "lost a peer" not in fault.reason and "no node is blamed" in fault.reason

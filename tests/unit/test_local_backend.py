@@ -129,6 +129,16 @@ def test_a_new_controller_sees_and_stops_ranks_it_did_not_start(cluster, tmp_pat
     assert restarted.live_pids("r1") == []
 
 
+def test_stop_nodes_ends_only_the_ranks_of_those_nodes(cluster):
+    launch(cluster)
+    run = cluster.run_dir("r1")
+    os.kill(read_json(run.pid_file(0, 2))["pid"], signal.SIGSTOP)  # a stopped process is ended all the same
+    assert cluster.stop_nodes("r1", 0, ["node-2"]) == [2]
+    assert [r.rank for r in cluster.observe("r1", 0).ranks if r.alive] == [0, 1, 3]
+    assert cluster.stop_nodes("r1", 0, ["node-2"]) == []  # again: nothing left there
+    assert sorted(cluster.stop_incarnation("r1", 0)) == [0, 1, 3]
+
+
 def test_spares_are_claimed_exactly_once(cluster):
     old = launch(cluster)
     cluster.quarantine("r1", ["node-1"], "test")

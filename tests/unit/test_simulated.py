@@ -70,8 +70,10 @@ def test_a_killed_node_is_judged_down_and_its_ranks_gone(cluster):
     assert len(gone) == 8 and not any(r.alive for r in gone) and observation.launchers_alive == 3
     verdict = judge(observation, SPEC.recovery, time.time(), time.time(), SPEC.trainer.steps)
     assert verdict.fault.kind == "node_down" and verdict.fault.nodes == ["node-1"]
+    assert cluster.stop_nodes("sim", 0, ["node-1", "node-2"]) == list(range(16, 24))  # node-1 died already
     assert sorted(cluster.stop_incarnation("sim", 0)) == [r for r in range(32) if r // 8 != 1]
     assert cluster.observe("sim", 0).launchers_alive == 0
+    assert cluster.stop_nodes("sim", 0, ["node-2"]) == []
 
 
 async def test_a_drain_asked_for_the_step_reads_the_newest_one_before_it_stops_the_ranks(cluster):

@@ -74,7 +74,8 @@ DRAINED_STEP = 37
 
 
 class FakeStages:
-    """The recovery activities, scripted: detect plays `watch` in order, resume plays `resumes`
+    """The recovery activities, scripted: detect plays `watch` in order ("gate": wait, heartbeating,
+    until `detect_gate` is set, then play the next item), resume plays `resumes`
     ("done": the checkpoint is the last step; a FaultReport: a fault before the first step; then
     a resume that trains), and each call is recorded."""
 
@@ -102,7 +103,9 @@ class FakeStages:
         self.resume_timeouts = resume_timeouts
         self.resume_sleep = resume_sleep
         self.calls: list[tuple[str, int]] = []
+        self.drains: list[DrainInput] = []  # every drain's request, retries included
         self.detect_cancelled = asyncio.Event()
+        self.detect_gate = asyncio.Event()
         self.watch_over = asyncio.Event()  # clear while a detect blocks
         self.watch_over.set()
         self.nodes = {name: "active" for name in ACTIVE}
@@ -137,6 +140,11 @@ class FakeStages:
     async def detect(self, request: DetectInput) -> DetectResult:
         self._called("detect")
         step = self.watch.pop(0) if self.watch else "block"
+        if step == "gate":
+            while not self.detect_gate.is_set():
+                activity.heartbeat()
+                await asyncio.sleep(0.05)
+            step = self.watch.pop(0)
         if step == "block":
             # Watch until cancelled, as the real detect does.
             self.watch_over.clear()
@@ -168,6 +176,7 @@ class FakeStages:
     async def drain(self, request: DrainInput) -> DrainResult:
         await self._after_the_watch()
         attempt = self._called("drain")
+        self.drains.append(request)
         if self.drain_gate is not None:
             gate, self.drain_gate = self.drain_gate, None
             await gate.wait()  # the test holds this drain open

@@ -48,6 +48,17 @@ async def test_stages_run_in_order_and_the_incident_is_recorded(time_skipping_en
     assert incident.mttr_seconds > 0
 
 
+async def test_a_hung_node_is_stopped_first_so_its_peers_save_as_for_a_death(time_skipping_env):
+    hang = fault(nodes=("node-1",), step=27).model_copy(update={"kind": "hang"})
+    stages = FakeStages(watch=[5, fault(step=15), 25, hang, 30, "done"])
+    status = await run_workflow(time_skipping_env, stages, make_spec(max_incidents=5))
+
+    assert status.state == RunState.COMPLETED
+    died, hung = stages.drains
+    assert died.stop_first == [] and hung.stop_first == ["node-1"] == hung.nodes
+    assert died.survivor_grace_seconds == hung.survivor_grace_seconds > 0  # both give the survivors their grace
+
+
 async def test_transient_drain_failure_is_retried_per_policy(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], drain_failures=2)
     spec = make_spec(
