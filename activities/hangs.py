@@ -9,11 +9,16 @@ evidence besides the stall, since a checkpoint save stalls a step too:
   stalled (a SIGSTOPped or frozen process, a host that stopped running);
 - every running rank sat idle for the hang time: next to no CPU, no output
   (RankObservation.idle_since): a collective that waits on a rank that will never come, a
-  deadlock (this one also under the policy's own hang time, for a script that reports no steps,
-  whose ranks have no heartbeat); the rank that went idle first is blamed, unless the ranks'
+  deadlock (this one also for a script that reports no steps, whose ranks have no heartbeat: under
+  a hang time derived from how long its ranks sat idle together while it was well, at least
+  `quiet_hang_seconds`, activities/pace.py); the rank that went idle first is blamed, unless the ranks'
   stacks show one node's ranks waiting where no other does (activities/watching.py keep_stacks);
-- the step stalled for `busy_hang_seconds`, whatever the ranks do (a rank spinning in a loop looks
-  busy, as a long save does).
+- a rank's Python stack stood still: the step stalled past `busy_probe_seconds` while the ranks
+  used CPU, and dumps of their stacks some seconds apart show its main thread's every frame
+  unchanged for `stack_still_seconds` (a rank in an endless loop, a busy wait; a save or a long
+  computation moves);
+- the step stalled for `busy_hang_seconds`, whatever the ranks do (the last resort: a rank that
+  registered no stack dump, a stack that moves in a loop that never ends).
 The first step after a start or a restore gets the startup grace: loading and warm-up are slow.
 """
 
@@ -32,6 +37,10 @@ ENDING_PHASES = ("done", "stopped")
 """Phases of a rank that trained its last step or stopped on request: under a derived hang time it
 is not judged hung (its liveness thread ends there too); one that never exits is ended by
 `exit_grace_seconds` (activities/exits.py judge_lingering) or the stop's own timeout."""
+
+WORKING_SECONDS = 2.0
+"""A rank whose launcher saw it use CPU or write within this long is at work (seconds): the launcher
+samples every rank at least every second (trainer/node_report.py)."""
 
 
 def judge_hangs(look: Look) -> Verdict | None:
@@ -56,11 +65,7 @@ def judge_hangs(look: Look) -> Verdict | None:
         culprit, age = min(frozen or stale or late_start, key=_lag)
         reason = f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s"
         return dataclasses.replace(look.fault("hang", [culprit], look.now - age, reason), dump_stacks=dump)
-    limit = (
-        f"hang time {look.hang_after:.1f} s, derived from the run's step times"
-        if derived
-        else f"recovery.hang_after_seconds {look.hang_after:g}"
-    )
+    limit = _limit(look, derived, idle=bool(idle))
     if frozen and stale:
         culprit, age = min(frozen, key=_lag)
         assert culprit.heartbeat is not None and culprit.heartbeat.alive_at is not None, "_frozen keeps only those"
@@ -81,13 +86,54 @@ def judge_hangs(look: Look) -> Verdict | None:
         return dataclasses.replace(look.fault("hang", [culprit], went_idle, reason), dump_stacks=dump)
     busy = [(r, age) for r, age in stale if age > look.policy.busy_hang_seconds]
     if not busy:
-        return None
+        return _stood_still(look, stale)
     culprit, age = min(busy, key=_lag)
     reason = (
         f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s though every rank runs "
         f"(recovery.busy_hang_seconds {look.policy.busy_hang_seconds:g})"
     )
     return dataclasses.replace(look.fault("hang", [culprit], look.now - age, reason), dump_stacks=dump)
+
+
+def _stood_still(look: Look, stale: list[tuple[RankObservation, float]]) -> Verdict | None:
+    """The step stalled past `busy_probe_seconds` while the ranks still run and use CPU: ask for
+    their stacks (the watch dumps them every few seconds, activities/watching.py); a stalled rank
+    whose main thread stood still for `stack_still_seconds` is hung. Of those, one that waits where
+    most ranks do not (the step's collective holds the others) is blamed, else one still busy (its
+    peers sleep in the collective), else the one that got least far."""
+    policy = look.policy
+    long = [(r, age) for r, age in stale if age > policy.busy_probe_seconds]
+    if not long:
+        return None
+    seen = look.still or {}
+    still = [(r, age) for r, age in long if r.rank in seen and look.now - seen[r.rank][0] >= policy.stack_still_seconds]
+    if not still:
+        return dataclasses.replace(look.verdict(), probe_stacks=True)
+    places = [where for _, where in seen.values()]
+    odd = [(r, age) for r, age in still if 2 * places.count(seen[r.rank][1]) < len(places)]
+    working = [(r, age) for r, age in still if r.idle_since is not None and look.now - r.idle_since < WORKING_SECONDS]
+    culprit, age = min(odd or working or still, key=_lag)
+    since, where = seen[culprit.rank]
+    reason = (
+        f"rank {culprit.rank} on {culprit.node}: the run's step stalled {age:.1f} s while its ranks still ran, and its "
+        f"Python stack has not moved in {look.now - since:.1f} s (recovery.stack_still_seconds "
+        f"{policy.stack_still_seconds:g}): {where}"
+    )
+    return dataclasses.replace(look.fault("hang", [culprit], look.now - age, reason), dump_stacks=True)
+
+
+def _limit(look: Look, derived: bool, idle: bool) -> str:
+    """The hang time a verdict went by, and where it came from, in the words of its reason."""
+    if not derived:
+        return f"recovery.hang_after_seconds {look.hang_after:g}"
+    if idle and look.idle_after != look.hang_after:
+        quiet, grace = look.policy.quiet_hang_seconds, look.policy.startup_grace_seconds
+        if look.idle_after == grace:
+            return f"recovery.startup_grace_seconds {grace:g}: no rank was seen at work yet"
+        if look.idle_after == quiet:
+            return f"recovery.quiet_hang_seconds {quiet:g}: the script reports no steps"
+        return f"hang time {look.idle_after:.1f} s, derived from how long the ranks sat idle together before"
+    return f"hang time {look.hang_after:.1f} s, derived from the run's step times"
 
 
 def _stalled(look: Look, derived: bool) -> tuple[list, list]:
@@ -153,6 +199,6 @@ def _every_rank_idle(look: Look) -> list[tuple[RankObservation, float]]:
         if r.launched and r.alive and r.exit is None and not (r.heartbeat and r.heartbeat.phase in ENDING_PHASES)
     ]
     idle = [
-        (r, r.idle_since) for r in running if r.idle_since is not None and look.now - r.idle_since > look.hang_after
+        (r, r.idle_since) for r in running if r.idle_since is not None and look.now - r.idle_since > look.idle_after
     ]
     return idle if running and len(idle) == len(running) else []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from lazarus.activities.exits import exit_of, exit_step, judge_exits, judge_lingering
 from lazarus.activities.hangs import judge_hangs
 from lazarus.activities.look import Look, Verdict
@@ -16,6 +18,8 @@ def judge(
     last_poll: float,
     total_steps: int,
     hang_after: float | None = None,
+    quiet_after: float | None = None,
+    still: Mapping[int, tuple[float, str]] | None = None,
 ) -> Verdict:
     """Decide what an observation shows.
 
@@ -26,8 +30,10 @@ def judge(
     node whose death the backend has not learnt yet: its ranks cannot report, the survivors can; of
     several silent nodes, those whose address the errors name); its ranks stopped heartbeating (a
     hang: activities/hangs.py, whose hang time, unless the policy sets one, is `hang_after`, derived
-    from the run's step times by activities/pace.py). A rank that exits with a code or an exception
-    on a healthy node is the program's failure (rank_error): no node is blamed, and the rank that
+    from the run's step times by activities/pace.py; of a script that reports no steps, `quiet_after`,
+    derived from how long its ranks sat idle together before; of ranks busy while the step stalls,
+    `still`: whose Python stacks stood still, from the dumps the watch took). A rank that exits with
+    a code or an exception on a healthy node is the program's failure (rank_error): no node is blamed, and the rank that
     failed for a reason of its own is named, even when a peer's follow-on connection error came a
     few milliseconds before it. Every rank gone with code 0 is completion at the last step, and a
     stop (on request) before it; of a script whose ranks report no steps themselves, it is
@@ -37,7 +43,7 @@ def judge(
     if hang_after is None:  # no step times to derive it from
         explicit = policy.hang_after_seconds
         hang_after = explicit if explicit is not None else policy.startup_grace_seconds
-    look = Look(observation, policy, now, last_poll, total_steps, hang_after)
+    look = Look(observation, policy, now, last_poll, total_steps, hang_after, quiet_after, still)
     for check in (_dead_nodes, judge_exits, _all_ended_cleanly, judge_lingering, judge_hangs):
         verdict = check(look)
         if verdict is not None:

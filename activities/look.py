@@ -3,6 +3,7 @@ judge (activities/health.py) and the checks it runs (activities/exits.py, activi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
@@ -30,6 +31,7 @@ class Verdict:
     straggler: Straggler | None = None  # a node slower than its peers (activities/pace.py), while nothing failed
     sick: dict[str, str] = field(default_factory=dict)  # node -> why its health check or condition says sick
     dump_stacks: bool = False  # a hang whose processes run: every rank's Python stack says where it waits
+    probe_stacks: bool = False  # the step stalls while the ranks use CPU: dump their stacks, to see which stands still
 
 
 ALIVE_GRACE_SECONDS = 1.0
@@ -57,6 +59,18 @@ class Look:
     last_poll: float
     total_steps: int
     hang_after: float  # how long a step may stall (the policy's, or derived from step times: activities/pace.py)
+    quiet_after: float | None = None  # of a run without steps: how long every rank may sit idle (Pace.quiet_after)
+    still: Mapping[int, tuple[float, str]] | None = (
+        None  # rank -> (since when its stack stood still, where): Pace.still
+    )
+
+    @property
+    def idle_after(self) -> float:
+        """How long every rank may sit idle together before the run is hung (seconds): of a run whose
+        ranks report no steps, derived from its idle stretches where known; else the hang time."""
+        if self.quiet_after is not None and self.source is None:
+            return self.quiet_after
+        return self.hang_after
 
     @property
     def stopped_after(self) -> float:

@@ -16,12 +16,14 @@ node slow for a moment is not one, and a run slow everywhere has none.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass
 
 from lazarus.infra.backend import Observation
 from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.stacks import main_thread_frames
 
 GAP_WINDOW = 200
 """Step times the hang time is derived from: the newest this many (steps)."""
@@ -33,6 +35,9 @@ into a fault; of few, the 99th percentile is the longest."""
 
 MIN_SAMPLES = 5
 """Work readings a node needs in the window before it is compared with its peers (steps)."""
+
+LINE = re.compile(r", line \d+")
+"""The line number in a frame of faulthandler's dump, which a stack that stands still may change."""
 
 KEPT_PACES = 1024
 """Incarnations whose pace a worker keeps between detect's attempts (activities/watching.py)."""
@@ -76,6 +81,14 @@ class Pace:
         self._work_step: dict[str, int] = {}  # node -> the step of its newest reading
         self._slow_since: dict[str, float] = {}
         self._steps_at: deque[tuple[float, int]] = deque()  # (time, step) at each advance, for costs
+        self._active_at: float | None = (
+            None  # the newest time a rank was seen active (idle_since), of a run without steps
+        )
+        self._busy_seen = False  # a rank was seen active after its first sample
+        self.longest_quiet = 0.0  # the longest stretch every rank sat idle together and the run went on from (s)
+        self.probed_at = float("-inf")  # when the ranks' stacks were last dumped for a busy stall
+        self._stacks: dict[int, tuple[str, str, float]] = {}  # rank -> (its main thread's functions, innermost
+        # frame, since when they stood still)
 
     @classmethod
     def of(cls, run_id: str, incarnation: int, policy: RecoveryPolicy) -> Pace:
@@ -101,13 +114,64 @@ class Pace:
         p99 = ordered[round(0.99 * (len(ordered) - 1))]
         return max(policy.hang_floor_seconds, policy.hang_step_multiple * p99)
 
+    def take_stacks(self, dumps: dict[int, str], now: float) -> None:
+        """Take in a dump of the ranks' stacks, taken at `now` because the step stalled while they
+        used CPU: a rank whose main thread is in the same functions as in its last dump (at any line
+        of them) has been still since that one was taken; a rank that did not answer is forgotten."""
+        self.probed_at = now
+        kept = {}
+        for rank, dump in dumps.items():
+            frames = main_thread_frames(dump)
+            # The same functions, whatever line of them: a loop that never ends moves between its lines.
+            where = "\n".join(LINE.sub("", frame) for frame in frames)
+            before = self._stacks.get(rank)
+            since = before[2] if before is not None and before[0] == where and where else now
+            kept[rank] = (where, frames[0] if frames else "", since)
+        self._stacks = kept
+
+    def still(self) -> dict[int, tuple[float, str]]:
+        """Each rank whose main thread has not moved over two dumps or more: (since when, its innermost
+        frame); none once the run went on (the step advanced)."""
+        return {
+            rank: (since, innermost) for rank, (_, innermost, since) in self._stacks.items() if since < self.probed_at
+        }
+
+    def quiet_after(self) -> float:
+        """How long every rank of a script that reports no steps may sit idle together before the run
+        is hung (seconds): `hang_step_multiple` times the longest such stretch the run went on from,
+        at least `quiet_hang_seconds`; the startup grace until a rank was seen busy (starting, a
+        rank may wait long for its peers: busy, then every rank idle and silent, is the hang)."""
+        policy = self.policy
+        if policy.hang_after_seconds is not None:
+            return policy.hang_after_seconds
+        if not self._busy_seen:
+            return policy.startup_grace_seconds
+        return max(policy.quiet_hang_seconds, policy.hang_step_multiple * self.longest_quiet)
+
+    def _read_quiet(self, observation: Observation) -> None:
+        """Learn how long the ranks of a run without steps sit idle together while it is well: the
+        newest time any rank was seen active stands still while every rank is idle, and jumps by the
+        length of that stretch when one works again."""
+        running = [r for r in observation.ranks if r.launched and r.alive and r.exit is None]
+        if not running or any(r.idle_since is None for r in running):
+            return
+        active_at = max(r.idle_since for r in running if r.idle_since is not None)
+        if self._active_at is not None and active_at > self._active_at:
+            if self._busy_seen:  # the wait before the first work is the start's, under its grace
+                self.longest_quiet = max(self.longest_quiet, active_at - self._active_at)
+            self._busy_seen = True
+        self._active_at = active_at
+
     def observe(self, observation: Observation, step: int | None, now: float) -> Straggler | None:
-        """Take in a look: its step (None: the ranks report none) and each node's work; returns the
-        straggler, if one was found."""
+        """Take in a look: its step (None: the ranks report none: then how long they sit idle together)
+        and each node's work; returns the straggler, if one was found."""
+        if step is None:
+            self._read_quiet(observation)
         looked_at, self._looked_at = self._looked_at, now
         if now - looked_at > max(1.0, 5 * self.policy.heartbeat_interval_seconds):
             self._step = None  # nobody looked meanwhile (between watches, a worker down): no step time
         if step is not None and (self._step is None or step > self._step):
+            self._stacks = {}  # the run went on: what stood still before is no evidence now
             if self._step is not None:
                 self._advances += 1
                 if self._advances > 1:  # the first advance ends the start or restore, not a step

@@ -136,8 +136,8 @@ def look(
     try:
         observation = cluster.observe(run_id, incarnation)
         now = time.time()
-        hang_after = pace.hang_after() if pace is not None else None
-        verdict = judge(observation, policy, now, last_poll, total_steps, hang_after)
+        paced = (pace.hang_after(), pace.quiet_after(), pace.still()) if pace is not None else (None, None, None)
+        verdict = judge(observation, policy, now, last_poll, total_steps, *paced)
         if pace is not None and verdict.fault is None and not (verdict.completed or verdict.stopped):
             straggler = pace.observe(observation, verdict.step, now)
             if straggler is not None:

@@ -32,6 +32,11 @@ EXIT_SETTLE_SECONDS = 0.01
 """After a process exit woke the watch, how soon it looks again (seconds): the launcher is about to
 record how the rank ended."""
 
+STACK_DUMPS_PER_STILL = 2
+"""Dumps of the ranks' stacks taken over `stack_still_seconds` while the step stalls and they use
+CPU: a rank found still spans three, two intervals apart (each costs every rank a signal and a
+few milliseconds)."""
+
 
 def progress_of(verdict: Verdict, now: float) -> RankProgress:
     """What a look says of the run's progress: the activity's heartbeat details, and detect's report."""
@@ -56,6 +61,8 @@ async def watch(
             verdict.fault.log_tail = await in_thread(cluster.log_tail, run_id, incarnation, verdict.fault.rank)
         if verdict.fault is not None and verdict.dump_stacks:
             await keep_stacks(cluster, run_id, incarnation, verdict.fault)
+        if verdict.probe_stacks and now - pace.probed_at >= policy.stack_still_seconds / STACK_DUMPS_PER_STILL:
+            pace.take_stacks(await in_thread(cluster.capture_stacks, run_id, incarnation), now)
         if verdict.completed:
             if verdict.lingering:  # stuck in their teardown past the exit grace: the run is done without them
                 await in_thread(cluster.stop_incarnation, run_id, incarnation)

@@ -154,6 +154,16 @@ class RecoveryPolicy(Strict):
     hang_floor_seconds: float = Field(
         default=1.0, gt=0, le=MAX_SECONDS, description="The least derived hang time (seconds)."
     )
+    quiet_hang_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "Derived hang time of a script that reports no steps: how long every rank may sit idle together (no CPU, "
+            "no output) before the run counts as hung, or hang_step_multiple times the longest such stretch the run "
+            "went on from, if longer; before any rank was seen busy, the startup grace (seconds)."
+        ),
+    )
     busy_hang_seconds: float = Field(
         default=300.0,
         gt=0,
@@ -161,6 +171,26 @@ class RecoveryPolicy(Strict):
         description=(
             "Derived hang time: a run whose step stalls while its ranks still run and use CPU counts as hung only "
             "after this long, since a checkpoint save or a recompile looks the same as a rank spinning (seconds)."
+        ),
+    )
+    busy_probe_seconds: float = Field(
+        default=15.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "Derived hang time: a run whose step stalls this long while its ranks still use CPU has their Python "
+            "stacks dumped every few seconds; one whose main thread then stays put for stack_still_seconds is hung, "
+            "well before busy_hang_seconds (seconds)."
+        ),
+    )
+    stack_still_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "How long a rank's main thread must show every frame unchanged, dump after dump, while the step stalls "
+            "past busy_probe_seconds, before the rank counts as hung (seconds): a rank in an endless loop, or "
+            "busy-waiting, never moves; one that saves or computes does."
         ),
     )
     startup_grace_seconds: float = Field(

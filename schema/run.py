@@ -262,7 +262,7 @@ class FaultInjection(Strict):
     incarnation: int = Field(
         default=0, ge=0, description="Incarnation in which the fault happens (0: the first launch)."
     )
-    effect: Literal["kill", "raise", "disk_full", "stuck"] = Field(
+    effect: Literal["kill", "raise", "disk_full", "stuck", "spin"] = Field(
         default="kill",
         description=(
             "kill: every rank of the node dies by SIGKILL, as on a dead node; raise: each rank of the node raises "
@@ -270,7 +270,8 @@ class FaultInjection(Strict):
             "trainer and lazarus.session scripts); disk_full: the node's ranks' writes of the checkpoint of `step` "
             "fail with ENOSPC, as on a full volume (point: checkpoint; the built-in trainer); stuck: each rank of "
             "the node waits at that point, forever, in a receive no peer answers, its peers behind it in the "
-            "step's collective (point: step; the built-in trainer and lazarus.session scripts)."
+            "step's collective (point: step; the built-in trainer and lazarus.session scripts); spin: each rank of "
+            "the node loops forever at that point, busy, never reaching the step's collective (point: step; the same)."
         ),
     )
 
@@ -284,14 +285,14 @@ class FaultInjection(Strict):
             raise ValueError(f"faults.effect: {self.effect} needs a step, not after_seconds (the ranks raise it)")
         if self.effect == "disk_full" and self.point != "checkpoint":
             raise ValueError("faults.effect: disk_full fails a checkpoint's write; set point: checkpoint")
-        if self.effect == "stuck" and self.point != "step":
-            raise ValueError("faults.effect: stuck holds a rank in a collective before its step; set point: step")
+        if self.effect in ("stuck", "spin") and self.point != "step":
+            raise ValueError(f"faults.effect: {self.effect} holds a rank before its step; set point: step")
         return self
 
     @property
     def planned(self) -> str:
         """The fault as LAZARUS_FAIL_AT says it: `step:N`, `checkpoint:N` or `after:S`, then `:raise`,
-        `:disk_full` or `:stuck` for those effects."""
+        `:disk_full`, `:stuck` or `:spin` for those effects."""
         if self.after_seconds is not None:
             return f"after:{self.after_seconds:g}"
         return f"{self.point}:{self.step}" + ("" if self.effect == "kill" else f":{self.effect}")

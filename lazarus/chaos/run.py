@@ -45,8 +45,8 @@ def scenario_checks(trial: Trial, status) -> list[str]:
             notes.append(f"FAIL the hang of {node} was not found as one within {limit:.0f} s")
     if trial.swapped is not None:
         notes += swap_checks(*trial.swapped, status)
-    if any(fault.effect == "stuck" for fault in trial.spec.faults) and status.incidents:
-        notes += stuck_checks(trial, status)
+    if any(fault.effect in HELD_IN for fault in trial.spec.faults) and status.incidents:
+        notes += held_checks(trial, status)
     if trial.disk_full is not None:
         notes += disk_full_checks(trial, status, trial.disk_full)
     if trial.in_flight is not None and status.incidents:
@@ -167,18 +167,23 @@ def swap_checks(node: str, kind: str, broken_at: float, status) -> list[str]:
     return notes
 
 
-def stuck_checks(trial: Trial, status) -> list[str]:
-    """A rank stuck in a collective: found as a hang, and every rank's Python stack dumped, the
-    stuck one's showing where it waits."""
-    fault = status.incidents[0].fault
+HELD_IN = {"stuck": "wait_for_the_peer_that_never_comes", "spin": "spin_forever"}
+"""The function a planned fault holds its rank in (trainer/session.py), by effect: its stack shows it."""
+
+
+def held_checks(trial: Trial, status) -> list[str]:
+    """A rank held forever (stuck in a collective, or spinning): found as a hang, blamed on its node,
+    and every rank's Python stack dumped, the held one's showing where it is."""
+    fault, planned = status.incidents[0].fault, trial.spec.faults[0]
     found = (fault.detected_at - fault.occurred_at).total_seconds()
-    notes = [f"{fault.kind} on {', '.join(fault.nodes)}, found {found:.1f} s after the first rank went idle"]
+    since = "the first rank went idle" if planned.effect == "stuck" else "the step stalled"
+    notes = [f"{fault.kind} on {', '.join(fault.nodes)}, found {found:.1f} s after {since}"]
     if fault.kind != "hang":
-        notes.append(f"FAIL the stuck rank was not found as a hang ({fault.kind}: {fault.reason})")
-    if fault.nodes != [trial.spec.faults[0].node]:
-        notes.append(f"FAIL blamed {', '.join(fault.nodes)}, not the stuck {trial.spec.faults[0].node}")
-    stuck = trial.assignment(fault.incarnation).nodes.index(trial.spec.faults[0].node)
-    dump = trial.run.stacks_file(fault.incarnation, stuck)
-    if not dump.exists() or "wait_for_the_peer_that_never_comes" not in dump.read_text():
-        notes.append(f"FAIL no stack dump of rank {stuck} shows where it waits")
+        notes.append(f"FAIL the {planned.effect} rank was not found as a hang ({fault.kind}: {fault.reason})")
+    if fault.nodes != [planned.node]:
+        notes.append(f"FAIL blamed {', '.join(fault.nodes)}, not the {planned.effect} {planned.node}")
+    held = trial.assignment(fault.incarnation).nodes.index(planned.node)
+    dump = trial.run.stacks_file(fault.incarnation, held)
+    if not dump.exists() or HELD_IN[planned.effect] not in dump.read_text():
+        notes.append(f"FAIL no stack dump of rank {held} shows where it is")
     return notes

@@ -311,6 +311,14 @@ SCENARIOS = [
             FaultInjection(node="node-2", step=kill_at, effect="stuck").model_dump(mode="json")
         ],
     ),
+    Scenario(
+        "rank-spinning",
+        "one rank looping forever on the CPU before the step's collective, its peers waiting in it",
+        node_killed,
+        faults=lambda spec, kill_at: [
+            FaultInjection(node="node-2", step=kill_at, effect="spin").model_dump(mode="json")
+        ],
+    ),
     Scenario("rank-hung", "one rank stopped (SIGSTOP)", rank_hung),
     Scenario("node-hung", "every process of a node stopped (a partitioned host)", node_hung),
     Scenario(

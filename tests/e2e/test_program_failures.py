@@ -114,6 +114,30 @@ async def test_the_failure_names_the_rank_that_raised_not_the_peer_that_lost_it(
         assert steps == list(range(1, 6))
 
 
+async def test_a_one_off_exception_on_a_fresh_run_without_step_reports_restarts_in_place_and_completes(
+    dev_env, home, tmp_path
+):
+    """Rank 1 raises a ValueError once, at step 12 of the run's first start, a script whose steps
+    nobody reads: a first failure may be transient (many hardware faults reach Python as
+    exceptions), so the run restarts in place from the script's own checkpoint, costs no node, and
+    trains to its end; the failure is named with what was seen, not with a step nobody reported."""
+    args = ["--steps", "30", "--raise-at", "1:12", "--raise-once"]
+    status, run = await run_to_end(dev_env, home, script_spec("once", tmp_path, args=args, pattern=None))
+
+    assert status.state == RunState.COMPLETED, status.reason
+    [incident] = status.incidents
+    fault = incident.fault
+    assert (fault.kind, fault.rank, fault.node, fault.nodes) == ("rank_error", 1, "node-1", [])
+    assert fault.error == "ValueError: rank 1 found a bad batch at step 12"
+    assert "rank 1 on node-1 exited with code 1: ValueError" in fault.reason
+    assert "s of its start; the script reports no steps" in fault.reason and "before" not in fault.reason
+    assert status.quarantined_nodes == [] and incident.new_assignment.nodes == incident.old_assignment.nodes
+    # What the ranks computed: the first start trained to step 11, the restart from checkpoint-10 to the end.
+    first = [int(s) for s, _ in STEP_LINE.findall(run.log_file(0, 0).read_text())]
+    again = [int(s) for s, _ in STEP_LINE.findall(run.log_file(1, 0).read_text())]
+    assert first == list(range(1, 12)) and again == list(range(11, 31))
+
+
 async def test_a_rank_that_never_leaves_its_teardown_does_not_hold_the_run(dev_env, home, tmp_path):
     """Rank 1 never returns after the last step: the run completes once the exit grace has passed,
     with a warning that names it, and the rank is ended."""

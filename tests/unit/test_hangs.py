@@ -44,6 +44,36 @@ def test_a_stall_with_every_process_running_and_busy_is_a_save_until_busy_hang_s
     assert fault.kind == "hang" and "busy_hang_seconds 100" in fault.reason
 
 
+def test_a_busy_stall_asks_for_stacks_and_a_rank_whose_stack_stood_still_is_hung():
+    # Rank 2 loops forever before the step's all-reduce (busy); its peers sleep in the all-reduce.
+    spinning = rank(2, step=500, beat_age=16, alive_age=0.05).model_copy(update={"idle_since": NOW - 0.3})
+    waiting = [idle(r, step=500, beat_age=16, idle_age=15.5) for r in (0, 1, 3)]
+    first = judge(observe(*waiting[:2], spinning, waiting[2]), DERIVED, NOW, NOW - 0.1, 400, hang_after=HANG_AFTER)
+    assert first.fault is None and first.probe_stacks  # past busy_probe_seconds (15 s): dump the stacks
+    in_reduce = "'/torch/distributed/distributed_c10d.py', line 2806 in all_reduce"
+    in_loop = "'/work/train.py', line 41 in spin"
+    still = {
+        0: (NOW - 10.5, in_reduce),
+        1: (NOW - 10.5, in_reduce),
+        3: (NOW - 10.5, in_reduce),
+        2: (NOW - 10.5, in_loop),
+    }
+    ranks = (*waiting[:2], spinning, waiting[2])
+    verdict = judge(observe(*ranks), DERIVED, NOW, NOW - 0.1, 400, hang_after=HANG_AFTER, still=still)
+    fault = verdict.fault
+    assert fault.kind == "hang" and fault.rank == 2 and fault.nodes == ["node-2"] and verdict.dump_stacks
+    assert "its Python stack has not moved in 10.5 s (recovery.stack_still_seconds 10)" in fault.reason
+    assert fault.reason.endswith(in_loop)
+    # Still for less than stack_still_seconds: keep dumping.
+    young = {r: (NOW - 4, where) for r, (_, where) in still.items()}
+    again = judge(observe(*ranks), DERIVED, NOW, NOW - 0.1, 400, hang_after=HANG_AFTER, still=young)
+    assert again.fault is None and again.probe_stacks
+    # Two ranks, both still, one at work and one asleep: the one at work is blamed.
+    pair = {0: (NOW - 11, in_reduce), 2: (NOW - 11, in_loop)}
+    both = judge(observe(waiting[0], spinning), DERIVED, NOW, NOW - 0.1, 400, hang_after=HANG_AFTER, still=pair)
+    assert both.fault.rank == 2
+
+
 def test_every_rank_idle_for_the_hang_time_is_a_hang_blaming_the_one_that_went_idle_first():
     # Rank 1 entered a collective the others never join (or deadlocked) first; they followed.
     ranks = [idle(0, idle_age=1.7), idle(1, step=11, idle_age=2.4), idle(2, idle_age=1.6)]

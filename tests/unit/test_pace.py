@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lazarus.activities.pace import MIN_GAPS, Pace
-from lazarus.infra.backend import Observation
+from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema import RecoveryPolicy
 from lazarus.schema.node_reports import NodeReading, NodeSummary
 
@@ -84,3 +84,55 @@ def test_a_run_slow_everywhere_or_a_node_slow_for_a_moment_has_no_straggler():
 def test_stragglers_off_looks_for_none():
     pace = Pace(POLICY.model_copy(update={"stragglers": POLICY.stragglers.model_copy(update={"action": "off"})}))
     assert run(pace, 300, 0.12, lambda _: {"node-0": 0.1, "node-1": 0.5})[0] is None
+
+
+def quiet_look(idle_since: list[float]) -> Observation:
+    """A look at a run whose ranks report no steps: each rank's idle_since (the last sample that saw it work)."""
+    ranks = [
+        RankObservation(rank=r, node=f"node-{r}", launched=True, alive=True, idle_since=since)
+        for r, since in enumerate(idle_since)
+    ]
+    return Observation(incarnation=0, launched_at=0.0, resume_step=0, nodes=[NodeReading.of_ranks(ranks)])
+
+
+def test_a_run_without_steps_hangs_after_a_multiple_of_its_longest_quiet_stretch_once_it_worked():
+    pace = Pace(POLICY)
+    # Starting: every rank waits for its peers before any was seen at work: the startup grace.
+    for now in (1000.0, 1001.0, 1002.0):
+        pace.observe(quiet_look([1000.0, 1000.0]), None, now)
+    assert pace.quiet_after() == 60
+    # Working: the newest activity moves with every look; the wait at the start counts as nothing longer.
+    for i in range(30):
+        pace.observe(quiet_look([1003.0 + 0.1 * i, 1002.9 + 0.1 * i]), None, 1003.0 + 0.1 * i)
+    assert pace.quiet_after() == POLICY.quiet_hang_seconds  # 10 s: the stretches were short
+    # A slow read: every rank idle for 3 s, then at work again: the hang time is 5 x 3 s from now on.
+    for now in (1006.0, 1007.0, 1008.0, 1009.0):
+        pace.observe(quiet_look([1005.9, 1005.8]), None, now)
+    pace.observe(quiet_look([1008.9, 1009.0]), None, 1009.0)
+    assert abs(pace.quiet_after() - 5 * 3.1) < 1e-9
+    # The policy's own hang time, where set, is the hang time of every rule.
+    assert Pace(POLICY.model_copy(update={"hang_after_seconds": 4.0})).quiet_after() == 4.0
+
+
+def test_a_rank_whose_main_thread_shows_the_same_frames_dump_after_dump_stood_still_since_the_first():
+    pace = Pace(POLICY)
+
+    def dump(*frames: str) -> str:
+        return (
+            'Thread 0x1 (most recent call first):\n  File "t.py", line 1 in beat\n\n'
+            + "Current thread 0x2 (most recent call first):\n"
+            + "".join(f'  File "{frame}\n' for frame in frames)
+        )
+
+    pace.take_stacks({0: dump('a.py", line 5 in loop'), 1: dump('c10d.py", line 9 in all_reduce')}, 100.0)
+    assert pace.still() == {}  # one dump shows nothing of movement
+    pace.take_stacks(
+        {0: dump('a.py", line 5 in loop'), 1: dump('c10d.py", line 9 in all_reduce', 't.py", line 3 in step')}, 105.0
+    )
+    assert pace.still() == {0: (100.0, '"a.py", line 5 in loop')}  # rank 1's stack moved
+    pace.take_stacks(  # a loop moves between its lines: still all the same
+        {0: dump('a.py", line 6 in loop'), 1: dump('c10d.py", line 9 in all_reduce', 't.py", line 3 in step')}, 110.0
+    )
+    assert pace.still() == {0: (100.0, '"a.py", line 6 in loop'), 1: (105.0, '"c10d.py", line 9 in all_reduce')}
+    pace.observe(quiet_look([110.0]), 7, 111.0)  # the step advanced: the run went on
+    assert pace.still() == {}

@@ -7,9 +7,12 @@ leaves a folder without its state file, and every later start crashes on it the 
     torchrun --nproc-per-node 4 inplace_checkpoints.py --steps 40 --save-every 10
 
 Faults of the program itself, on purpose: `--raise-at RANK:STEP` raises a ValueError in that
-rank before that step (its peers then fail on the broken collective); `--hang-at-exit RANK`
+rank before that step (its peers then fail on the broken collective), with `--raise-once` only the
+first time (a transient fault: a reset connection, a flaky read); `--hang-at-exit RANK`
 keeps that rank from ever exiting after the last step, as a rank stuck in its teardown does;
-`--stuck-at RANK:STEP` makes that rank wait at that step, once, in a receive no peer answers.
+`--stuck-at RANK:STEP` makes that rank wait at that step, once, in a receive no peer answers;
+`--spin-at RANK:STEP` makes it loop forever at that step, once, busy, as a rank in a bug's endless
+loop does.
 `--record` wraps main in torch's @record, which writes the exception to TORCHELASTIC_ERROR_FILE.
 Every rank prints `step N loss L` per step, or with `--bar` a progress bar as tqdm draws one:
 redrawn after a carriage return, showing the count done (`10/40 [` at once after a restore).
@@ -67,6 +70,13 @@ def wait_for_the_peer_that_never_comes(rank: int) -> None:
     dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
 
 
+def spin_forever() -> None:
+    """Loop forever on the CPU: this rank never reaches the step's all-reduce, its peers wait in it."""
+    turns = 0
+    while True:
+        turns += 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
@@ -75,8 +85,12 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.05)
     parser.add_argument("--output-dir", default="out")
     parser.add_argument("--raise-at", default="", help="RANK:STEP")
+    parser.add_argument("--raise-once", action="store_true", help="--raise-at raises only the first time")
     parser.add_argument("--hang-at-exit", type=int, default=-1, help="RANK")
     parser.add_argument("--stuck-at", default="", help="RANK:STEP, once: waits in a collective nobody completes")
+    parser.add_argument(
+        "--spin-at", default="", help="RANK:STEP, once: loops forever, busy, before the step's all-reduce"
+    )
     parser.add_argument("--bar", action="store_true", help="a tqdm-style progress bar instead of step lines")
     args = parser.parse_args()
 
@@ -96,11 +110,18 @@ def main() -> None:
         bar(start, args.steps, began)
     for step in range(start + 1, args.steps + 1):
         if fail_rank and int(fail_rank) == rank and int(fail_step) == step:
-            raise ValueError(f"rank {rank} found a bad batch at step {step}")
+            if not (args.raise_once and (output / "raised-once").exists()):
+                output.mkdir(parents=True, exist_ok=True)
+                (output / "raised-once").write_text("")
+                raise ValueError(f"rank {rank} found a bad batch at step {step}")
         if args.stuck_at == f"{rank}:{step}" and not (output / "stuck-once").exists():
             (output / "stuck-once").parent.mkdir(parents=True, exist_ok=True)
             (output / "stuck-once").write_text("")
             wait_for_the_peer_that_never_comes(rank)
+        if args.spin_at == f"{rank}:{step}" and not (output / "spun-once").exists():
+            (output / "spun-once").parent.mkdir(parents=True, exist_ok=True)
+            (output / "spun-once").write_text("")
+            spin_forever()
         grad = torch.full((8,), float(step + rank))
         dist.all_reduce(grad)
         weights -= 0.001 * grad
