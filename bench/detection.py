@@ -13,6 +13,13 @@ work per step to its peers', and the alarms.
 
 --uniform-steps N adds a run of N steps with every node slowed 2x (infra/slow_node.py, every node
 stopped and continued together): a run slow everywhere must raise nothing.
+
+--scripts adds fault-free runs of a script that reports no steps and knows nothing of Lazarus
+(tests/user_script/inplace_checkpoints.py, 4 ranks, its step lines unread): plain; with every rank
+blocked 6 s every 25 steps, as on slow reads from shared storage; with rank 0 evaluating 15 s every
+25 steps while the others wait at a barrier. Their hang time is derived from how long the ranks sat
+idle together (recovery.quiet_hang_seconds, activities/pace.py); printed per run: the longest such
+stretch, the hang time at the end, and the alarms.
 """
 
 from __future__ import annotations
@@ -47,17 +54,46 @@ hangs, stragglers and every other fault. Stragglers are sought with the given wi
 default is 60 s; a shorter window is the harder test). Per run: the steps, the derived hang time at
 the end, the longest stall the watch saw (the time between two looks that saw the step advance),
 the largest ratio of a node's median work per step to its peers', and the alarms. The last run,
-unless left out, has every node slowed 2x together: a run slow everywhere must raise nothing. On
-one machine every node shares the same cores, which a real cluster's nodes do not."""
+unless left out, has every node slowed 2x together: a run slow everywhere must raise nothing. With
+--scripts, fault-free runs of a script that reports no steps follow (plain, with slow reads that
+block every rank 6 s, with 15 s evaluations on rank 0): their hang time is derived from the longest
+stretch every rank sat idle together ("longest quiet"), at least 10 s. On one machine every node
+shares the same cores, which a real cluster's nodes do not."""
 
 
-def one_run(folder: Path, window: float, steps: int | None, slow_every_node: bool) -> dict:
-    """Train the demo spec once under the watch; what the watch would have reported."""
+SCRIPT = ROOT / "tests" / "user_script" / "inplace_checkpoints.py"
+SCRIPT_RUNS = {
+    "plain": [],
+    "slow reads": ["--pause-every", "25", "--pause-seconds", "6"],
+    "long evaluations": ["--eval-every", "25", "--eval-seconds", "15"],
+}
+"""Fault-free runs of a script without step reports (--scripts): its arguments, by kind."""
+
+
+def script_spec(folder: Path, args: list[str]) -> RunSpec:
+    """80 steps of the user-style script on 4 ranks, one per node, its step lines unread."""
+    command = ["python", str(SCRIPT), "--steps", "80", "--save-every", "20", *args]
+    return RunSpec.model_validate(
+        {
+            "name": "quiet",
+            "trainer": {"command": command, "workdir": str(folder)},
+            "layout": {"dp": 4, "ranks_per_node": 1},
+            "cluster": {"active_nodes": 4, "spare_nodes": 0},
+        }
+    )
+
+
+def demo_spec(window: float, steps: int | None) -> RunSpec:
+    """The demo spec with the straggler window, and `steps` where given."""
     data = yaml.safe_load(DEMO.read_text())
     data["recovery"]["stragglers"] = {"window_seconds": window}
     if steps is not None:
         data["trainer"]["steps"] = steps
-    spec = RunSpec.model_validate(data)
+    return RunSpec.model_validate(data)
+
+
+def one_run(folder: Path, spec: RunSpec, window: float, slow_every_node: bool) -> dict:
+    """Train `spec` once under the watch; what the watch would have reported."""
     cluster = LocalCluster(folder)
     run_id = "detection"
     cluster.create(run_id, spec)
@@ -71,13 +107,13 @@ def one_run(folder: Path, window: float, steps: int | None, slow_every_node: boo
     slowers = [
         threading.Thread(target=slow_node, args=(cluster.run_dir(run_id), active, 2.0, lambda: not done.is_set()))
     ][: 1 if slow_every_node else 0]
-    alarms, worst, step, last_poll = [], (1.0, ""), 0, time.time()
+    alarms, worst, step, last_poll = [], (1.0, ""), None, time.time()
     try:
         for slower in slowers:
             slower.start()
         while True:
             verdict, now = look(cluster, run_id, 0, spec.recovery, last_poll, spec.trainer.steps, pace)
-            step = verdict.step if verdict.step is not None else step
+            step = verdict.step if verdict.step is not None else step  # None throughout: no step reports
             if verdict.fault is not None:
                 alarms.append(f"{verdict.fault.kind}: {verdict.fault.reason}")
                 break
@@ -97,7 +133,8 @@ def one_run(folder: Path, window: float, steps: int | None, slow_every_node: boo
         cluster.stop_incarnation(run_id, 0)
     return {
         "steps": step,
-        "hang_after_seconds": round(pace.hang_after(), 3),
+        "hang_after_seconds": round(pace.hang_after() if step is not None else pace.quiet_after(), 3),
+        "longest_quiet_seconds": round(pace.longest_quiet, 3),
         "longest_stall_seconds": round(max(pace.gaps, default=0.0), 3),
         "worst_node_ratio": round(worst[0], 3),
         "worst_node": worst[1],
@@ -111,21 +148,27 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20, help="fault-free demo runs (default 20)")
     parser.add_argument("--uniform-steps", type=int, default=500, help="steps of the run slowed everywhere (0: none)")
     parser.add_argument("--window", type=float, default=5.0, help="straggler window (seconds, default 5)")
+    parser.add_argument("--scripts", action="store_true", help="add runs of a script that reports no steps")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON document")
     perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     sitting = perf_page.begin()
     rows = []
-    plan = [(None, False)] * args.runs + ([(args.uniform_steps, True)] if args.uniform_steps else [])
-    for i, (steps, slowed) in enumerate(plan, 1):
+    plan = [("fault-free", None, False)] * args.runs
+    plan += [("slowed 2x everywhere", args.uniform_steps, True)] if args.uniform_steps else []
+    plan += [(f"script without steps, {kind}", kind, False) for kind in SCRIPT_RUNS] if args.scripts else []
+    for i, (what, steps, slowed) in enumerate(plan, 1):
         with tempfile.TemporaryDirectory(prefix="lazarus-detection-") as folder:
-            row = one_run(Path(folder), args.window, steps, slowed)
+            spec = (
+                script_spec(Path(folder), SCRIPT_RUNS[steps]) if steps in SCRIPT_RUNS else demo_spec(args.window, steps)
+            )
+            row = {"kind": what, **one_run(Path(folder), spec, args.window, slowed)}
         rows.append(row)
         if not args.json:
-            what = "slowed 2x everywhere" if slowed else "fault-free"
             print(
-                f"[{i}/{len(plan)}] {what}: {row['steps']} steps, hang time {row['hang_after_seconds']:.2f} s, "
-                f"longest stall {row['longest_stall_seconds']:.2f} s, worst node {row['worst_node']} at "
+                f"[{i}/{len(plan)}] {what}: {row['steps'] if row['steps'] is not None else 'no'} steps, hang time "
+                f"{row['hang_after_seconds']:.2f} s, longest stall {row['longest_stall_seconds']:.2f} s, longest quiet "
+                f"{row['longest_quiet_seconds']:.2f} s, worst node {row['worst_node'] or '-'} at "
                 f"{row['worst_node_ratio']:.2f}x its peers; alarms: {'; '.join(row['alarms']) or 'none'}",
                 flush=True,
             )
@@ -144,17 +187,28 @@ def write_markdown(path: Path, sitting, rows: list[dict], summary: str) -> None:
     cells = [
         [
             i,
-            "slowed 2x everywhere" if row["slowed_everywhere"] else "fault-free",
-            row["steps"],
+            row["kind"],
+            "-" if row["steps"] is None else row["steps"],
             f"{row['hang_after_seconds']:.2f}",
             f"{row['longest_stall_seconds']:.2f}",
+            f"{row['longest_quiet_seconds']:.2f}",
             row["worst_node"] or "-",
             f"{row['worst_node_ratio']:.2f}",
             "; ".join(row["alarms"]) or "none",
         ]
         for i, row in enumerate(rows, 1)
     ]
-    headers = ["run", "kind", "steps", "hang time (s)", "longest stall (s)", "worst node", "x its peers", "alarms"]
+    headers = [
+        "run",
+        "kind",
+        "steps",
+        "hang time (s)",
+        "longest stall (s)",
+        "longest quiet (s)",
+        "worst node",
+        "x its peers",
+        "alarms",
+    ]
     table = perf_page.Table(headers, cells, summary)
     perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table])
 

@@ -14,6 +14,10 @@ keeps that rank from ever exiting after the last step, as a rank stuck in its te
 `--spin-at RANK:STEP` makes it loop forever at that step, once, busy, as a rank in a bug's endless
 loop does.
 `--record` wraps main in torch's @record, which writes the exception to TORCHELASTIC_ERROR_FILE.
+Fault-free pauses, as real runs have them: `--pause-every N --pause-seconds S` has every rank
+block S seconds every N steps, as on a slow read from shared storage (no CPU, no output);
+`--eval-every N --eval-seconds S` has rank 0 evaluate for S seconds every N steps (busy) while the
+others wait for it at a barrier.
 Every rank prints `step N loss L` per step, or with `--bar` a progress bar as tqdm draws one:
 redrawn after a carriage return, showing the count done (`10/40 [` at once after a restore).
 """
@@ -70,6 +74,14 @@ def wait_for_the_peer_that_never_comes(rank: int) -> None:
     dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
 
 
+def evaluate(seconds: float) -> None:
+    """Evaluate on the CPU for `seconds`: busy, printing only at the end, as an eval loop does."""
+    ended, a = time.time() + seconds, torch.rand(64, 64)
+    while time.time() < ended:
+        a = torch.tanh(a @ a)
+    print(f"eval done: {float(a.sum()):.3f}", flush=True)
+
+
 def spin_forever() -> None:
     """Loop forever on the CPU: this rank never reaches the step's all-reduce, its peers wait in it."""
     turns = 0
@@ -91,6 +103,10 @@ def main() -> None:
     parser.add_argument(
         "--spin-at", default="", help="RANK:STEP, once: loops forever, busy, before the step's all-reduce"
     )
+    parser.add_argument("--pause-every", type=int, default=0, help="steps between slow reads (0: none)")
+    parser.add_argument("--pause-seconds", type=float, default=0.0, help="how long each slow read blocks every rank")
+    parser.add_argument("--eval-every", type=int, default=0, help="steps between rank 0's evaluations (0: none)")
+    parser.add_argument("--eval-seconds", type=float, default=0.0, help="how long rank 0 evaluates, busy")
     parser.add_argument("--bar", action="store_true", help="a tqdm-style progress bar instead of step lines")
     args = parser.parse_args()
 
@@ -135,6 +151,10 @@ def main() -> None:
             print(f"step {step} loss {float(weights.pow(2).sum()):.6f}", flush=True)
         if folder is not None:
             save_state(folder, step, args.slow_save)
+        if args.pause_every and step % args.pause_every == 0:
+            time.sleep(args.pause_seconds)  # a blocking read of the next shard
+        if args.eval_every and step % args.eval_every == 0 and rank == 0:
+            evaluate(args.eval_seconds)
         dist.barrier()
         time.sleep(args.step_seconds)
     dist.destroy_process_group()
