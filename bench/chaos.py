@@ -1,7 +1,7 @@
 """The chaos matrix: each fault of lazarus/chaos/scenarios.py broken into a real run, one row each.
 
-    .venv/bin/python bench/chaos.py [--only NAME[,NAME...]] [--spec examples/demo.yaml] [--kill-at-step N]
-                                    [--json] [--keep DIR] [--list] [--markdown [PATH]]
+    .venv/bin/python bench/chaos.py [--only NAME[,NAME...]] [--repeat N] [--spec examples/demo.yaml]
+                                    [--kill-at-step N] [--json] [--keep DIR] [--list] [--markdown [PATH]]
 
 Every scenario runs on a bed of its own: a Temporal dev server (a process on one SQLite file, so it
 can be SIGKILLed and come back with its workflows), `lazarus worker` processes, the local backend
@@ -10,6 +10,11 @@ incarnations it took, how many rank processes were started more than once, how m
 claimed (and claimed twice), how many complete checkpoints a recovery lost, whether the losses
 equal those of the same spec trained without a fault (bit for bit; within 1e-4 relative after a
 reshard), and each incident's MTTR. `passed` holds all of that at once.
+
+Blame: of the rows whose scenario broke one node (killed, stopped, held in a collective or a loop,
+slowed, made sick), the share whose first incident blamed exactly that node, and how many blamed a
+node the scenario did not break (a survivor that only saw the broken collective). `--repeat N`
+runs each scenario N times, for that share over repeated faults.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def parse_args() -> argparse.Namespace:
         "--keep", type=Path, metavar="DIR", help="keep every scenario's bed (logs, run files) under DIR"
     )
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--repeat", type=int, default=1, help="run each scenario this many times (default 1)")
     perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     if args.list:
@@ -67,7 +73,9 @@ def parse_args() -> argparse.Namespace:
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         parser.error(f"--only: no scenario {', '.join(unknown)} (bench/chaos.py --list shows them)")
-    args.names = names
+    if args.repeat < 1:
+        parser.error("--repeat: at least 1")
+    args.names = [name for name in names for _ in range(args.repeat)]
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
     return args
@@ -80,10 +88,25 @@ async def matrix(args: argparse.Namespace, spec, kill_at: int, root: Path, say) 
     for i, name in enumerate(args.names, 1):
         scenario = BY_NAME[name]
         say(f"[{i}/{len(args.names)}] {name}: {scenario.what}")
-        row = await run_scenario(scenario, root / name, spec, kill_at, reference)
+        row = await run_scenario(scenario, root / f"{name}-{i}", spec, kill_at, reference)
         say(f"    {'passed' if row.passed else 'FAILED'} in {row.seconds:.0f} s; MTTR {row.mttr_seconds} {row.notes}")
         rows.append(row.as_dict())
     return rows
+
+
+def blame(rows: list[dict]) -> str:
+    """The blame line: of the rows that broke one node, how many blamed exactly it, and how many
+    blamed a node that was not broken."""
+    single = [r for r in rows if len(r["injected"]) == 1 and r["blamed"] is not None]
+    if not single:
+        return "blame: no scenario here broke one node"
+    right = sum(1 for r in single if r["blamed"] == r["injected"])
+    innocent = sum(1 for r in single if set(r["blamed"]) - set(r["injected"]))
+    kinds = sorted({r["scenario"] for r in single})
+    return (
+        f"blame: {right} of {len(single)} incidents ({100 * right / len(single):.0f}%) blamed exactly the node the "
+        f"scenario broke; {innocent} blamed a node it did not break ({', '.join(kinds)})"
+    )
 
 
 HEADER = ["scenario", *COLUMNS, "ckpts_lost", "losses", "MTTR s", "restored", "passed"]
@@ -112,7 +135,7 @@ def print_matrix(rows: list[dict], spec_path: Path, kill_at: int) -> None:
     for r in rows:
         for note in r["notes"]:
             print(f"  {r['scenario']}: {note}")
-    print(f"\n{sum(r['passed'] for r in rows)} of {len(rows)} scenario(s) passed")
+    print(f"\n{sum(r['passed'] for r in rows)} of {len(rows)} scenario(s) passed; {blame(rows)}")
 
 
 def write_markdown(path: Path, sitting, rows: list[dict], spec_path: Path, kill_at: int) -> None:
@@ -122,7 +145,7 @@ def write_markdown(path: Path, sitting, rows: list[dict], spec_path: Path, kill_
         f"Chaos matrix, spec {spec_path}, faults at step {kill_at}: "
         f"{sum(r['passed'] for r in rows)} of {len(rows)} scenario(s) passed",
     )
-    notes = [f"{r['scenario']}: {note}" for r in rows for note in r["notes"]]
+    notes = [blame(rows)] + [f"{r['scenario']}: {note}" for r in rows for note in r["notes"]]
     perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table], notes=notes)
 
 

@@ -42,6 +42,8 @@ class Row:
     restored_from: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    injected: list[str] = field(default_factory=list)  # the nodes the scenario broke (killed, stopped, held, ...)
+    blamed: list[str] | None = None  # the nodes the first incident blamed (None: no incident)
 
     @property
     def passed(self) -> bool:

@@ -131,6 +131,8 @@ async def run_scenario(
             trial.corrupted,
         )
         row.notes = trial.notes + row.notes + scenario_checks(trial, status)
+        row.injected = injected(trial)
+        row.blamed = status.incidents[0].fault.nodes if status.incidents else None
     except ChaosError as error:
         row = Row(scenario=scenario.name, notes=[*(trial.notes if trial else []), f"FAIL {error}"])
     except Exception as error:  # noqa: BLE001 - a broken bed fails its row, not the whole matrix
@@ -165,6 +167,17 @@ def swap_checks(node: str, kind: str, broken_at: float, status) -> list[str]:
     if incident.resumed_from_step != fault.step:
         notes.append(f"FAIL the swap lost steps: stopped at {fault.step}, resumed from {incident.resumed_from_step}")
     return notes
+
+
+def injected(trial: Trial) -> list[str]:
+    """The nodes the scenario broke: killed, stopped, held by a planned fault, slowed or made sick
+    (a planned exception is the program's, no node's)."""
+    if trial.hang is not None:
+        return [trial.hang[0]]
+    if trial.swapped is not None:
+        return [trial.swapped[0]]
+    planned = {f.node for f in trial.spec.faults if f.effect != "raise" and f.incarnation == 0}
+    return sorted(planned | set(trial.killed))
 
 
 HELD_IN = {"stuck": "wait_for_the_peer_that_never_comes", "spin": "spin_forever"}

@@ -54,6 +54,7 @@ class Trial:
         self.notes: list[str] = []
         self.stopped: list[int] = []
         self.hang: tuple[str, float] | None = None  # (node, when it was stopped) in the hang scenarios
+        self.killed: list[str] = []  # nodes whose processes the scenario SIGKILLed
         # (node, fault kind, when it was broken) of a planned swap: slowed, sick
         self.swapped: tuple[str, str, float] | None = None
         self.disk_full: int | None = None  # the checkpoint step a full disk lost, in that scenario
@@ -120,6 +121,7 @@ class Trial:
 
     async def kill_nodes(self, *nodes: str) -> None:
         """SIGKILL every process of each node, at once (each in a thread of its own)."""
+        self.killed += nodes
         await asyncio.gather(*(asyncio.to_thread(self.bed.kill_node, self.run_id, n) for n in nodes))
 
     async def quarantined(self, node: str, timeout: float = 60.0) -> None:
