@@ -73,14 +73,38 @@ async def drive_run(
         result.cancel()  # a demo cut short leaves no wait on the run behind
 
 
+STAGE_STATES = {"drain": RunState.DRAINING, "reschedule": RunState.RESCHEDULING, "resume": RunState.RESUMING}
+"""The state a run is in while an incident's stage runs (replace_or_reshard: by the decision)."""
+
+
+def passed_states(status: RunStatus) -> list[tuple[int, RunState]]:
+    """(incident, state) for every recovery state the run's incidents passed, in order, from the
+    workflow's record of each stage: a poll of the status misses a state that lasts milliseconds."""
+    passed = []
+    for incident in status.incidents:
+        for stage in incident.stages:
+            if stage == "replace_or_reshard":
+                reshard = incident.decision is not None and incident.decision.action == "reshard"
+                passed.append((incident.number, RunState.RESHARDING if reshard else RunState.REPLACING))
+            elif stage in STAGE_STATES:
+                passed.append((incident.number, STAGE_STATES[stage]))
+    return passed
+
+
 async def _follow(client, cluster, spec, run, run_id, result, kill_at, say, kill) -> RunStatus:
     """Say the run's states and steps until `result` (its workflow's end) is done, killing at `kill_at`."""
-    last_state, last_step, killed = None, 0, kill_at is None
+    last_state, last_step, killed, said = None, 0, kill_at is None, 0
     report_every = max(10, spec.trainer.steps // 15 // 10 * 10)
     while not result.done():
         status = await run_status(client, run_id)
         metric = last_metric(run)
         step = metric.step if metric else 0
+        passed = passed_states(status)
+        for _, state in passed[said:]:
+            if state != last_state:
+                say(state.value)
+            last_state = state
+        said = len(passed)
         if status.state != last_state:
             say(status.state.value)
             last_state = status.state

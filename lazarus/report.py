@@ -146,8 +146,9 @@ def _incident_notes(incident: Incident) -> list[str]:
     if incident.fault.stack:
         notes.append(f"rank {incident.fault.rank} waited in: {where_it_waited(incident.fault.stack)}")
     if incident.resumed_from_step is None and incident.outcome == "recovered":
-        # The script reports no steps: whether it restored anything of its own was not seen.
-        notes.append("restart point unknown (the script reports no steps), lost work unknown; outcome: recovered")
+        # Whether the script restored anything of its own was not seen: say why.
+        why = "the script reports no steps" if incident.fault.step is None else "no step was read after the restart"
+        notes.append(f"restart point unknown ({why}), lost work unknown; outcome: recovered")
     elif incident.resumed_from_step is None:
         notes.append(f"outcome: {incident.outcome}")
     else:
@@ -233,7 +234,8 @@ def run_report(status: RunStatus, summary: dict) -> Group:
     """The bill (`run report`): ETTR, where the wall time went, each incident's stages, operators' interventions."""
     ettr = "-" if summary["ettr"] is None else f"{summary['ettr']:.1%}"
     if summary["ettr"] is not None and summary["ettr_upper_bound"]:
-        ettr = f"at most {ettr} (the work lost at recoveries is unknown: the script reports no steps)"
+        why = "the script reports no steps" if status.steps_from is None else "a restart's point was not seen"
+        ettr = f"at most {ettr} (the work lost at recoveries is unknown: {why})"
     parts: list = [
         Text(
             f"Run {summary['run_id']}: {summary['state']}, step {summary['progress']}, ETTR {ettr}, mean step "

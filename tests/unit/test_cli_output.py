@@ -253,6 +253,17 @@ def test_a_script_that_reports_no_steps_gets_no_made_up_restart_point_and_an_upp
     assert not summarize(recovered_run())["ettr_upper_bound"]
 
 
+def test_a_script_whose_steps_are_read_from_its_output_is_never_said_to_report_none():
+    status = recovered_run()
+    status.steps_from, status.step = "output", 1
+    incident = status.incidents[0]
+    incident.fault.step, incident.resumed_from_step, incident.lost_steps = 1, None, None
+    text = render(run_report(status, summarize(status)))
+    assert "reports no steps" not in text
+    assert "restart point unknown (no step was read after the restart), lost work unknown" in text
+    assert "(the work lost at recoveries is unknown: a restart's point was not seen)" in text
+
+
 @pytest.mark.parametrize("end, code", [(RunState.COMPLETED, 0), (RunState.FAILED, 1)])
 def test_watch_follows_a_run_until_it_ends(end, code):
     done = recovered_run()
