@@ -6,7 +6,10 @@ Model, per repetition, in wall-clock seconds:
 - Faults strike while the job trains, as a Poisson process whose rate is proportional to the
   nodes in use (failures during a recovery are not modelled). A fault loses the training since
   the last complete checkpoint, then costs its recovery: each stage's cost (a hang is noticed
-  after the staleness threshold instead of the crash detector's time), or a person's restart.
+  after the hang time instead of the crash detector's time; drain stops the hung node first, so
+  its survivors save as they do for a death), or a person's restart. A straggler or a sick node
+  loses no step: the job trains on (slowed by the straggler until it is found) and the node is
+  swapped for a spare in a planned recovery at a step boundary.
 - The decision after a fault is the workflow's own policy, `lazarus.workflows.policy.plan_recovery`,
   called on an inventory of the scenario's shape: a hot spare if one is free (the failed node
   goes to repair and comes back as a spare after `repair_hours`), else reshard to the largest
@@ -44,6 +47,7 @@ CAUSES = (
     "recomputed_steps",
     "checkpoint_stalls",
     "below_target_dp",
+    "slow_nodes",
     "idle_spares",
 )
 """Where lost GPU-hours go."""
@@ -172,13 +176,42 @@ class Simulation:
                     self.lose_pending_training(kept=False)
                     self.wait_for_human()
                 else:
-                    hang = self.rng.random() < self.scenario.failures.hang_share
-                    # A hung rank holds its peers in their collective past any grace, and with
-                    # one replica the dead node took a part of the only copy.
-                    kept = self.policy == "survivors" and not hang and self.dp > 1
+                    kind = self.fault_kind()
+                    if kind in ("straggler", "sick"):
+                        self.swap(kind)
+                        continue
+                    # Drain stops a hung node first, so its peers save as for a death; with one
+                    # replica the lost node took a part of the only copy.
+                    kept = self.policy == "survivors" and self.dp > 1
                     self.lose_pending_training(kept)
-                    self.recover(hang, kept)
+                    self.recover(kind == "hang", kept)
         return self.out
+
+    def fault_kind(self) -> str:
+        """What the fault is, drawn by the scenario's shares: hang, straggler, sick, or a crash."""
+        failures, draw = self.scenario.failures, self.rng.random()
+        for kind, share in (("hang", failures.hang_share), ("straggler", failures.straggler_share)):
+            if draw < share:
+                return kind
+            draw -= share
+        return "sick" if draw < failures.sick_share else "crash"
+
+    def swap(self, kind: str) -> None:
+        """A planned swap: a straggler slows the job until it is found; then the job checkpoints at a
+        step boundary (nothing pending is lost) and the node goes for a spare (drain to resume)."""
+        failures, gpus = self.scenario.failures, self.scenario.gpus
+        if kind == "straggler":
+            slowed = min(failures.straggler_detect_seconds, self.horizon - self.t)
+            self.out.lost["slow_nodes"] += slowed * gpus * self.share * (1 - 1 / failures.straggler_factor)
+            self.out.useful += slowed * gpus * self.share / failures.straggler_factor
+            self.out.lost["below_target_dp"] += slowed * gpus * (1 - self.share)
+            self.t += slowed
+        self.out.useful += min(self.phase, self.interval) * gpus * self.share
+        self.phase = 0.0
+        self.collect_repairs()
+        heapq.heappush(self.repairs, self.t + self.scenario.repair_hours * 3600.0)
+        self.downtime(self.scenario.checkpoint.survivor_save_seconds, "drain")
+        self.recover(False, True, detected=True)
 
     def downtime(self, seconds: float, cause: str) -> None:
         """The whole job stands still for `seconds`, lost to `cause` (cut at the horizon)."""
@@ -259,12 +292,14 @@ class Simulation:
         self.pool -= 1
         self.downtime(self.human() + self.scenario.checkpoint.load_seconds, "human")
 
-    def recover(self, hang: bool, kept: bool) -> None:
+    def recover(self, hang: bool, kept: bool, detected: bool = False) -> None:
         """Lazarus's recovery: the five stages, with the workflow's own decision; drain waits for
-        the survivors' saves when they `kept` the state."""
+        the survivors' saves when they `kept` the state (a planned swap, `detected` while the job
+        trained, saved at its step boundary already)."""
         failures, survivor_save = self.scenario.failures, self.scenario.checkpoint.survivor_save_seconds
-        self.downtime(failures.hang_detect_seconds if hang else self.stage_cost["detect"](), "detect")
-        self.downtime(self.stage_cost["drain"]() + (survivor_save if kept else 0.0), "drain")
+        if not detected:
+            self.downtime(failures.hang_detect_seconds if hang else self.stage_cost["detect"](), "detect")
+        self.downtime(self.stage_cost["drain"]() + (survivor_save if kept and not detected else 0.0), "drain")
         while True:
             action, new_dp, released = self.table.decide(self.dp, self.pool > 0)
             self.downtime(self.stage_cost["reschedule"](), "reschedule")

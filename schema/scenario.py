@@ -92,11 +92,49 @@ class FailureModel(Strict):
         default=0.0,
         ge=0,
         le=1,
-        description="Share of faults that are hangs, found only when heartbeats go stale (fraction).",
+        description=(
+            "Share of faults that are hangs, found only once the step stalls past the hang time; drain stops the hung "
+            "node first, so its peers save as for a death (fraction)."
+        ),
     )
     hang_detect_seconds: float = Field(
-        default=300.0, ge=0, description="Time to notice a hang: the staleness threshold (seconds)."
+        default=300.0,
+        ge=0,
+        description=(
+            "Time to notice a hang (seconds): Lazarus derives it from the run's step times, 5 x the p99 step at least "
+            "1 s for a stopped process or every rank idle, about 25 s for a rank spinning (its stack stands still)."
+        ),
     )
+    straggler_share: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Share of faults that are stragglers: a node slowed by straggler_factor, which slows the whole job until "
+            "it is swapped for a spare in a planned recovery, with no step lost (fraction)."
+        ),
+    )
+    straggler_factor: float = Field(
+        default=1.5, ge=1, description="How much slower a straggler is than its peers, and the job with it (x)."
+    )
+    straggler_detect_seconds: float = Field(
+        default=60.0, ge=0, description="Time a straggler slows the job before it is found: the window (seconds)."
+    )
+    sick_share: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Share of faults that are sick nodes: a failing health check while the node still trains, swapped for a "
+            "spare in a planned recovery, with no step lost (fraction)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _shares_add_up(self) -> FailureModel:
+        if self.hang_share + self.straggler_share + self.sick_share > 1:
+            raise ValueError("failures: hang_share + straggler_share + sick_share must be at most 1")
+        return self
 
 
 class CheckpointModel(Strict):

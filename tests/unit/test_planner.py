@@ -108,7 +108,7 @@ def test_lost_hours_and_useful_work_add_up_to_the_allocation():
             "dp": 8,
             "days": 20,
             "spare_nodes": 2,
-            "failures": {"interruptions_per_day": 6, "hang_share": 0.3},
+            "failures": {"interruptions_per_day": 6, "hang_share": 0.3, "straggler_share": 0.2, "sick_share": 0.1},
             "repetitions": 30,
             "repair_hours": 30,
         }
@@ -118,6 +118,39 @@ def test_lost_hours_and_useful_work_add_up_to_the_allocation():
         allocation_hours = (scenario.gpus + scenario.spare_nodes * scenario.gpus_per_node) * scenario.days * 24
         useful_hours = result.goodput * allocation_hours
         assert math.isclose(useful_hours + sum(result.lost_gpu_hours.values()), allocation_hours, rel_tol=1e-6), policy
+
+
+def test_hangs_stragglers_and_sick_nodes_cost_what_their_recoveries_cost():
+    def scenario(**failures) -> Scenario:
+        return Scenario.model_validate(
+            {
+                "name": "kinds",
+                "gpus": 256,
+                "gpus_per_node": 8,
+                "tp": 8,
+                "pp": 4,
+                "dp": 8,
+                "days": 20,
+                "spare_nodes": 4,
+                "failures": {"interruptions_per_day": 6, **failures},
+                "checkpoint": {"interval_minutes": 60, "survivor_save_seconds": 10},
+                "repetitions": 40,
+            }
+        )
+
+    crashes = run_policy(scenario(), "survivors")
+    # A hang costs a death's recovery and its detection time, no more: its survivors keep the state too.
+    hangs = run_policy(scenario(hang_share=1.0, hang_detect_seconds=600), "survivors")
+    assert hangs.lost_gpu_hours["recomputed_steps"] <= 1.2 * crashes.lost_gpu_hours["recomputed_steps"]
+    assert hangs.lost_gpu_hours["detect"] > 10 * crashes.lost_gpu_hours["detect"]
+    # A straggler slows the job until it is found and loses no step; a sick node loses nothing to detection.
+    slow = run_policy(scenario(straggler_share=1.0, straggler_factor=2.0), "automatic")
+    sick = run_policy(scenario(sick_share=1.0), "automatic")
+    assert slow.lost_gpu_hours["slow_nodes"] > 0 and slow.lost_gpu_hours["recomputed_steps"] == 0
+    assert sick.lost_gpu_hours["slow_nodes"] == sick.lost_gpu_hours["detect"] == 0
+    assert sick.lost_gpu_hours["recomputed_steps"] == 0 and sick.ettr > crashes.ettr
+    with pytest.raises(ValueError, match="must be at most 1"):
+        scenario(hang_share=0.6, sick_share=0.6)
 
 
 def test_measured_costs_come_from_run_status_json(tmp_path):
