@@ -343,3 +343,14 @@ def test_an_exception_whose_message_speaks_of_a_timeout_is_still_the_rank_s_own(
     fault = judge(observe(rank(0, alive=False, exit=lost), rank(1, alive=False, exit=own)), POLICY, NOW, NOW, 40).fault
     assert fault.kind == "rank_error" and fault.rank == 1 and "AttributeError" in fault.reason
     assert "lost a peer" not in fault.reason and "no node is blamed" in fault.reason
+
+
+def test_ranks_that_only_lost_their_peers_are_named_as_witnesses_never_as_failing_on_their_own():
+    reset = {"code": 1, "time": NOW - 3, "step": 7, "error": "RuntimeError: Connection reset by peer"}
+    later = dict(reset, time=NOW - 2.9)
+    fault = judge(
+        observe(rank(0, alive=False, exit=reset), rank(1, alive=False, exit=later)), POLICY, NOW, NOW, 40
+    ).fault
+    assert fault.kind == "rank_error" and fault.rank == 0 and fault.nodes == []
+    assert "every rank that failed lost a peer or gave up waiting for one, and no node went silent" in fault.reason
+    assert "for a reason of its own" not in fault.reason

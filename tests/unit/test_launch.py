@@ -239,3 +239,38 @@ def test_a_signal_cancels_the_launch_once_and_a_second_is_only_said(sig):
 
     assert asyncio.run(launch()) == sig
     assert said == [f"{sig.name}: still stopping the run's processes"]
+
+
+def test_a_program_failure_names_the_node_its_rank_ran_on_though_no_node_is_blamed(capsys):
+    from lazarus.launch_follow import say_end
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    failure = FaultReport(
+        kind="rank_error",
+        nodes=[],  # the program's failure: no node is blamed
+        incarnation=1,
+        occurred_at=now,
+        detected_at=now,
+        step=None,
+        rank=1,
+        node="node-1",
+        exit_code=1,
+        error="AttributeError: 'Config' object has no attribute 'timeout'",
+        log_tail="Traceback (most recent call last):\nAttributeError: 'Config' object has no attribute 'timeout'\n",
+    )
+    final = RunStatus(
+        run_id="r",
+        run_dir="/r",
+        state=RunState.FAILED,
+        total_steps=10,
+        layout=LAYOUT,
+        failure=failure,
+        reason="crash loop: ...",
+    )
+    said: list[str] = []
+    assert say_end(final, said.append) == 1
+    assert said[-1] == "last lines of rank 1's log (node-1):"
+    unknown = final.model_copy(update={"failure": failure.model_copy(update={"node": None})})
+    say_end(unknown, said.append)
+    assert said[-1] == "last lines of rank 1's log:"  # never an empty name
+    assert "AttributeError" in capsys.readouterr().err
