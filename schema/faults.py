@@ -25,12 +25,15 @@ class FaultReport(Record):
 
     kind: FaultKind = Field(
         description=(
-            "node_down: backend saw the node die; rank_exit: a rank process ended; hang: heartbeats went stale; "
+            "node_down: backend saw the node die; rank_exit: a rank process ended; hang: the step stalled, with a "
+            "stopped process, every rank idle, or a stack that stands still as evidence; "
             "external: reported by signal; operator: drained by an operator; rank_error: a rank failed on its own "
             "(an exception or an exit code) on a healthy node, the program's failure: restarted in place, no node "
-            "blamed; program_error: the program fails every time (every rank ended before training a step, or a "
-            "crash loop), no node to blame: the run ends; straggler: a node's work per step took longer than its "
-            "peers' by the policy's factor over its window (recovery.stragglers); sick: its health check failed or a "
+            "blamed (a first failure, even of every rank before a step, may be transient; the same failure again is "
+            "the crash loop that ends the run); program_error: the program cannot train (every rank of the built-in "
+            "trainer exited 0 before its first step), no node to blame: the run ends; straggler: a node's work per "
+            "step took longer than its peers' by the policy's factor over its window (recovery.stragglers); sick: its "
+            "health check failed or a "
             "health agent's node condition says so (the spec's health); both swapped in a planned recovery."
         )
     )
