@@ -9,14 +9,15 @@ evidence besides the stall, since a checkpoint save stalls a step too:
   stalled (a SIGSTOPped or frozen process, a host that stopped running);
 - every running rank sat idle for the hang time: next to no CPU, no output
   (RankObservation.idle_since): a collective that waits on a rank that will never come, a
-  deadlock (this one also for a script that reports no steps, whose ranks have no heartbeat: under
-  a hang time derived from how long its ranks sat idle together while it was well, at least
-  `quiet_hang_seconds`, activities/pace.py); the rank that went idle first is blamed, unless the ranks'
-  stacks show one node's ranks waiting where no other does (activities/watching.py keep_stacks);
+  deadlock (this one also for a script that reports no steps, whose ranks have no heartbeat:
+  under a hang time derived from how long its ranks sat idle together while it was well, at
+  least `quiet_hang_seconds`, activities/pace.py); the rank that went idle first is blamed,
+  unless the ranks' stacks show one node's ranks waiting where no other does
+  (activities/watching.py keep_stacks);
 - a rank's Python stack stood still: the step stalled past `busy_probe_seconds` while the ranks
-  used CPU, and dumps of their stacks some seconds apart show its main thread's every frame
-  unchanged for `stack_still_seconds` (a rank in an endless loop, a busy wait; a save or a long
-  computation moves);
+  used CPU, and dumps of their stacks some seconds apart show its main thread in the same
+  functions for `stack_still_seconds` (a rank in an endless loop, a busy wait; a save or a long
+  computation moves through its calls);
 - the step stalled for `busy_hang_seconds`, whatever the ranks do (the last resort: a rank that
   registered no stack dump, a stack that moves in a loop that never ends).
 The first step after a start or a restore gets the startup grace: loading and warm-up are slow.

@@ -60,9 +60,7 @@ class Look:
     total_steps: int
     hang_after: float  # how long a step may stall (the policy's, or derived from step times: activities/pace.py)
     quiet_after: float | None = None  # of a run without steps: how long every rank may sit idle (Pace.quiet_after)
-    still: Mapping[int, tuple[float, str]] | None = (
-        None  # rank -> (since when its stack stood still, where): Pace.still
-    )
+    still: Mapping[int, tuple[float, str]] | None = None  # rank -> (still since, where): Pace.still
 
     @property
     def idle_after(self) -> float:

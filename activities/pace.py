@@ -81,14 +81,12 @@ class Pace:
         self._work_step: dict[str, int] = {}  # node -> the step of its newest reading
         self._slow_since: dict[str, float] = {}
         self._steps_at: deque[tuple[float, int]] = deque()  # (time, step) at each advance, for costs
-        self._active_at: float | None = (
-            None  # the newest time a rank was seen active (idle_since), of a run without steps
-        )
+        self._active_at: float | None = None  # of a run without steps: when a rank was last seen at work
         self._busy_seen = False  # a rank was seen active after its first sample
         self.longest_quiet = 0.0  # the longest stretch every rank sat idle together and the run went on from (s)
         self.probed_at = float("-inf")  # when the ranks' stacks were last dumped for a busy stall
-        self._stacks: dict[int, tuple[str, str, float]] = {}  # rank -> (its main thread's functions, innermost
-        # frame, since when they stood still)
+        # rank -> (its main thread's functions, its innermost frame, since when they stood still)
+        self._stacks: dict[int, tuple[str, str, float]] = {}
 
     @classmethod
     def of(cls, run_id: str, incarnation: int, policy: RecoveryPolicy) -> Pace:

@@ -188,9 +188,9 @@ class RecoveryPolicy(Strict):
         gt=0,
         le=MAX_SECONDS,
         description=(
-            "How long a rank's main thread must show every frame unchanged, dump after dump, while the step stalls "
+            "How long a rank's main thread must stay in the same functions, dump after dump, while the step stalls "
             "past busy_probe_seconds, before the rank counts as hung (seconds): a rank in an endless loop, or "
-            "busy-waiting, never moves; one that saves or computes does."
+            "busy-waiting, never leaves them; one that saves or computes moves through its calls."
         ),
     )
     startup_grace_seconds: float = Field(
