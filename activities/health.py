@@ -35,8 +35,8 @@ def judge(
     `still`: whose Python stacks stood still, from the dumps the watch took). A rank that exits with
     a code or an exception on a healthy node is the program's failure (rank_error): no node is
     blamed, and the rank that failed for a reason of its own is named, even when a peer's follow-on
-    connection error came a few milliseconds before it. Every rank gone with code 0 is completion at the last step, and a
-    stop (on request) before it; of a script whose ranks report no steps themselves, it is
+    connection error came a few milliseconds before it. Every rank gone with code 0 is completion
+    at the last step, and a stop (on request) before it; of a script whose ranks report no steps themselves, it is
     completion. Ranks still running `exit_grace_seconds` after another exited 0 are stuck in their
     teardown: completion too, with a warning that names them (`lingering`, to be ended).
     """
