@@ -71,15 +71,21 @@ async def watch(
             return reported_anyway
     except (ActivityError, asyncio.CancelledError):
         pass
+    return _signalled(status, reported)
+
+
+def _signalled(status: RunStatus, reported: list[FaultSignal]) -> DetectResult | None:
+    """The watch's result for a fault reported by signal, which used it up; None when none blames a
+    node of the run (an operator's request interrupted the watch)."""
     report = signalled_fault(reported, status.assignment)
-    if report is None:
+    if report is None or status.assignment is None:
         return None
     reported.clear()
     now = workflow.now()
     fault = FaultReport(
         kind="external",
         nodes=report.nodes,
-        incarnation=assignment.incarnation,
+        incarnation=status.assignment.incarnation,
         occurred_at=report.occurred_at or now,
         detected_at=now,
         step=status.step,

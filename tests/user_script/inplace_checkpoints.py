@@ -89,7 +89,7 @@ def spin_forever() -> None:
         turns += 1
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=10)
@@ -108,7 +108,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0, help="steps between rank 0's evaluations (0: none)")
     parser.add_argument("--eval-seconds", type=float, default=0.0, help="how long rank 0 evaluates, busy")
     parser.add_argument("--bar", action="store_true", help="a tqdm-style progress bar instead of step lines")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
