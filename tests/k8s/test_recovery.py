@@ -17,6 +17,7 @@ from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL, run_ob
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.schema.files import read_json
 from lazarus.worker import build_worker
+from tests.support import waiting
 from tests.support.runs import SMALL_SPEC, assert_restored_from_survivors, losses, trained_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -189,7 +190,14 @@ def assert_ran_in_place(kubelet, admin, run, incident) -> None:
     assert rank_pods.items == []
     for index, node in enumerate(incident.new_assignment.nodes):
         assert kubelet.started.count(standby_pod_name(run_id, node)) == 1, (node, kubelet.started)
-        assert read_json(run.launcher_exit_file(k, index))["code"] == 0, node
+        # The standby records its launcher's end when it reaps it, which may come after the run's end
+        # was seen (its ranks' exit records): wait for the record, then read it.
+        ended = waiting.wait_until(
+            lambda index=index: read_json(run.launcher_exit_file(k, index)),
+            f"{node}'s standby to record its launcher's end",
+            10,
+        )
+        assert ended["code"] == 0, (node, ended)
     for node in incident.fault.nodes:
         assert kubelet.started.count(standby_pod_name(run_id, node)) == 1, (node, kubelet.started)
 
