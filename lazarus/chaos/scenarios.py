@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from lazarus.activities.failpoints import STAGE_FAILPOINTS
 from lazarus.chaos.bed import ChaosError, wait_for
@@ -120,6 +121,11 @@ async def node_killed(trial: Trial, kill_at: int) -> None:
     if not trial.spec.faults:
         await trial.at_step(kill_at)
         await trial.kill_nodes(trial.node(2))
+
+
+def planted(effect: Literal["raise", "stuck", "spin"]):
+    """Planned faults: node-2's ranks meet `effect` at `kill_at` (schema/run.py FaultInjection)."""
+    return lambda spec, kill_at: [FaultInjection(node="node-2", step=kill_at, effect=effect).model_dump(mode="json")]
 
 
 def second_fault_in_resume(node_of_second: Callable[[RunSpec], str]):
@@ -307,17 +313,13 @@ SCENARIOS = [
         "rank-in-collective",
         "one rank waiting forever in a collective its peers never join, every process running",
         node_killed,
-        faults=lambda spec, kill_at: [
-            FaultInjection(node="node-2", step=kill_at, effect="stuck").model_dump(mode="json")
-        ],
+        faults=planted("stuck"),
     ),
     Scenario(
         "rank-spinning",
         "one rank looping forever on the CPU before the step's collective, its peers waiting in it",
         node_killed,
-        faults=lambda spec, kill_at: [
-            FaultInjection(node="node-2", step=kill_at, effect="spin").model_dump(mode="json")
-        ],
+        faults=planted("spin"),
     ),
     Scenario("rank-hung", "one rank stopped (SIGSTOP)", rank_hung),
     Scenario("node-hung", "every process of a node stopped (a partitioned host)", node_hung),
@@ -325,9 +327,7 @@ SCENARIOS = [
         "rank-raises",
         "one rank raising a Python exception, its peers fine",
         node_killed,
-        faults=lambda spec, kill_at: [
-            FaultInjection(node="node-2", step=kill_at, effect="raise").model_dump(mode="json")
-        ],
+        faults=planted("raise"),
     ),
     Scenario(
         "newest-checkpoint-corrupt",
