@@ -97,22 +97,26 @@ def test_more_spares_and_faster_recovery_never_lose_ettr():
     assert with_spares > without and with_spares > human
 
 
-def test_lost_hours_and_useful_work_add_up_to_the_allocation():
-    scenario = Scenario.model_validate(
+def small_scenario(failures: dict, **more) -> Scenario:
+    """256 GPUs (tp8 x pp4 x dp8) for 20 days, 6 interruptions a day, with `failures` and `more`."""
+    return Scenario.model_validate(
         {
-            "name": "sum",
+            "name": "small",
             "gpus": 256,
             "gpus_per_node": 8,
             "tp": 8,
             "pp": 4,
             "dp": 8,
             "days": 20,
-            "spare_nodes": 2,
-            "failures": {"interruptions_per_day": 6, "hang_share": 0.3, "straggler_share": 0.2, "sick_share": 0.1},
-            "repetitions": 30,
-            "repair_hours": 30,
+            "failures": {"interruptions_per_day": 6, **failures},
+            **more,
         }
     )
+
+
+def test_lost_hours_and_useful_work_add_up_to_the_allocation():
+    kinds = {"hang_share": 0.3, "straggler_share": 0.2, "sick_share": 0.1}
+    scenario = small_scenario(kinds, spare_nodes=2, repetitions=30, repair_hours=30)
     for policy in scenario.policies:
         result = run_policy(scenario, policy)
         allocation_hours = (scenario.gpus + scenario.spare_nodes * scenario.gpus_per_node) * scenario.days * 24
@@ -122,21 +126,8 @@ def test_lost_hours_and_useful_work_add_up_to_the_allocation():
 
 def test_hangs_stragglers_and_sick_nodes_cost_what_their_recoveries_cost():
     def scenario(**failures) -> Scenario:
-        return Scenario.model_validate(
-            {
-                "name": "kinds",
-                "gpus": 256,
-                "gpus_per_node": 8,
-                "tp": 8,
-                "pp": 4,
-                "dp": 8,
-                "days": 20,
-                "spare_nodes": 4,
-                "failures": {"interruptions_per_day": 6, **failures},
-                "checkpoint": {"interval_minutes": 60, "survivor_save_seconds": 10},
-                "repetitions": 40,
-            }
-        )
+        checkpoint = {"interval_minutes": 60, "survivor_save_seconds": 10}
+        return small_scenario(failures, spare_nodes=4, checkpoint=checkpoint, repetitions=40)
 
     crashes = run_policy(scenario(), "survivors")
     # A hang costs a death's recovery and its detection time, no more: its survivors keep the state too.
