@@ -1,15 +1,17 @@
 """The chaos matrix: each fault of lazarus/chaos/scenarios.py broken into a real run, one row each.
 
     .venv/bin/python bench/chaos.py [--only NAME[,NAME...]] [--repeat N] [--spec examples/demo.yaml]
-                                    [--kill-at-step N] [--json] [--keep DIR] [--list] [--markdown [PATH]]
+                                    [--kill-at-step N] [--slurm] [--json] [--keep DIR] [--list]
+                                    [--markdown [PATH]]
 
 Every scenario runs on a bed of its own: a Temporal dev server (a process on one SQLite file, so it
 can be SIGKILLed and come back with its workflows), `lazarus worker` processes, the local backend
-and the real trainer. A row says whether the run recovered, how many incidents and new
-incarnations it took, how many rank processes were started more than once, how many spares were
-claimed (and claimed twice), how many complete checkpoints a recovery lost, whether the losses
-equal those of the same spec trained without a fault (bit for bit; within 1e-4 relative after a
-reshard), and each incident's MTTR. `passed` holds all of that at once.
+(with --slurm, a real Slurm cluster of this machine, its daemons started for the sitting) and the
+real trainer. A row says whether the run recovered, how many incidents and new incarnations it
+took, how many rank processes were started more than once, how many spares were claimed (and
+claimed twice), how many complete checkpoints a recovery lost, whether the losses equal those of
+the same spec trained without a fault (bit for bit; within 1e-4 relative after a reshard), and
+each incident's MTTR. `passed` holds all of that at once.
 
 Blame: of the rows whose scenario broke one node (killed, stopped, held in a collective or a loop,
 slowed, made sick), the share whose first incident blamed exactly that node, and how many blamed a
@@ -36,6 +38,7 @@ from lazarus.chaos.judge import train_without_fault
 from lazarus.chaos.run import run_scenario
 from lazarus.chaos.scenarios import BY_NAME, SCENARIOS
 from lazarus.demo import DEFAULT_SPEC, default_kill_step
+from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
 from lazarus.local_paths import anchor_paths
 from lazarus.schema import load_spec
 from lazarus.schema.load import SpecError
@@ -63,6 +66,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--repeat", type=int, default=1, help="run each scenario this many times (default 1)")
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="on a real Slurm cluster of 5 nodes, started on this machine for the sitting (needs Slurm and "
+        "root: `make slurm-packages`), instead of the local backend",
+    )
     perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     if args.list:
@@ -81,14 +90,18 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-async def matrix(args: argparse.Namespace, spec, kill_at: int, root: Path, say) -> list[dict]:
+async def matrix(args: argparse.Namespace, spec, kill_at: int, root: Path, say, slurm=None) -> list[dict]:
     say(f"reference: {spec.trainer.steps} steps of {args.spec.name} without a fault")
     reference = await asyncio.to_thread(train_without_fault, root / "reference", spec)
     rows = []
     for i, name in enumerate(args.names, 1):
         scenario = BY_NAME[name]
         say(f"[{i}/{len(args.names)}] {name}: {scenario.what}")
-        row = await run_scenario(scenario, root / f"{name}-{i}", spec, kill_at, reference)
+        try:
+            row = await run_scenario(scenario, root / f"{name}-{i}", spec, kill_at, reference, slurm=slurm)
+        finally:
+            if slurm is not None:
+                slurm.reset()  # every node up and free for the next scenario
         say(f"    {'passed' if row.passed else 'FAILED'} in {row.seconds:.0f} s; MTTR {row.mttr_seconds} {row.notes}")
         rows.append(row.as_dict())
     return rows
@@ -149,6 +162,21 @@ def write_markdown(path: Path, sitting, rows: list[dict], spec_path: Path, kill_
     perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=[table], notes=notes)
 
 
+@contextlib.contextmanager
+def slurm_cluster(root: Path, say):
+    """A real Slurm cluster of 5 nodes for the sitting, stopped at its end."""
+    why = why_not_startable()
+    if why is not None:
+        raise SystemExit(f"bench/chaos.py --slurm: {why}")
+    daemons = SlurmDaemons(root / "slurm", nodes=5)
+    say(f"Slurm: starting 5 nodes in {daemons.folder}")
+    daemons.start()
+    try:
+        yield daemons
+    finally:
+        daemons.stop()
+
+
 def main() -> None:
     args = parse_args()
     sitting = perf_page.begin()
@@ -165,7 +193,10 @@ def main() -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
     with contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory() as root:
-        rows = asyncio.run(matrix(args, spec, kill_at, Path(root), say))
+        with slurm_cluster(Path(root), say) if args.slurm else contextlib.nullcontext() as slurm:
+            if slurm is not None:
+                spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"backend": "slurm"})})
+            rows = asyncio.run(matrix(args, spec, kill_at, Path(root), say, slurm))
     if args.markdown:
         write_markdown(args.markdown, sitting, rows, args.spec, kill_at)
     if args.json:

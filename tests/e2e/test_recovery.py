@@ -59,6 +59,7 @@ def assert_last_incarnation_matches(run: RunDir, incident: dict, reference: dict
     assert not mismatched, f"losses differ from the run without a fault: {mismatched}"
 
 
+@pytest.mark.web_ui
 def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, reference_losses):
     """`lazarus demo --json` kills a node; the spare takes over; losses equal the unfaulted run's."""
     env = lazarus_env(dev_env, home, f"demo-{uuid.uuid4().hex[:6]}")
@@ -108,6 +109,7 @@ def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, refe
     assert watches == {"watch incarnation 0", "watch incarnation 1"}
 
 
+@pytest.mark.web_ui
 def test_a_fault_free_demo_sized_run_writes_a_short_history(dev_env, home, tmp_path):
     """The demo's spec, shortened to 60 steps, without a fault: no progress reports in the history,
     only the run's own events (launch, one watch, the end)."""

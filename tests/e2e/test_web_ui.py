@@ -50,6 +50,7 @@ def chromium(profile: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: `make setup` installs it as root")
+@pytest.mark.web_ui
 def test_the_web_ui_shows_each_stage_of_a_recovery_with_its_summary(dev_env, home, tmp_path):
     spec = tmp_path / "demo.yaml"
     spec.write_text(DEMO_SPEC.read_text().replace("steps: 300 ", "steps: 60 "))

@@ -88,14 +88,14 @@ class FakeStages:
         resume_sleep=0.0,
         spare_returns_at_read: int | None = None,
         spare_dies_before_claim: bool = False,
-        drain_gate: asyncio.Event | None = None,
+        resume_gate: asyncio.Event | None = None,
         resumes: list | None = None,
         return_gate: asyncio.Event | None = None,
     ):
         self.watch = list(watch)
         self.resumes = list(resumes or [])
         self.return_gate = return_gate
-        self.drain_gate = drain_gate
+        self.resume_gate = resume_gate
         self.spare_dies_before_claim = spare_dies_before_claim
         self.spare_returns_at_read = spare_returns_at_read
         self.spares = list(spares)
@@ -177,9 +177,6 @@ class FakeStages:
         await self._after_the_watch()
         attempt = self._called("drain")
         self.drains.append(request)
-        if self.drain_gate is not None:
-            gate, self.drain_gate = self.drain_gate, None
-            await gate.wait()  # the test holds this drain open
         if attempt <= self.drain_failures:
             raise RuntimeError(f"transient drain failure on attempt {attempt}")
         for node in request.nodes:
@@ -223,6 +220,13 @@ class FakeStages:
     @activity.defn(name="resume")
     async def resume(self, request: ResumeInput) -> ResumeResult:
         attempt = self._called("resume")
+        if self.resume_gate is not None:
+            # The test holds this resume open. Not a drain: drain is a local activity, and while one
+            # runs, the workflow answers queries and updates only at its workflow task's heartbeats.
+            gate, self.resume_gate = self.resume_gate, None
+            while not gate.is_set():
+                activity.heartbeat()
+                await asyncio.sleep(0.05)
         if attempt <= self.resume_timeouts:
             await asyncio.sleep(self.resume_sleep)  # longer than the stage's timeout
         outcome = self.resumes.pop(0) if self.resumes else None

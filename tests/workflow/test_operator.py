@@ -114,14 +114,14 @@ async def test_drain_node_starts_the_same_recovery_and_refuses_unknown_nodes(dev
 
 async def test_drain_node_during_another_recovery_runs_after_it(dev_env):
     gate = asyncio.Event()
-    stages = FakeStages(watch=[fault(nodes=["node-2"]), "block", "done"], spares=("node-4", "node-5"), drain_gate=gate)
+    stages = FakeStages(watch=[fault(nodes=["node-2"]), "block", "done"], spares=("node-4", "node-5"), resume_gate=gate)
     # Two spares the run may hold (cluster.spare_nodes): one for each of its two recoveries.
     async with running(dev_env, stages, make_spec(cluster={"spare_nodes": 2})) as handle:
-        await until_state(handle, RunState.DRAINING)
-        assert "the run is DRAINING; pause once it trains again" in await refused(
+        await until_state(handle, RunState.RESUMING)
+        assert "the run is RESUMING; pause once it trains again" in await refused(
             handle, TrainingRun.pause, controls.PauseRequest()
         )
-        assert "the run is DRAINING; reshard once it trains" in await refused(
+        assert "the run is RESUMING; reshard once it trains" in await refused(
             handle, TrainingRun.reshard, controls.ReshardRequest(dp=2)
         )
         drain = asyncio.ensure_future(
