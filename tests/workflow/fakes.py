@@ -73,6 +73,13 @@ DRAINED_STEP = 37
 """The newest step the fake drain reads when asked: past any step the fake watch reports."""
 
 
+async def heartbeat_until(gate: asyncio.Event) -> None:
+    """Hold the calling activity open, heartbeating, until the test sets `gate`."""
+    while not gate.is_set():
+        activity.heartbeat()
+        await asyncio.sleep(0.05)
+
+
 class FakeStages:
     """The recovery activities, scripted: detect plays `watch` in order ("gate": wait, heartbeating,
     until `detect_gate` is set, then play the next item), resume plays `resumes`
@@ -141,9 +148,7 @@ class FakeStages:
         self._called("detect")
         step = self.watch.pop(0) if self.watch else "block"
         if step == "gate":
-            while not self.detect_gate.is_set():
-                activity.heartbeat()
-                await asyncio.sleep(0.05)
+            await heartbeat_until(self.detect_gate)
             step = self.watch.pop(0)
         if step == "block":
             # Watch until cancelled, as the real detect does.
@@ -224,9 +229,7 @@ class FakeStages:
             # The test holds this resume open. Not a drain: drain is a local activity, and while one
             # runs, the workflow answers queries and updates only at its workflow task's heartbeats.
             gate, self.resume_gate = self.resume_gate, None
-            while not gate.is_set():
-                activity.heartbeat()
-                await asyncio.sleep(0.05)
+            await heartbeat_until(gate)
         if attempt <= self.resume_timeouts:
             await asyncio.sleep(self.resume_sleep)  # longer than the stage's timeout
         outcome = self.resumes.pop(0) if self.resumes else None
