@@ -17,16 +17,17 @@ def python_script(command: list[str]) -> str | None:
     return None
 
 
-def missing_command(trainer: TrainerSettings, work_dir: Path, backend: str) -> str | None:
-    """Why the ranks could not start trainer.command in their working directory, or None. On the
-    local backend `python` is the worker's interpreter and paths are this machine's; on Kubernetes
-    only the pod can tell, so only a relative workdir is refused."""
+def missing_command(trainer: TrainerSettings, work_dir: Path, shares_host: bool) -> str | None:
+    """Why the ranks could not start trainer.command in their working directory, or None. Where
+    the ranks run on this machine (`shares_host`, the local backend) `python` is the worker's
+    interpreter and paths are this machine's; elsewhere only the node can tell, so only a relative
+    workdir is refused."""
     if trainer.workdir and not Path(trainer.workdir).is_absolute():
         return (
             f"trainer.workdir: {trainer.workdir!r} is relative; give an absolute path "
             "(`lazarus run start` and `lazarus launch` make it absolute from the folder they run in)"
         )
-    if backend != "local":
+    if not shares_host:
         return None
     folder = Path(trainer.workdir) if trainer.workdir else work_dir
     program = trainer.command[0]

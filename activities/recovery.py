@@ -29,6 +29,7 @@ from lazarus.activities.resuming import (
 )
 from lazarus.activities.running import in_thread, timed
 from lazarus.activities.watching import progress_of, watch, watch_until_reported
+from lazarus.infra import registry
 from lazarus.infra.backend import ClusterBackend, ClusterError, QuarantineRefused
 from lazarus.infra.ownership import NotOwner, StillActing
 from lazarus.schema.nodelist import natural_key
@@ -84,16 +85,11 @@ class RecoveryActivities:
     @timed("launch")
     async def launch(self, request: LaunchInput) -> LaunchResult:
         """Create the run's directory and inventory, assign the active nodes, start incarnation 0."""
-        wanted = request.spec.cluster.backend
-        if wanted != self.cluster.backend:
-            raise ApplicationError(
-                f"cluster.backend is {wanted!r} but this worker drives the {self.cluster.backend!r} "
-                f"backend; start a worker with `lazarus worker --backend {wanted}`",
-                type="WrongBackend",
-                non_retryable=True,
-            )
+        refused = registry.refuses(self.cluster, request.spec.cluster.backend)
+        if refused:
+            raise ApplicationError(refused, type="WrongBackend", non_retryable=True)
         work_dir = self.cluster.run_dir(request.run_id).work_dir
-        missing = missing_command(request.spec.trainer, work_dir, self.cluster.backend)
+        missing = missing_command(request.spec.trainer, work_dir, self.cluster.shares_host)
         if missing:
             raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
         async with acting_for_owner(self.cluster, request):  # after the checks: a refused launch leaves no owner

@@ -1,10 +1,10 @@
 """The seam between the recovery activities and a cluster: what a backend must do, and what one
 look at an incarnation returns.
 
-Two backends implement it, infra/local.py (each node a group of rank processes on this machine)
-and infra/kubernetes.py (a pod per node on a labelled pool); tests/backends/ runs one behavioural
-suite against both. The activities (activities/recovery.py) know only this Protocol. Every method
-but wait_for_exit blocks, so the activities call them in a thread.
+The backends that implement it are registered by name in infra/registry.py; tests/backends/ runs
+one behavioural suite against them. The activities (activities/recovery.py) and the commands know
+only this Protocol: where a backend differs, they ask it for a capability, never its name. Every
+method but wait_for_exit blocks, so the activities call them in a thread.
 """
 
 from __future__ import annotations
@@ -99,8 +99,28 @@ class ClusterBackend(Protocol):
     """Whether observe reads only this machine's files and memory, never waiting on another
     program: then a watch takes its looks on the worker's event loop, without a hop to a thread
     (which costs several times what a look at a small run does)."""
+    shares_host: bool
+    """Whether the ranks run on the worker's own machine: `python` is the worker's interpreter, a
+    path is this machine's, and a run's processes can be stopped from here without a worker."""
+    shares_paths: bool
+    """Whether the ranks see the paths of the machine a run is started from (a script, a workdir),
+    rather than the paths inside an image."""
+    quarantines_in_cluster: bool
+    """Whether a quarantine also marks the node in the cluster itself (drained, cordoned), so that
+    returning the node must go through the backend, not only the pool's record."""
     home: Path
     """Where run directories live (`home/runs/<run id>`)."""
+
+    @classmethod
+    def open(cls, options) -> ClusterBackend:
+        """The backend, its cluster reached, from a BackendOptions (infra/registry.py); ClusterError,
+        one line, where it cannot be reached."""
+        ...
+
+    @classmethod
+    def placement(cls, cluster) -> str:
+        """Where a run's nodes are, as words that follow "N node(s)" ("" for this machine)."""
+        ...
 
     def run_dir(self, run_id: str) -> RunDir:
         """The run's directory (it may not exist yet)."""

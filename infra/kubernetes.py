@@ -78,6 +78,16 @@ class KubernetesCluster(RunFiles):
 
     backend = "kubernetes"
     records_stages = True
+    quarantines_in_cluster = True  # a quarantined node is cordoned and tainted
+
+    @classmethod
+    def open(cls, options):
+        """The cluster of the in-cluster service account, else of ~/.kube/config; ClusterError,
+        one line, where neither is there."""
+        try:
+            return cls(options.home, qps=options.kube_qps, burst=options.kube_burst)
+        except Exception as error:  # noqa: BLE001 - no kubeconfig, no service account: say so, no traceback
+            raise ClusterError(f"cannot reach a Kubernetes API ({error})") from None
 
     def __init__(
         self, home: str | Path, api: k8s.ApiClient | None = None, qps: float = CLIENT_QPS, burst: int = CLIENT_BURST

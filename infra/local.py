@@ -45,6 +45,8 @@ class LocalCluster(RunFiles):
     backend = "local"
     quick_observe = True  # the run directory's files and the pool's record
     vets_spares = True  # a spare's health check runs here, where its ranks would
+    shares_host = True  # the ranks are this machine's processes
+    shares_paths = True
 
     def __init__(self, home: str | Path, python: str = sys.executable):
         super().__init__(home)

@@ -68,6 +68,19 @@ class RunFiles:
 
     records_stages = False
     quick_observe = False
+    shares_host = False
+    shares_paths = False
+    quarantines_in_cluster = False
+
+    @classmethod
+    def open(cls, options):
+        """The backend on options.home (a BackendOptions, infra/registry.py)."""
+        return cls(options.home)
+
+    @classmethod
+    def placement(cls, cluster) -> str:
+        """Where a run's nodes are, as words that follow "N node(s)" ("" for this machine)."""
+        return ""
 
     def __init__(self, home: str | Path):
         self.home = Path(home).resolve()

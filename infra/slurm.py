@@ -73,6 +73,29 @@ class SlurmCluster(LocalCluster):
     backend = "slurm"
     quick_observe = False  # it asks slurmctld which nodes are down (sinfo)
     vets_spares = False  # a spare's health check would have to run on the node, in the run's allocation
+    shares_host = False  # the ranks run on the cluster's nodes, which share LAZARUS_HOME's path
+    quarantines_in_cluster = True  # a quarantined node is drained in Slurm
+
+    @classmethod
+    def open(cls, options):
+        """The Slurm cluster SLURM_CONF names, once slurmctld answers: ClusterError, one line, where
+        SLURM_CONF names no file or no controller answers."""
+        conf = os.environ.get("SLURM_CONF")
+        if conf and not Path(conf).is_file():
+            # Slurm's clients would retry reading it for a minute before they say so.
+            raise ClusterError(f"SLURM_CONF names {conf}, which is not a file")
+        cluster = cls(options.home)
+        try:
+            cluster.node_states()
+        except ClusterError as error:
+            raise ClusterError(f"cannot reach a Slurm controller ({error}); is SLURM_CONF set?") from None
+        return cluster
+
+    @classmethod
+    def placement(cls, cluster) -> str:
+        """The Slurm cluster, and its partition where the spec names one."""
+        partition = f" (partition {cluster.slurm.partition})" if cluster.slurm.partition else ""
+        return f" on the Slurm cluster SLURM_CONF names{partition}"
 
     def __init__(self, home: str | Path, python: str = sys.executable, environ: dict | None = None):
         super().__init__(home, python)

@@ -23,7 +23,7 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
-from lazarus.commands.common import OneLineParser, UserError, connect_client, slurm_cluster
+from lazarus.commands.common import OneLineParser, UserError, connect_client, open_cluster
 from lazarus.launch_follow import Interruption
 
 # The torchrun flags that mean nothing under Lazarus, each with the reason said once for its group.
@@ -53,10 +53,17 @@ IGNORED_FLAGS = {
     "not supported: the ranks run as torchrun's defaults run them": ("numa-binding", "virtual-local-rank", "role"),
 }
 SHORT_FLAGS = {"redirects": "-r", "tee": "-t"}
-KUBERNETES_REFUSED = (
-    "lazarus launch drives the local and Slurm backends (--backend local|slurm); on Kubernetes start a "
-    "worker (`lazarus worker --backend kubernetes`) and the run with `lazarus run start`"
-)
+
+
+def refused_backend(name: str) -> str:
+    """Why `lazarus launch` does not drive `name`: its nodes do not see this folder's paths."""
+    from lazarus.infra.registry import backend_class, spec_names
+
+    launchable = "|".join(n for n in spec_names() if backend_class(n).shares_paths)
+    return (
+        f"lazarus launch drives the backends whose nodes share this folder's paths (--backend {launchable}); "
+        f"on {name} start a worker (`lazarus worker --backend {name}`) and the run with `lazarus run start`"
+    )
 
 
 class LaunchParser(OneLineParser):
@@ -126,14 +133,14 @@ def _own_flags(own) -> None:
     """Lazarus's flags beside torchrun's: the backend, spares, a spec to start from, and how to read a script."""
     own.add_argument(
         "--backend",
-        choices=["local", "slurm", "kubernetes"],
-        metavar="{local,slurm}",
-        help="where the nodes are: `local` runs each node's ranks as processes of this machine; `slurm` holds the "
-        "nodes in one allocation of the Slurm cluster SLURM_CONF names (cluster.slurm's partition, account and "
-        "time limit) and runs each node's ranks as a job step on it, with LAZARUS_HOME and the working directory "
-        "on a path every node shares; Ctrl-C or the run's end gives the allocation back (default: a --spec's "
-        "cluster.backend, else local). Kubernetes is refused: start a worker (`lazarus worker --backend "
-        "kubernetes`) and the run with `lazarus run start`",
+        metavar="NAME",
+        help="where the nodes are, a backend whose nodes share this folder's paths: `local` runs each "
+        "node's ranks as processes of this machine; `slurm` holds the nodes in one allocation of the Slurm "
+        "cluster SLURM_CONF names (cluster.slurm's partition, account and time limit) and runs each node's "
+        "ranks as a job step on it, with LAZARUS_HOME and the working directory on a path every node "
+        "shares; Ctrl-C or the run's end gives the allocation back (default: a --spec's cluster.backend, "
+        "else local). Kubernetes is refused: start a worker (`lazarus worker --backend kubernetes`) and the "
+        "run with `lazarus run start`",
     )
     own.add_argument("--spares", type=int, metavar="N", help="hot spare nodes (default 1)")
     own.add_argument("--spec", metavar="FILE", help="start from this run spec (policy, faults, ...); flags override it")
@@ -208,7 +215,8 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 def build_spec(args: argparse.Namespace, folder: Path):
     """The run spec the flags describe (on --spec's, if given), its paths taken from `folder`."""
-    from lazarus.commands.common import load_run_spec
+    from lazarus.commands.common import load_run_spec, registered_backend
+    from lazarus.infra.registry import DEFAULT_BACKEND
     from lazarus.local_paths import anchor_paths
     from lazarus.schema.load import SpecError, parse_spec
 
@@ -235,9 +243,10 @@ def build_spec(args: argparse.Namespace, folder: Path):
     if base is None or args.nnodes or args.nproc_per_node:
         data["layout"] = {"dp": high * per_node, "pp": 1, "tp": 1, "ranks_per_node": per_node}
     cluster = data.setdefault("cluster", {})
-    cluster["backend"] = args.backend or (base.cluster.backend if base else "local")
-    if cluster["backend"] == "kubernetes":
-        raise UserError(KUBERNETES_REFUSED)
+    cluster["backend"] = args.backend or (base.cluster.backend if base else DEFAULT_BACKEND)
+    backend = registered_backend(cluster["backend"], "--backend" if args.backend else "cluster.backend")
+    if not backend.shares_paths:
+        raise UserError(refused_backend(cluster["backend"]))
     cluster["active_nodes"] = high
     if args.spares is not None:
         cluster["spare_nodes"] = args.spares
@@ -252,7 +261,7 @@ def build_spec(args: argparse.Namespace, folder: Path):
         spec = parse_spec(data)
     except SpecError as error:
         raise UserError(str(error)) from None
-    return anchor_paths(spec, folder)
+    return anchor_paths(spec, folder, backend.shares_paths)
 
 
 def run_id_for(args: argparse.Namespace, name: str) -> str:
@@ -283,7 +292,7 @@ async def launch(args: argparse.Namespace, settings) -> int:
     if note:
         say(note)
     settings = dataclasses.replace(settings, task_queue=f"{settings.task_queue}-launch-{uuid.uuid4().hex[:8]}")
-    _say_start(spec, run_id, settings, say)
+    _say_start(spec, run_id, settings, cluster, say)
     interruption = Interruption(say)
     with interruption.installed():
         try:
@@ -299,28 +308,22 @@ async def launch(args: argparse.Namespace, settings) -> int:
             return code
 
 
-def _say_start(spec, run_id: str, settings, say) -> None:
+def _say_start(spec, run_id: str, settings, backend, say) -> None:
     """The first lines: the nodes (and on Slurm, whose), where the ranks run, where the run is seen."""
     cluster, dp, min_dp = spec.cluster, spec.layout.dp, spec.recovery.min_dp
     shrink = f"it may shrink to dp={min_dp}" if min_dp < dp else "it never shrinks: without a spare it waits for one"
-    where = ""
-    if cluster.backend == "slurm":
-        partition = f" (partition {cluster.slurm.partition})" if cluster.slurm.partition else ""
-        where = f" on the Slurm cluster SLURM_CONF names{partition}"
     say(
         f"run {run_id}: {cluster.active_nodes} node(s) x {spec.layout.ranks_per_node} rank(s) + "
-        f"{cluster.spare_nodes} hot spare(s){where}; {shrink}"
+        f"{cluster.spare_nodes} hot spare(s){backend.placement(cluster)}; {shrink}"
     )
     say(f"working directory: {spec.trainer.workdir}")
     say(f"web UI: {settings.workflow_url(run_id)}")
 
 
 def cluster_for(spec, settings):
-    """The backend the spec names: this machine's processes, or the Slurm cluster once slurmctld
-    answers (else UserError, one line)."""
-    from lazarus.infra.local import LocalCluster
-
-    return slurm_cluster(settings) if spec.cluster.backend == "slurm" else LocalCluster(settings.home)
+    """The backend the spec names, its cluster reached (on Slurm, once slurmctld answers; else
+    UserError, one line)."""
+    return open_cluster(spec.cluster.backend, settings)
 
 
 async def _serve(spec, run_id: str, settings, cluster, say):

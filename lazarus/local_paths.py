@@ -22,13 +22,14 @@ def _absolute(path: str, folder: Path) -> str:
     return str(candidate.resolve()) if not Path(path).is_absolute() and candidate.exists() else path
 
 
-def anchor_paths(spec: RunSpec, folder: Path) -> RunSpec:
-    """The spec with the trainer's relative paths taken from `folder`, on the local backend and on
-    Slurm, whose nodes share the paths (on Kubernetes they are paths inside the image): a relative
+def anchor_paths(spec: RunSpec, folder: Path, shares_paths: bool) -> RunSpec:
+    """The spec with the trainer's relative paths taken from `folder`, where the backend's nodes
+    share this machine's paths (`shares_paths`: local, Slurm; on Kubernetes they are paths inside
+    the image): a relative
     workdir; the script of `python script.py` or a program named by a relative path; for `python -m
     package`, the folder holding the package goes on the ranks' PYTHONPATH."""
     trainer = spec.trainer
-    if spec.cluster.backend == "kubernetes" or trainer.built_in:
+    if not shares_paths or trainer.built_in:
         return spec
     command, env = list(trainer.command), dict(trainer.env)
     if "/" in command[0]:

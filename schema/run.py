@@ -190,12 +190,15 @@ class TrainerSettings(Strict):
 class ClusterSpec(Strict):
     """Where the ranks run and how many nodes stand by."""
 
-    backend: Literal["local", "kubernetes", "slurm"] = Field(
+    backend: str = Field(
         default="local",
+        pattern=r"^[a-z][a-z0-9-]*$",
+        max_length=63,
         description=(
-            "Cluster backend: `local` runs each node as rank processes on this machine; `kubernetes` runs a "
-            "pod per node on the nodes labelled `lazarus.dev/pool`; `slurm` runs each node's ranks as a job "
-            "step of one allocation of the Slurm cluster that SLURM_CONF names."
+            "Cluster backend, by the name it is registered under (infra/registry.py; the commands and the "
+            "worker refuse a name none is): `local` runs each node as rank processes on this machine; "
+            "`kubernetes` runs a pod per node on the nodes labelled `lazarus.dev/pool`; `slurm` runs each "
+            "node's ranks as a job step of one allocation of the Slurm cluster that SLURM_CONF names."
         ),
     )
     kubernetes: KubernetesSettings = Field(

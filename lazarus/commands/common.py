@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from lazarus.config import ENV_SLURM_CONF, Settings
+from lazarus.config import Settings
 
 
 class UserError(Exception):
@@ -63,27 +62,34 @@ def load_run_spec(path: str | Path):
     from lazarus.schema.load import SpecError, load_spec
 
     try:
-        return anchor_paths(load_spec(path), Path.cwd())
+        spec = load_spec(path)
     except SpecError as error:
         raise UserError(str(error)) from None
+    return anchor_paths(spec, Path.cwd(), registered_backend(spec.cluster.backend).shares_paths)
 
 
-def slurm_cluster(settings: Settings):
-    """The Slurm backend of `lazarus worker --backend slurm` and `lazarus launch --backend slurm`,
-    once slurmctld answers: a missing or unreachable Slurm is one line (UserError), no traceback."""
+def open_cluster(name: str, settings: Settings, **options):
+    """The backend `name` (infra/registry.py) on LAZARUS_HOME, its cluster reached; a name no
+    backend has, a missing Slurm or Kubernetes API is one line (UserError), no traceback. `options`
+    are BackendOptions' other fields."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.slurm import SlurmCluster
+    from lazarus.infra.registry import BackendOptions, open_backend
 
-    conf = os.environ.get(ENV_SLURM_CONF)
-    if conf and not Path(conf).is_file():
-        # Slurm's clients would retry reading it for a minute before they say so.
-        raise UserError(f"--backend slurm: SLURM_CONF names {conf}, which is not a file")
-    cluster = SlurmCluster(settings.home)
     try:
-        cluster.node_states()
+        return open_backend(name, BackendOptions(settings.home, **options))
     except ClusterError as error:
-        raise UserError(f"--backend slurm: cannot reach a Slurm controller ({error}); is SLURM_CONF set?") from None
-    return cluster
+        raise UserError(f"--backend {name}: {error}") from None
+
+
+def registered_backend(name: str, named_by: str = "cluster.backend"):
+    """The class of the backend `name` (infra/registry.py); UserError, saying what `named_by` it
+    (a spec's field, a flag), where none is registered under that name."""
+    from lazarus.infra.registry import UnknownBackend, backend_class
+
+    try:
+        return backend_class(name)
+    except UnknownBackend as error:
+        raise UserError(f"{named_by}: {error}") from None
 
 
 def server_error(error: BaseException, address: str) -> str | None:

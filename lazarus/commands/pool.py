@@ -17,7 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lazarus.commands.common import UserError, connect_client, node_name, positive_int, slurm_cluster
+from lazarus.commands.common import (
+    UserError,
+    connect_client,
+    node_name,
+    open_cluster,
+    positive_int,
+    registered_backend,
+)
 from lazarus.config import Settings
 
 
@@ -154,10 +161,12 @@ async def return_node(args: argparse.Namespace, settings: Settings) -> int:
         print(f"{node.name} is a free spare again (returned through run {quarantined_by})")
         return 0
     try:
-        if quarantined_by and _backend_of(settings, quarantined_by) == "slurm":
-            # The run that drained it in Slurm has ended: it is resumed there, then freed here.
-            slurm_cluster(settings).return_node(quarantined_by, node.name)
-            print(f"{node.name} is a free spare again (resumed in Slurm)")
+        backend = _backend_of(settings, quarantined_by) if quarantined_by else None
+        if quarantined_by and backend and registered_backend(backend).quarantines_in_cluster:
+            # The run that marked it in its cluster (drained in Slurm) has ended: it is returned
+            # there, then freed here.
+            open_cluster(backend, settings).return_node(quarantined_by, node.name)
+            print(f"{node.name} is a free spare again (returned in its {backend} cluster)")
             return 0
         pool.return_node(node.name)
     except ClusterError as error:

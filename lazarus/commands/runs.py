@@ -6,7 +6,16 @@ import argparse
 import asyncio
 from datetime import datetime
 
-from lazarus.commands.common import RUN_HELP, UserError, connect_client, load_run_spec, node_name, positive_int, run_id
+from lazarus.commands.common import (
+    RUN_HELP,
+    UserError,
+    connect_client,
+    load_run_spec,
+    node_name,
+    positive_int,
+    registered_backend,
+    run_id,
+)
 from lazarus.config import Settings
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "ABORTED")
@@ -83,7 +92,8 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
 
     spec = load_run_spec(args.spec)
     run_id = args.run_id or f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    missing = missing_command(spec.trainer, RunDir(settings.home / "runs" / run_id).work_dir, spec.cluster.backend)
+    work_dir = RunDir(settings.home / "runs" / run_id).work_dir
+    missing = missing_command(spec.trainer, work_dir, registered_backend(spec.cluster.backend).shares_host)
     if missing:
         raise UserError(missing)
     client = await connect_client(settings)

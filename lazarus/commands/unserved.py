@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 
-from lazarus.commands.common import UserError
+from lazarus.commands.common import UserError, registered_backend
 from lazarus.config import Settings
 
 ACCEPT_SECONDS = 5.0
@@ -27,8 +27,9 @@ checks that a worker still serves the run (seconds)."""
 
 def start_worker_hint(task_queue: str, backend: str) -> str:
     """How to start a worker for a run on `task_queue` whose cluster is `backend`."""
-    flags = f" --backend {backend}" if backend in ("kubernetes", "slurm") else ""
-    return f"start one with `LAZARUS_TASK_QUEUE={task_queue} lazarus worker{flags}`"
+    from lazarus.infra.registry import worker_flags
+
+    return f"start one with `LAZARUS_TASK_QUEUE={task_queue} lazarus worker{worker_flags(backend)}`"
 
 
 async def run_start(client, run_id: str):
@@ -107,9 +108,10 @@ async def abort_here(client, settings: Settings, args, started: tuple[str, bool]
     run_id, (backend, launched) = args.run_id, started
     cluster = LocalCluster(settings.home)
     run = cluster.run_dir(run_id)
-    here = backend == "local" and run.spec_file.exists()
+    on_this_machine = registered_backend(backend).shares_host
+    here = on_this_machine and run.spec_file.exists()
     refused = f"abort refused: no worker serves run {run_id} ({why})"
-    if launched and backend != "local":
+    if launched and not on_this_machine:
         raise UserError(f"{refused} and only a worker stops its {backend} ranks; {hint}, then abort again")
     if launched and not here:
         raise UserError(

@@ -7,8 +7,9 @@ import asyncio
 import os
 
 from lazarus import config
-from lazarus.commands.common import UserError, connect_client, slurm_cluster
+from lazarus.commands.common import UserError, connect_client, open_cluster
 from lazarus.config import Settings
+from lazarus.infra import registry
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -16,13 +17,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     worker = commands.add_parser("worker", help="run the Lazarus worker (workflow and activities) until Ctrl-C")
     worker.add_argument(
         "--backend",
-        choices=["local", "kubernetes", "slurm", "simulated"],
-        default=os.environ.get(config.ENV_BACKEND, "local"),
-        help="cluster the activities drive: local rank processes, pods through the Kubernetes API "
-        "(in-cluster service account, else ~/.kube/config), job steps of the Slurm cluster SLURM_CONF "
-        "names (LAZARUS_HOME on a path every node shares), or simulated nodes that only report (the "
-        "local pool without processes, for exercising the controller with fleets this machine cannot "
-        "run; specs keep cluster.backend local) (default: LAZARUS_BACKEND, else local)",
+        choices=registry.names(),
+        default=os.environ.get(config.ENV_BACKEND, registry.DEFAULT_BACKEND),
+        help=f"cluster the activities drive: {registry.summaries()} (default: LAZARUS_BACKEND, else "
+        f"{registry.DEFAULT_BACKEND})",
     )
     worker.add_argument(
         "--metrics-port",
@@ -59,24 +57,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _cluster(args: argparse.Namespace, settings: Settings):
-    from lazarus.infra.local import LocalCluster
-
-    if args.backend == "slurm":
-        return slurm_cluster(settings)
-    if args.backend == "simulated":
-        from lazarus.infra.simulated import SimulatedCluster
-
-        return SimulatedCluster(settings.home)
-    if args.backend != "kubernetes":
-        return LocalCluster(settings.home)
-    from lazarus.infra.kubernetes import KubernetesCluster
-
     if not args.kube_qps > 0 or args.kube_burst < 1:
         raise UserError("--kube-qps must be positive and --kube-burst at least 1")
-    try:
-        return KubernetesCluster(settings.home, qps=args.kube_qps, burst=args.kube_burst)
-    except Exception as error:  # noqa: BLE001 - no kubeconfig, no service account: say so, no traceback
-        raise UserError(f"--backend kubernetes: cannot reach a Kubernetes API ({error})") from None
+    return open_cluster(args.backend, settings, kube_qps=args.kube_qps, kube_burst=args.kube_burst)
 
 
 async def work(args: argparse.Namespace, settings: Settings) -> int:

@@ -306,9 +306,12 @@ def test_a_signal_ends_a_launch_on_slurm_and_its_allocation(dev_env, slurm_daemo
         ([], "no SCRIPT given"),
         (
             ["--backend", "kubernetes", "train.py"],
-            "on Kubernetes start a worker (`lazarus worker --backend kubernetes`)",
+            "on kubernetes start a worker (`lazarus worker --backend kubernetes`)",
         ),
-        (["--backend", "pbs", "train.py"], "argument --backend: invalid choice: 'pbs'"),
+        (
+            ["--backend", "pbs", "train.py"],
+            "--backend: 'pbs' is not a backend; the backends are local, kubernetes, slurm",
+        ),
     ],
 )
 def test_a_mistake_is_one_line_naming_it(tmp_path, args, said):

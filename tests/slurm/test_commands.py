@@ -35,7 +35,7 @@ def test_pool_return_resumes_a_node_an_ended_slurm_run_drained(slurm_daemons, tm
             timeout=60,
         )
         assert done.returncode == 0, done.stderr
-        assert done.stdout == "node-1 is a free spare again (resumed in Slurm)\n"
+        assert done.stdout == "node-1 is a free spare again (returned in its slurm cluster)\n"
         assert slurm_daemons.states()["node-1"].startswith("idle")  # `idle*` until slurmctld pings it again
         assert cluster.pool.read().node("node-1").role == "free"
     finally:

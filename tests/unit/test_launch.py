@@ -81,32 +81,39 @@ def test_kubernetes_is_refused_with_what_to_do_instead(project):
         with pytest.raises(UserError) as refused:
             spec_of(*flags, "train.py", folder=project)
         said = str(refused.value)
-        assert "lazarus launch drives the local and Slurm backends (--backend local|slurm)" in said
+        assert (
+            "lazarus launch drives the backends whose nodes share this folder's paths (--backend local|slurm)" in said
+        )
         assert "`lazarus worker --backend kubernetes`" in said and "`lazarus run start`" in said
 
 
 def test_help_explains_the_backend_flag():
     shown = " ".join(build_parser().format_help().split())
-    assert "--backend {local,slurm}" in shown
+    assert "--backend NAME where the nodes are, a backend whose nodes share this folder's paths" in shown
     assert "one allocation of the Slurm cluster SLURM_CONF names" in shown
     assert "Ctrl-C or the run's end gives the allocation back" in shown
     assert "(default: a --spec's cluster.backend, else local)" in shown
 
 
 def test_the_first_line_names_the_slurm_cluster_and_its_partition(project):
+    from lazarus.infra.registry import backend_class
+
     class Settings:
         def workflow_url(self, run_id):
             return f"http://ui/{run_id}"
 
     (project / "run.yaml").write_text(SLURM_SPEC)
     said: list[str] = []
-    _say_start(spec_of("--spec", "run.yaml", "train.py", folder=project), "r1", Settings(), said.append)
+    on_slurm = spec_of("--spec", "run.yaml", "train.py", folder=project)
+    _say_start(on_slurm, "r1", Settings(), backend_class("slurm"), said.append)
     assert said[0] == (
         "run r1: 2 node(s) x 1 rank(s) + 1 hot spare(s) on the Slurm cluster SLURM_CONF names (partition gpu); "
         "it may shrink to dp=1"
     )
     said.clear()
-    _say_start(spec_of("--nnodes", "2", "train.py", folder=project), "r1", Settings(), said.append)
+    _say_start(
+        spec_of("--nnodes", "2", "train.py", folder=project), "r1", Settings(), backend_class("local"), said.append
+    )
     assert (
         said[0] == "run r1: 2 node(s) x 1 rank(s) + 1 hot spare(s); it never shrinks: without a spare it waits for one"
     )

@@ -52,11 +52,17 @@ def test_a_stage_whose_longest_retry_wait_is_below_its_first_is_refused():
     assert message.startswith("recovery.stages.drain: max_retry_seconds (10) is less than initial_retry_seconds (20)")
 
 
-def test_unknown_backend_is_refused():
-    assert (
-        refuse({"cluster": {"backend": "lsf"}})
-        == "cluster.backend: 'lsf' is not supported; must be 'local', 'kubernetes' or 'slurm'"
+def test_unknown_backend_is_refused(tmp_path):
+    # The spec holds any well-formed name; the commands ask the registry which names are backends.
+    from lazarus.commands.common import UserError, load_run_spec
+
+    assert refuse({"cluster": {"backend": "LSF!"}}) == (
+        "cluster.backend: 'LSF!' is not allowed; use lowercase letters, digits and dashes"
     )
+    (tmp_path / "run.yaml").write_text("name: r\ncluster: {backend: lsf}\n")
+    with pytest.raises(UserError) as refused:
+        load_run_spec(tmp_path / "run.yaml")
+    assert str(refused.value) == "cluster.backend: 'lsf' is not a backend; the backends are local, kubernetes, slurm"
 
 
 def test_unknown_field_is_refused():
@@ -167,20 +173,24 @@ def test_relative_paths_are_taken_from_the_folder_the_run_starts_in(tmp_path):
     (tmp_path / "train.py").write_text("")
     (tmp_path / "mypkg").mkdir()
     script = parse_spec({"name": "ok", "trainer": {"command": ["python", "train.py", "--out", "x"], "workdir": "w"}})
-    anchored = anchor_paths(script, tmp_path).trainer
+    anchored = anchor_paths(script, tmp_path, True).trainer
     assert anchored.command == ["python", str(tmp_path / "train.py"), "--out", "x"]
     assert anchored.workdir == str(tmp_path / "w")
-    module = anchor_paths(parse_spec({"name": "ok", "trainer": {"command": ["python", "-m", "mypkg.train"]}}), tmp_path)
+    module_spec = parse_spec({"name": "ok", "trainer": {"command": ["python", "-m", "mypkg.train"]}})
+    module = anchor_paths(module_spec, tmp_path, True)
     assert module.trainer.env["PYTHONPATH"] == str(tmp_path) and module.trainer.command[2] == "mypkg.train"
     built_in = parse_spec({"name": "ok"})
-    assert anchor_paths(built_in, tmp_path) == built_in
+    assert anchor_paths(built_in, tmp_path, True) == built_in
     # Slurm's nodes share the paths of the folder the run starts in; a pod's are the image's.
+    from lazarus.infra.registry import backend_class
+
     on = {
         b: parse_spec({"name": "ok", "trainer": {"command": ["python", "train.py"]}, "cluster": {"backend": b}})
         for b in ("slurm", "kubernetes")
     }
-    assert anchor_paths(on["slurm"], tmp_path).trainer.command == ["python", str(tmp_path / "train.py")]
-    assert anchor_paths(on["kubernetes"], tmp_path).trainer.command == ["python", "train.py"]
+    slurm, kubernetes = (anchor_paths(on[b], tmp_path, backend_class(b).shares_paths) for b in on)
+    assert slurm.trainer.command == ["python", str(tmp_path / "train.py")]
+    assert kubernetes.trainer.command == ["python", "train.py"]
 
 
 def test_a_tensor_parallel_group_never_spans_nodes():
