@@ -50,7 +50,7 @@ browser:
 	    || echo "chromium not installed (needs root and apt-get): the web UI check will skip; install it with: apt-get install chromium"; \
 	}
 
-# Debian's Slurm and munge run a real Slurm cluster on this machine (lazarus.infra.slurm_daemons; the
+# Debian's Slurm and munge run a real Slurm cluster on this machine (lazarus.infra.harness.slurm_daemons; the
 # tests in tests/slurm start their own). Like haproxy: installed only as root with apt-get, never
 # failing the set-up; without them the Slurm tests skip, as this line says.
 slurm-packages:
@@ -67,10 +67,10 @@ slurm-packages:
 
 # A Slurm cluster of 5 nodes (node-0..node-4) in .lazarus/slurm, on free ports; `make slurm-down` stops it.
 slurm: $(STAMP) slurm-packages
-	$(PY) -m lazarus.infra.slurm_daemons up --folder .lazarus/slurm --nodes 5
+	$(PY) -m lazarus.infra.harness.slurm_daemons up --folder .lazarus/slurm --nodes 5
 
 slurm-down: $(STAMP)
-	$(PY) -m lazarus.infra.slurm_daemons down --folder .lazarus/slurm
+	$(PY) -m lazarus.infra.harness.slurm_daemons down --folder .lazarus/slurm
 
 demo: $(STAMP)
 	.venv/bin/lazarus demo $(ARGS)

@@ -5,7 +5,7 @@
 
 Every run is a real TrainingRun workflow on a private Temporal dev server, served by --workers
 `lazarus worker --backend simulated` processes on one task queue, with the real recovery
-activities; only the nodes are simulated (infra/simulated.py: a process of simulated launchers
+activities; only the nodes are simulated (infra/backends/simulated/cluster.py: a process of simulated launchers
 keeps each node's report, as a real launcher does), so what is measured is the controller:
 Temporal, the workflow, the activities, the pool and the run directories. Each run has 4 active
 nodes, and the pool the runs share holds one free spare per run. Once every run trains, the
@@ -54,8 +54,8 @@ from lazarus.client import run_status, start_run
 from lazarus.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
 from lazarus.history import chain_histories, incident_spans
 from lazarus.infra.backend import free_ports
+from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
 from lazarus.infra.pool import LocalPool
-from lazarus.infra.temporal_server import local_environment, quiet_runtime
 from lazarus.schema import RunState, parse_spec
 from lazarus.schema.rundir import RunDir
 

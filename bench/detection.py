@@ -11,7 +11,7 @@ test). Printed per run: steps, the derived hang time at the end, the longest sta
 (the time between two looks that saw the step advance), the largest ratio of a node's median
 work per step to its peers', and the alarms.
 
---uniform-steps N adds a run of N steps with every node slowed 2x (infra/slow_node.py, every node
+--uniform-steps N adds a run of N steps with every node slowed 2x (infra/backends/local/slow_node.py, every node
 stopped and continued together): a run slow everywhere must raise nothing.
 
 --scripts adds fault-free runs of a script that reports no steps and knows nothing of Lazarus
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 from bench import perf_page
 from lazarus.activities.pace import Pace
 from lazarus.activities.running import look
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.slow_node import slow_node
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.backends.local.slow_node import slow_node
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
 

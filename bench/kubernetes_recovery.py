@@ -40,8 +40,8 @@ from bench.recovery import COLUMNS, row
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.infra.backend import free_port
-from lazarus.infra.kubernetes import KubernetesCluster
-from lazarus.infra.temporal_server import local_environment
+from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
+from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.worker import build_worker
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread

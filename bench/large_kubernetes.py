@@ -24,7 +24,7 @@ from kubernetes import client as k8s
 
 from bench import perf_page
 from bench.large_run import large_spec
-from lazarus.infra.kubernetes import KubernetesCluster
+from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
 from lazarus.schema.records import Assignment
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
 from tests.support.kubernetes import add_node, api_client

@@ -6,7 +6,7 @@
 
 For each size, one run of NODES x 8 ranks (tp 8 in a node, pp 16, dp NODES/16) on a private
 Temporal dev server, served by this process's worker with the real activities, on the simulated
-backend (infra/simulated.py: LocalCluster with every launcher replaced by the node report it
+backend (infra/backends/simulated/cluster.py: LocalCluster with every launcher replaced by the node report it
 would keep, so a look reads and parses one file per node as on a real run). Once it trains,
 --faults nodes die one after another, each after the last recovery. Printed per size:
 
@@ -43,8 +43,8 @@ from lazarus.activities.running import look
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
 from lazarus.history import chain_histories, incident_spans, largest_payloads
-from lazarus.infra.simulated import SimulatedCluster
-from lazarus.infra.temporal_server import local_environment, quiet_runtime
+from lazarus.infra.backends.simulated.cluster import SimulatedCluster
+from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
 from lazarus.schema import RunState, parse_spec
 from lazarus.worker import build_worker
 

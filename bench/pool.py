@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not an
 
 from bench import perf_page
 from lazarus.chaos.pool_race import local_pool, race_for_one_spare
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.temporal_server import local_environment
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.report import summarize
 from lazarus.schema import load_spec
 

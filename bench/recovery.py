@@ -41,8 +41,8 @@ from bench import perf_page
 from lazarus.activities.metrics import Metrics
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.temporal_server import local_environment
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.local_paths import anchor_paths
 from lazarus.schema import STAGES, RunState, load_spec
 from lazarus.schema.contract import read_heartbeat

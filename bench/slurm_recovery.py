@@ -4,7 +4,7 @@ backend's in the same sitting.
     .venv/bin/python bench/slurm_recovery.py [--kills 3] [--json] [--only BACKEND] [--markdown [PATH]]
 
 Needs root and Debian's Slurm packages (`make slurm-packages`); it starts a cluster of its own
-(lazarus.infra.slurm_daemons: 5 nodes, every node this host) and stops it at the end. Each kill
+(lazarus.infra.harness.slurm_daemons: 5 nodes, every node this host) and stops it at the end. Each kill
 is its own run of the demo spec (4 active nodes and 1 hot spare, warm standbys) on a private
 Temporal dev server with one in-process worker: on Slurm, the nodes held in one allocation, each
 node's standby and launcher job steps. Three rows of runs:
@@ -39,10 +39,10 @@ from bench import perf_page
 from bench.recovery import COLUMNS, row
 from lazarus.config import Settings
 from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.slurm import SlurmCluster
-from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
-from lazarus.infra.temporal_server import local_environment
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.backends.slurm.cluster import SlurmCluster
+from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable
+from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.local_paths import anchor_paths
 from lazarus.schema import RunState, load_spec
 from lazarus.worker import build_worker

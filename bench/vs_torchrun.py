@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import perf_page
 from lazarus.infra.backend import free_port
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 
 PAGE_TITLE = "Against torchrun elastic"
 ABOUT = """One training script (bench/elastic_train.py: DDP, same model, data, global batch 256,
@@ -227,7 +227,7 @@ def launch_trial(index: int, kill_at: int, timeout: float, folder: Path, address
 
 
 async def launch_trials(repetitions: int, kill_at: int, timeout: float, root: Path) -> list[Trial]:
-    from lazarus.infra.temporal_server import local_environment, quiet_runtime
+    from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
 
     env = await local_environment(runtime=quiet_runtime())
     address = env.client.service_client.config.target_host
@@ -246,7 +246,7 @@ async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder:
 
     from lazarus.client import start_run
     from lazarus.config import Settings
-    from lazarus.infra.temporal_server import local_environment, quiet_runtime
+    from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
     from lazarus.schema import parse_spec
     from lazarus.worker import build_worker
 

@@ -111,23 +111,23 @@ def refuses(cluster: ClusterBackend, spec_backend: str) -> str | None:
 
 register(
     "local",
-    "lazarus.infra.local:LocalCluster",
+    "lazarus.infra.backends.local.cluster:LocalCluster",
     "each node a group of rank processes on this machine",
 )
 register(
     "kubernetes",
-    "lazarus.infra.kubernetes:KubernetesCluster",
+    "lazarus.infra.backends.kubernetes.cluster:KubernetesCluster",
     "a pod per node on the nodes labelled lazarus.dev/pool (in-cluster service account, else ~/.kube/config)",
 )
 register(
     "slurm",
-    "lazarus.infra.slurm:SlurmCluster",
+    "lazarus.infra.backends.slurm.cluster:SlurmCluster",
     "each node's ranks a job step of one allocation of the Slurm cluster SLURM_CONF names "
     "(LAZARUS_HOME on a path every node shares)",
 )
 register(
     "simulated",
-    "lazarus.infra.simulated:SimulatedCluster",
+    "lazarus.infra.backends.simulated.cluster:SimulatedCluster",
     "nodes that only report, for exercising the controller with fleets this machine cannot run "
     "(specs keep cluster.backend local)",
     stands_in_for="local",

@@ -1,8 +1,8 @@
 """What every backend keeps in the run directory, whoever runs the ranks: the spec, each
 incarnation's assignment and launch record, what each rank reported, logs and checkpoints.
 
-The backends (infra/local.py, infra/kubernetes.py) build on RunFiles, so the part of an
-observation that comes from files, and the preamble of every call about an incarnation, are
+The backends (infra/backends/local/, infra/backends/kubernetes/) build on RunFiles, so the part
+of an observation that comes from files, and the preamble of every call about an incarnation, are
 written once here.
 """
 

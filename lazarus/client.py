@@ -15,7 +15,7 @@ from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, Tele
 from temporalio.service import RPCError
 
 from lazarus.config import Settings
-from lazarus.infra.temporal_server import SEARCH_ATTRIBUTES
+from lazarus.infra.harness.temporal_server import SEARCH_ATTRIBUTES
 from lazarus.schema.records import RunStart, RunState, RunStatus
 from lazarus.schema.run import RunSpec
 from lazarus.schema.states import TERMINAL_STATES

@@ -16,8 +16,8 @@ from lazarus import console
 from lazarus.client import run_status, start_run
 from lazarus.commands.common import connect_client
 from lazarus.config import Settings
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.temporal_server import port_answers, split_address, start_detached
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.harness.temporal_server import port_answers, split_address, start_detached
 from lazarus.schema.contract import MetricsLine, read_metrics
 from lazarus.schema.records import RunState, RunStatus
 from lazarus.schema.run import RunSpec

@@ -8,7 +8,7 @@ from hypothesis import settings
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from lazarus.infra.temporal_server import local_environment, test_server
+from lazarus.infra.harness.temporal_server import local_environment, test_server
 
 # Property tests check invariants, not speed: no per-example deadline on a loaded 2-core machine.
 settings.register_profile("lazarus", deadline=None)

@@ -17,10 +17,10 @@ from pathlib import Path
 from lazarus.activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
 from lazarus.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
 from lazarus.infra.backend import free_ports
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.slurm import SlurmCluster
-from lazarus.infra.slurm_daemons import SlurmDaemons
-from lazarus.infra.temporal_server import PORT_ATTEMPTS, dev_server_command, port_answers
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.backends.slurm.cluster import SlurmCluster
+from lazarus.infra.harness.slurm_daemons import SlurmDaemons
+from lazarus.infra.harness.temporal_server import PORT_ATTEMPTS, dev_server_command, port_answers
 from lazarus.schema.files import read_json
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lazarus.infra.backend import free_port
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema.contract import read_metrics
 from lazarus.schema.records import Assignment, RunState, RunStatus
 from lazarus.schema.run import RunSpec

@@ -23,7 +23,7 @@ from lazarus.chaos.bed import POLL_SECONDS, ChaosError, wait_for
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.infra.backend import ClusterBackend
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunSpec, RunStatus, controls
 from lazarus.schema.contract import read_metrics
 from lazarus.schema.rundir import RunDir

@@ -14,7 +14,7 @@ from lazarus.chaos.bed import ChaosBed, ChaosError
 from lazarus.chaos.judge import Row, judge
 from lazarus.chaos.scenarios import DERIVED_HANG_LIMIT_SECONDS, HANG_FOUND_MARGIN_SECONDS, Scenario
 from lazarus.chaos.trial import Trial
-from lazarus.infra.slurm_daemons import SlurmDaemons
+from lazarus.infra.harness.slurm_daemons import SlurmDaemons
 from lazarus.schema.run import RunSpec
 
 

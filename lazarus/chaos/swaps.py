@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from lazarus.chaos.trial import Trial
-from lazarus.infra.slow_node import slow_node
+from lazarus.infra.backends.local.slow_node import slow_node
 
 SLOW_FACTOR = 2.0
 """How much slower the straggler scenario makes its node (dimensionless)."""
@@ -19,7 +19,7 @@ demo's run is 40 s."""
 
 
 async def node_slowed(trial: Trial, kill_at: int) -> None:
-    """A node made slow (infra/slow_node.py) until the run leaves it: a planned swap for the spare."""
+    """A node made slow (infra/backends/local/slow_node.py) until the run leaves it: a planned swap for the spare."""
     await trial.at_step(SLOW_FROM_STEP)
     k, node = trial.incarnation(), trial.node(2)
     started = time.time()

@@ -47,7 +47,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def kill_node(args: argparse.Namespace, settings: Settings) -> int:
     """SIGKILL every process of the node and mark it dead."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.local import LocalCluster
+    from lazarus.infra.backends.local.cluster import LocalCluster
 
     cluster = LocalCluster(settings.home)
     try:
@@ -62,7 +62,7 @@ def kill_node(args: argparse.Namespace, settings: Settings) -> int:
 def kill_domain(args: argparse.Namespace, settings: Settings) -> int:
     """Kill every node of a fault domain at once."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.local import LocalCluster
+    from lazarus.infra.backends.local.cluster import LocalCluster
 
     try:
         held = LocalCluster(settings.home).kill_domain(args.domain)
@@ -79,8 +79,8 @@ def slow_node(args: argparse.Namespace, settings: Settings) -> int:
     import time
 
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.local import LocalCluster
-    from lazarus.infra.slow_node import slow_node as slow
+    from lazarus.infra.backends.local.cluster import LocalCluster
+    from lazarus.infra.backends.local.slow_node import slow_node as slow
 
     if not args.factor > 1:
         raise UserError(f"--factor must be more than 1, not {args.factor:g}")
@@ -119,7 +119,7 @@ def _check_node_of_run(cluster, run_id: str, node: str) -> None:
 def return_node(args: argparse.Namespace, settings: Settings) -> int:
     """Return the node to the run's pool as a healthy spare."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.local import LocalCluster
+    from lazarus.infra.backends.local.cluster import LocalCluster
 
     try:
         LocalCluster(settings.home).return_node(args.run_id, args.node)

@@ -313,7 +313,7 @@ async def follow(current, console, poll_seconds: float = 0.5) -> int:
 async def show_logs(args: argparse.Namespace, settings: Settings) -> int:
     """Print the ranks' logs from the run directory, each line prefixed with its node and rank."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.local import LocalCluster
+    from lazarus.infra.backends.local.cluster import LocalCluster
     from lazarus.logs import LogsError, select, show
 
     try:

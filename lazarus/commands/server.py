@@ -27,7 +27,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def serve(args: argparse.Namespace, settings: Settings) -> int:
     """Stop a detached server, start one detached, or run one until Ctrl-C."""
-    from lazarus.infra.temporal_server import (
+    from lazarus.infra.harness.temporal_server import (
         ServerError,
         dev_server_command,
         port_answers,

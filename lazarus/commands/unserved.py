@@ -103,7 +103,7 @@ async def abort_here(client, settings: Settings, args, started: tuple[str, bool]
     backend and whether its workflow may have launched anything (run_start). Refused (UserError)
     when processes it may have are not on this machine to stop. Returns what was done, in one line."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.local import LocalCluster
+    from lazarus.infra.backends.local.cluster import LocalCluster
 
     run_id, (backend, launched) = args.run_id, started
     cluster = LocalCluster(settings.home)

@@ -1,5 +1,5 @@
 """A fleet on one pool: several runs on the real dev server and worker, with the real activities,
-on the simulated backend (infra/simulated.py: the local pool without processes, each node's
+on the simulated backend (infra/backends/simulated/cluster.py: the local pool without processes, each node's
 report kept by a simulated launcher, ranks that train from their launch). A rack fails under
 runs of different priorities; a detector blames healthy nodes until the quarantine breaker stops
 it; a spare that fails the run's health check is never handed out."""
@@ -14,7 +14,7 @@ import pytest
 
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
-from lazarus.infra.simulated import SimulatedCluster
+from lazarus.infra.backends.simulated.cluster import SimulatedCluster
 from lazarus.schema import RunState, controls, parse_spec
 from lazarus.worker import build_worker
 from lazarus.workflows.training_run import TrainingRun

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.slurm import SlurmCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.backends.slurm.cluster import SlurmCluster
 from tests.support.runs import REPO
 from tests.support.waiting import wait_until
 from tests.support.workers import lazarus_env

@@ -10,7 +10,7 @@ import pytest
 
 from lazarus.config import Settings
 from lazarus.demo import drive_run
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import STAGES, RunState, load_spec
 from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker

@@ -15,7 +15,7 @@ import pytest
 
 from lazarus.client import start_run
 from lazarus.config import Settings
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunSpec, RunState, load_spec
 from lazarus.worker import build_worker
 from lazarus.workflows.training_run import TrainingRun

@@ -12,7 +12,7 @@ from lazarus.activities.metrics import Metrics
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.infra.backend import free_port
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.report import plot_timeline, summarize
 from lazarus.schema import RunState, controls, load_spec
 from lazarus.worker import build_worker, serve_metrics

@@ -23,7 +23,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 from lazarus.history import local_activity_type
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.ownership import read_owner
 from lazarus.schema import RunStart, RunState, RunStatus, load_spec
 from lazarus.schema.contract import read_metrics

@@ -11,7 +11,7 @@ import pytest
 
 from lazarus.chaos.judge import duplicate_starts
 from lazarus.chaos.pool_race import local_pool, race_for_one_spare
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, load_spec
 from tests.support.runs import SPECS, losses, unlogged
 

@@ -13,7 +13,7 @@ from temporalio.client import WorkflowFailureError
 
 from lazarus.client import run_status, start_run
 from lazarus.config import Settings
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, parse_spec
 from lazarus.worker import build_worker
 from tests.support.runs import REPO

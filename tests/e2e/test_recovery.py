@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import WorkflowExecutionStatus
 
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import STAGES
 from lazarus.schema.files import lock_is_held
 from lazarus.schema.rundir import RunDir

@@ -12,7 +12,7 @@ from lazarus.commands.common import load_run_spec, open_cluster
 from lazarus.config import Settings
 from lazarus.demo import drive_run
 from lazarus.infra import registry
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState
 from lazarus.worker import build_worker
 from tests.support.runs import SMALL_SPEC, losses

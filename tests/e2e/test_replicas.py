@@ -14,7 +14,7 @@ import pytest
 
 from lazarus.config import Settings
 from lazarus.demo import drive_run
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunSpec, RunState, RunStatus, load_spec, parse_spec
 from lazarus.schema.contract import read_metrics
 from lazarus.schema.rundir import RunDir

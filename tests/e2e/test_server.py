@@ -9,7 +9,7 @@ import pytest
 from lazarus.client import connect, has_search_attributes
 from lazarus.config import Settings
 from lazarus.infra.backend import free_ports
-from lazarus.infra.temporal_server import start_detached, stop_detached
+from lazarus.infra.harness.temporal_server import start_detached, stop_detached
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

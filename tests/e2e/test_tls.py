@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from lazarus.infra.temporal_server import local_environment
+from lazarus.infra.harness.temporal_server import local_environment
 from tests.support.runs import SMALL_SPEC
 from tests.support.tls import INSTALL_HINT, Certificates, TLSProxy, haproxy, make_certificates, openssl
 from tests.support.waiting import wait_until

@@ -16,7 +16,7 @@ import pytest
 
 from lazarus.client import start_run
 from lazarus.config import Settings
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, parse_spec
 from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker

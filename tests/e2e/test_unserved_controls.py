@@ -16,7 +16,7 @@ from temporalio.client import WorkflowExecutionStatus
 
 from lazarus.client import start_run
 from lazarus.config import Settings
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunSpec, load_spec
 from lazarus.worker import build_worker
 from tests.support.runs import SMALL_SPEC, trained_step, with_absolute_command

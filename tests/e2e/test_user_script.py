@@ -13,7 +13,7 @@ import pytest
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.demo import drive_run
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.worker import build_worker
 from tests.support.runs import (

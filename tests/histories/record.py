@@ -42,9 +42,9 @@ from pathlib import Path
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.demo import run_demo
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.simulated import SimulatedCluster
-from lazarus.infra.temporal_server import local_environment
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.backends.simulated.cluster import SimulatedCluster
+from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.schema import RunState, controls, load_spec, parse_spec
 from lazarus.worker import build_worker
 from lazarus.workflows.training_run import TrainingRun

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from lazarus.infra.backend import ClusterError
-from lazarus.infra.kubernetes import KubernetesCluster
-from lazarus.infra.kubernetes_objects import (
+from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
+from lazarus.infra.backends.kubernetes.objects import (
     QUARANTINE_LABEL,
     QUARANTINE_TAINT,
     RUN_LABEL,

@@ -12,7 +12,7 @@ from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
 
 from lazarus.activities.recovery import RecoveryActivities
-from lazarus.infra.kubernetes_objects import RUN_LABEL
+from lazarus.infra.backends.kubernetes.objects import RUN_LABEL
 from lazarus.schema.stages import DrainInput, DrainResult
 from tests.support.backends import every_rank_training
 

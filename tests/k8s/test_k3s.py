@@ -9,8 +9,8 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config
 
-from lazarus.infra.kubernetes import KubernetesCluster
-from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL
+from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
+from lazarus.infra.backends.kubernetes.objects import QUARANTINE_TAINT, RUN_LABEL
 from tests.k8s.test_backend import k8s_spec
 from tests.support.waiting import wait_until
 

@@ -4,7 +4,7 @@ pods created and deleted through the rate-limited client, against the emulator."
 from __future__ import annotations
 
 from bench.large_kubernetes import emulated_pool
-from lazarus.infra.kubernetes_rate import TokenBucket, fan_out
+from lazarus.infra.rate import TokenBucket, fan_out
 
 
 def test_a_pool_is_claimed_launched_and_drained_through_the_client(tmp_path):

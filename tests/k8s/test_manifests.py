@@ -1,4 +1,4 @@
-"""infra/k8s/: every manifest is a valid object of the official client's models, and the RBAC
+"""infra/backends/kubernetes/manifests/: every manifest is a valid object of the official client's models, and the RBAC
 rules grant exactly what the backend uses (no more, no less)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lazarus.workflows.policy import spare_want
 from tests.support.backends import Harness, every_rank_training
 from tests.support.waiting import wait_until
 
-MANIFESTS = Path(__file__).resolve().parents[2] / "infra" / "k8s"
+MANIFESTS = Path(__file__).resolve().parents[2] / "infra" / "backends" / "kubernetes" / "manifests"
 RUN_SPECS = {"run.yaml"}  # Lazarus run specs kept beside the manifests
 
 
@@ -129,7 +129,7 @@ def drive_every_method(harness: Harness) -> set[str]:
 
 def test_rbac_grants_exactly_what_the_backend_uses(kubernetes_backend, emulator):
     """The backend driven through every method of its Protocol on an emulator of this test's own:
-    what it asked the API server for is what infra/k8s/rbac.yaml grants, no more, no less. With
+    what it asked the API server for is what the manifests' rbac.yaml grants, no more, no less. With
     warm standby pods, whose listening fails on these nodes' addresses (not this machine's): the
     standby pods are created, ordered, found failed and replaced by rank pods, and drained."""
     kubernetes_backend.cluster_section["warm_standby"] = True
@@ -137,5 +137,9 @@ def test_rbac_grants_exactly_what_the_backend_uses(kubernetes_backend, emulator)
     protocol = {name for name, value in vars(ClusterBackend).items() if callable(value) and not name.startswith("_")}
     assert protocol <= called, f"the scenario leaves out {sorted(protocol - called)}"
     used = emulator.emulator.used
-    assert sorted(used - granted()) == [], "the backend used these without a grant in infra/k8s/rbac.yaml"
-    assert sorted(granted() - used) == [], "infra/k8s/rbac.yaml grants these but the backend never used them"
+    assert sorted(used - granted()) == [], (
+        "the backend used these without a grant in infra/backends/kubernetes/manifests/rbac.yaml"
+    )
+    assert sorted(granted() - used) == [], (
+        "infra/backends/kubernetes/manifests/rbac.yaml grants these but the backend never used them"
+    )

@@ -11,7 +11,7 @@ import pytest
 from lazarus.chaos.judge import duplicate_starts
 from lazarus.chaos.pool_race import Pool, race_for_one_spare
 from lazarus.infra.backend import free_ports
-from lazarus.infra.kubernetes_objects import RUN_LABEL
+from lazarus.infra.backends.kubernetes.objects import RUN_LABEL
 from lazarus.schema import RunState, load_spec, parse_spec
 from tests.k8s.kubelet import FakeKubelet
 from tests.support.kubernetes import add_node

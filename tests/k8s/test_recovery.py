@@ -12,8 +12,8 @@ import pytest
 from lazarus.client import start_run
 from lazarus.config import Settings
 from lazarus.infra.backend import free_port
-from lazarus.infra.kubernetes import KubernetesCluster
-from lazarus.infra.kubernetes_objects import QUARANTINE_TAINT, RUN_LABEL, run_object_name, standby_pod_name
+from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
+from lazarus.infra.backends.kubernetes.objects import QUARANTINE_TAINT, RUN_LABEL, run_object_name, standby_pod_name
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.schema.files import read_json
 from lazarus.worker import build_worker

@@ -10,8 +10,8 @@ import time
 import pytest
 from kubernetes.client.rest import ApiException
 
-from lazarus.infra.informer import Informer
-from lazarus.infra.kubernetes_objects import RUN_LABEL, pod_name, pod_running
+from lazarus.infra.backends.kubernetes.informer import Informer
+from lazarus.infra.backends.kubernetes.objects import RUN_LABEL, pod_name, pod_running
 from tests.k8s.test_backend import k8s_spec, launched
 from tests.support.kubernetes import add_node, set_ready
 from tests.support.waiting import wait_until

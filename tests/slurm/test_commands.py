@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lazarus.infra.slurm import SlurmCluster
+from lazarus.infra.backends.slurm.cluster import SlurmCluster
 from lazarus.schema.load import parse_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

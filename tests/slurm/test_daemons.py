@@ -1,4 +1,4 @@
-"""The real Slurm cluster the Slurm tests run on (lazarus.infra.slurm_daemons): it comes up with a
+"""The real Slurm cluster the Slurm tests run on (lazarus.infra.harness.slurm_daemons): it comes up with a
 node per slurmd, runs a task on each node, drains a node with a reason the site's tools show, and
 stops every daemon. Skipped with the reason where it cannot start (Slurm not installed, not root)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
+from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable
 
 pytestmark = [
     pytest.mark.skipif(why_not_startable() is not None, reason=str(why_not_startable())),

@@ -14,7 +14,7 @@ import pytest
 
 from lazarus.client import start_run
 from lazarus.config import Settings
-from lazarus.infra.slurm import SlurmCluster
+from lazarus.infra.backends.slurm.cluster import SlurmCluster
 from lazarus.schema import RunState, load_spec
 from lazarus.worker import build_worker
 from tests.support.runs import SMALL_SPEC, assert_restored_from_survivors, losses, trained_step, with_absolute_command

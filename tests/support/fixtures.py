@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from kubernetes import client as k8s
 
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.slurm import SlurmCluster
-from lazarus.infra.slurm_daemons import SlurmDaemons, why_not_startable
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.backends.slurm.cluster import SlurmCluster
+from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
 from tests.k8s.kubelet import FakeKubelet
 from tests.support.backends import Harness
@@ -84,7 +84,7 @@ def backend_api(emulator):
 @pytest.fixture
 def clusters(backend_api):
     """Make KubernetesCluster(home) on the backend's client; each is closed (its watches stopped) at teardown."""
-    from lazarus.infra.kubernetes import KubernetesCluster
+    from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
 
     made = []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import Assignment, RunSpec, load_spec
 from lazarus.schema.contract import read_metrics
 from lazarus.schema.rundir import RunDir

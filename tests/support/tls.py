@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lazarus.infra.backend import free_port
-from lazarus.infra.temporal_server import port_answers
+from lazarus.infra.harness.temporal_server import port_answers
 from tests.support.waiting import wait_until
 
 INSTALL_HINT = (

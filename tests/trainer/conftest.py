@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 
 
 @pytest.fixture

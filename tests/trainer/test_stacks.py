@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema.files import process_start_time, read_json
 from lazarus.trainer.stack_dump import registered_process, with_dump_hook
 from lazarus.trainer.stacks import signal_for_stacks

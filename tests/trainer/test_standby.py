@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.standbys import kill_standbys
 from lazarus.schema import Assignment, parse_spec
 from lazarus.schema.contract import read_exit

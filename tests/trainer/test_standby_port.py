@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.standby_orders import send_order
 from lazarus.schema import Assignment, parse_spec
 from lazarus.schema.contract import ENV_NODE, ENV_RUN_DIR, ENV_STANDBY_ADDRESS, read_exit

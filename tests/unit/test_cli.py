@@ -36,7 +36,7 @@ def test_chaos_on_an_unknown_run(tmp_path):
 
 
 def test_chaos_refuses_a_node_that_is_not_the_runs(tmp_path):
-    from lazarus.infra.local import LocalCluster
+    from lazarus.infra.backends.local.cluster import LocalCluster
     from lazarus.infra.pool import LocalPool
     from lazarus.schema import parse_spec
 

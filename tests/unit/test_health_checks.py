@@ -8,7 +8,7 @@ import pytest
 from kubernetes import client as k8s
 from pydantic import ValidationError
 
-from lazarus.infra.kubernetes_objects import node_sick
+from lazarus.infra.backends.kubernetes.objects import node_sick
 from lazarus.schema.health_checks import HealthChecks, run_check
 from lazarus.trainer.health_check import HealthCheck
 from tests.support.waiting import wait_until

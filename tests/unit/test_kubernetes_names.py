@@ -9,7 +9,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lazarus.infra.kubernetes_objects import pod_name, run_label, run_object_name
+from lazarus.infra.backends.kubernetes.objects import pod_name, run_label, run_object_name
 from lazarus.schema.names import RUN_ID_PATTERN
 
 DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")

@@ -12,7 +12,7 @@ import pytest
 
 from lazarus.commands.common import UserError
 from lazarus.infra.backend import ClusterError
-from lazarus.infra.slurm import SlurmCluster
+from lazarus.infra.backends.slurm.cluster import SlurmCluster
 from lazarus.launch import _say_start, build_parser, build_spec
 from lazarus.launch_follow import Interruption, WaitingNotice, stop_processes, waiting_words
 from lazarus.schema import RecoveryPolicy, RunState

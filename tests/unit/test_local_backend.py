@@ -11,7 +11,7 @@ import pytest
 
 from lazarus.infra import runfiles
 from lazarus.infra.backend import ClusterError
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import Assignment, parse_spec
 from lazarus.schema.files import read_json
 from lazarus.schema.node_reports import read_node_reports

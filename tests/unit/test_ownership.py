@@ -10,7 +10,7 @@ from temporalio.testing import ActivityEnvironment
 
 from lazarus.activities.ownership import acting_for_owner
 from lazarus.activities.running import in_thread
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.ownership import NotOwner, StillActing, hold, read_owner, share_acting, take_over
 from lazarus.schema.ownership import HANDOVERS_KEPT, Owner
 from lazarus.schema.rundir import RunDir

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import pytest
 
 from lazarus.infra.backend import ClusterError, QuarantineRefused
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.pool import LocalPool
 from lazarus.schema import Assignment, parse_spec
 

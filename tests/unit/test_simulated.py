@@ -1,4 +1,5 @@
-"""The simulated backend (infra/simulated.py): its nodes report as launchers do, and a look judges them."""
+"""The simulated backend (infra/backends/simulated/): its nodes report as launchers do, and a look
+judges them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 import pytest
 
 from lazarus.activities.health import judge
-from lazarus.infra.simulated import SimulatedCluster
+from lazarus.infra.backends.simulated.cluster import SimulatedCluster
 from lazarus.schema import Assignment, parse_spec
 from lazarus.schema.node_reports import NodeSummary, read_node_reports
 

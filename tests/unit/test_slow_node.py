@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.slow_node import slow_node
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.backends.local.slow_node import slow_node
 from lazarus.schema import Assignment, parse_spec
 
 BUSY = ["python", "-c", "while True: pass"]

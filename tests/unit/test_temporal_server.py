@@ -2,8 +2,9 @@
 
 import socket
 
-from lazarus.infra import backend, temporal_server
-from lazarus.infra.temporal_server import local_environment
+from lazarus.infra import backend
+from lazarus.infra.harness import temporal_server
+from lazarus.infra.harness.temporal_server import local_environment
 
 
 async def test_dev_server_starts_on_fresh_ports_when_one_was_taken(monkeypatch):

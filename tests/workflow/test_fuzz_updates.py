@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from lazarus.infra.local import LocalCluster
-from lazarus.infra.temporal_server import local_environment
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.schema import RunState, RunStatus, controls
 from lazarus.schema.controls import LEGACY_DEFAULTS, FaultSignal
 from lazarus.worker import build_worker

@@ -209,7 +209,7 @@ async def test_report_fault_signal_cancels_detect_and_recovers(time_skipping_env
 
 async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
     """On a dev server that suggests continue-as-new after 20 events, the run keeps its state."""
-    from lazarus.infra.temporal_server import local_environment
+    from lazarus.infra.harness.temporal_server import local_environment
 
     env = await local_environment(extra_args=("--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20"))
     try:

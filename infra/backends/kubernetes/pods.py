@@ -19,7 +19,7 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from lazarus.infra.backend import ClusterError
-from lazarus.infra.kubernetes_objects import (
+from lazarus.infra.backends.kubernetes.objects import (
     INCARNATION_LABEL,
     NODE_INDEX_LABEL,
     ROLE_LABEL,
@@ -32,8 +32,8 @@ from lazarus.infra.kubernetes_objects import (
     standby_pod,
     standby_pod_name,
 )
-from lazarus.infra.kubernetes_rate import fan_out
-from lazarus.infra.kubernetes_watch import RunWatches
+from lazarus.infra.backends.kubernetes.watch import RunWatches
+from lazarus.infra.rate import fan_out
 from lazarus.infra.runfiles import survivor_holders
 from lazarus.infra.standby_orders import CONNECT_SECONDS, order_standby, write_standby_secret
 from lazarus.infra.standbys import order_prefetch

@@ -12,7 +12,7 @@ from __future__ import annotations
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from lazarus.infra.kubernetes_objects import (
+from lazarus.infra.backends.kubernetes.objects import (
     POOL_LABEL,
     QUARANTINE_LABEL,
     QUARANTINE_TAINT,
@@ -28,7 +28,7 @@ from lazarus.infra.kubernetes_objects import (
     other_taints,
     run_object_name,
 )
-from lazarus.infra.kubernetes_rate import fan_out
+from lazarus.infra.rate import fan_out
 from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import NodeRecord
 

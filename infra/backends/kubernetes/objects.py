@@ -1,7 +1,7 @@
 """The Kubernetes objects Lazarus writes and reads: the names and labels it uses, the rank pod of a
 node, an Event, and what a Node object says about its health and place in the pool.
 
-Pure functions of the official client's models; infra/kubernetes.py makes the API calls.
+Pure functions of the official client's models; infra/backends/kubernetes/cluster.py makes the API calls.
 """
 
 from __future__ import annotations

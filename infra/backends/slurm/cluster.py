@@ -29,8 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError
-from lazarus.infra.kubernetes_rate import fan_out
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.rate import fan_out
 from lazarus.infra.standby_orders import CONNECT_SECONDS, order_standby, write_standby_secret
 from lazarus.schema.contract import (
     ENV_INCARNATION,

@@ -1,5 +1,5 @@
 """The Kubernetes backend: nodes of a labelled pool are the unit of failure, each node's launcher
-(trainer/launcher.py) runs in the node's warm standby pod (infra/kubernetes_pods.py) or,
+(trainer/launcher.py) runs in the node's warm standby pod (infra/backends/kubernetes/pods.py) or,
 cold, in a rank pod per node and incarnation, and quarantine is cordon + taint.
 
 It implements infra/backend.py's ClusterBackend, as the local backend does. What lives where:
@@ -8,7 +8,7 @@ It implements infra/backend.py's ClusterBackend, as the local backend does. What
   quarantine (spec.unschedulable, a `lazarus.dev/quarantined` NoSchedule taint, a label naming
   the run and an annotation with the reason), node health (the Ready condition), the pods and
   an Event per recovery stage on the run's ConfigMap; node and pod changes reach the runs
-  through two watch streams per worker (infra/kubernetes_watch.py);
+  through two watch streams per worker (infra/backends/kubernetes/watch.py);
 - the shared volume (a ReadWriteMany claim the pods and the worker mount): the run directory
   (schema/rundir.py) with its assignments, launch records, heartbeats, exits and checkpoints.
 
@@ -28,7 +28,7 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from lazarus.infra.backend import ClusterError, Observation
-from lazarus.infra.kubernetes_objects import (
+from lazarus.infra.backends.kubernetes.objects import (
     POOL_LABEL,
     QUARANTINE_LABEL,
     RUN_LABEL,
@@ -43,8 +43,8 @@ from lazarus.infra.kubernetes_objects import (
     sick_nodes,
     stage_event,
 )
-from lazarus.infra.kubernetes_pods import NodePods
-from lazarus.infra.kubernetes_pool import (
+from lazarus.infra.backends.kubernetes.pods import NodePods
+from lazarus.infra.backends.kubernetes.pool import (
     PoolWants,
     claim_free_nodes,
     claim_node,
@@ -53,8 +53,8 @@ from lazarus.infra.kubernetes_pool import (
     release_node,
     return_patch,
 )
-from lazarus.infra.kubernetes_rate import CLIENT_BURST, CLIENT_QPS, fan_out, throttle
-from lazarus.infra.kubernetes_watch import RunWatches
+from lazarus.infra.backends.kubernetes.watch import RunWatches
+from lazarus.infra.rate import CLIENT_BURST, CLIENT_QPS, fan_out, throttle
 from lazarus.infra.runfiles import RunFiles
 from lazarus.schema.contract import LaunchRecord, SurvivorSource
 from lazarus.schema.policy import RecoveryPolicy

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import Observation
-from lazarus.infra.local import LocalCluster
+from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.pool import LocalPool
 from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource, read_launch
 from lazarus.schema.node_reports import NodeReading, read_node_reports

@@ -5,8 +5,8 @@ this host on a port of its own
 (`NodeHostname=localhost Port=[...]`), everything under one folder and on free ports, so that it
 never meets a site's own Slurm or another test's cluster.
 
-    python -m lazarus.infra.slurm_daemons up [--folder .lazarus/slurm] [--nodes 5]
-    python -m lazarus.infra.slurm_daemons down [--folder .lazarus/slurm]
+    python -m lazarus.infra.harness.slurm_daemons up [--folder .lazarus/slurm] [--nodes 5]
+    python -m lazarus.infra.harness.slurm_daemons down [--folder .lazarus/slurm]
 
 `make slurm` installs the packages (as root, with apt-get) and starts one. The clients (sinfo,
 srun, scontrol) find it through SLURM_CONF (`SlurmDaemons.env`). Starting needs root: munged runs
@@ -150,7 +150,7 @@ class SlurmDaemons:
         folder, names = self.folder, self.node_names
         return "\n".join(
             [
-                "# A cluster of lazarus.infra.slurm_daemons: every node is this host, on a port of its own.",
+                "# A cluster of lazarus.infra.harness.slurm_daemons: every node is this host, on a port of its own.",
                 "ClusterName=lazarus",
                 "SlurmctldHost=localhost",
                 f"SlurmctldPort={controller_port}",
@@ -315,7 +315,7 @@ def _alive(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """`up` starts a cluster in --folder, `down` stops it."""
     parser = argparse.ArgumentParser(
-        prog="python -m lazarus.infra.slurm_daemons", description=(__doc__ or "").split("\n\n")[0]
+        prog="python -m lazarus.infra.harness.slurm_daemons", description=(__doc__ or "").split("\n\n")[0]
     )
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("--folder", default=".lazarus/slurm", help="where the cluster keeps its files")

@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
-from lazarus.infra.kubernetes_objects import meta, name_of
+from lazarus.infra.backends.kubernetes.objects import meta, name_of
 
 log = logging.getLogger(__name__)
 

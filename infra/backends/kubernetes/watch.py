@@ -1,5 +1,5 @@
 """What wakes a run's detect on Kubernetes: one watch of a pool's nodes and one of a namespace's rank
-pods (infra/informer.py), shared by every run a worker drives.
+pods (infra/backends/kubernetes/informer.py), shared by every run a worker drives.
 
 A node of a run turning not ready or deleted, or a pod of a run ending or deleted, counts as a
 change of that run and wakes its waiters at once; a change that came while the run was looking
@@ -14,8 +14,15 @@ import threading
 
 from kubernetes import client as k8s
 
-from lazarus.infra.informer import Informer
-from lazarus.infra.kubernetes_objects import POOL_LABEL, RUN_LABEL, labels_of, node_ready, pod_running, run_label
+from lazarus.infra.backends.kubernetes.informer import Informer
+from lazarus.infra.backends.kubernetes.objects import (
+    POOL_LABEL,
+    RUN_LABEL,
+    labels_of,
+    node_ready,
+    pod_running,
+    run_label,
+)
 
 
 class RunWatches:

@@ -1,0 +1,1 @@
+"""The Slurm backend: a run's nodes are the nodes of one Slurm allocation, its launchers job steps."""
