@@ -32,6 +32,7 @@ from lazarus.activities.watching import progress_of, watch, watch_until_reported
 from lazarus.infra import registry
 from lazarus.infra.backend import ClusterBackend, ClusterError, QuarantineRefused
 from lazarus.infra.ownership import NotOwner, StillActing
+from lazarus.schema.incident_archive import write_archived
 from lazarus.schema.nodelist import natural_key
 from lazarus.schema.records import Assignment, DetectResult, FaultReport, Inventory
 from lazarus.schema.stages import (
@@ -52,7 +53,6 @@ from lazarus.schema.stages import (
     TakeOverInput,
     TakeOverResult,
 )
-from lazarus.schema.tally import write_archived
 
 
 def _permanent(error: Exception, kind: str) -> ApplicationError:

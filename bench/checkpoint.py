@@ -37,8 +37,8 @@ from bench import perf_page
 from lazarus.infra.backend import free_port
 from lazarus.schema import load_spec
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir
-from lazarus.trainer import checkpoint
-from lazarus.trainer.train import Trainer
+from lazarus.trainer.gpt.train import Trainer
+from lazarus.trainer.sdk import checkpoint
 
 PAGE_TITLE = "Checkpoint cost"
 ABOUT = """What a checkpoint costs the training loop, on the spec's layout with the built-in trainer's

@@ -5,7 +5,7 @@ under torchrun, with or without CPU contention.
                                        [--markdown [PATH]]
 
 The script (tests/user_script/ddp_tutorial.py) calls `destroy_process_group()` and returns from
-`main`; gloo's teardown can then deadlock a rank (lazarus.trainer.teardown.keep_destroyed_groups).
+`main`; gloo's teardown can then deadlock a rank (lazarus.trainer.agent.teardown.keep_destroyed_groups).
 Each run trains 4 ranks, one per node, no fault:
   lazarus   `lazarus launch --nnodes 4 --nproc-per-node 1 --spares 0` (ranks forked from warm
             standbys), with recovery.exit_grace_seconds at 600 s so that a stuck rank shows as a

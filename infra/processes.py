@@ -1,7 +1,7 @@
 """Processes of the local backend: starting one behind a liveness lock, killing a node's process
 group, watching exits.
 
-A node of an incarnation is one launcher process (trainer/launcher.py) leading a process group
+A node of an incarnation is one launcher process (trainer/agent/launcher.py) leading a process group
 that holds the node's ranks. Every process holds an exclusive lock (schema/files.take_lock) for
 its whole life (the starter takes it and hands the locked descriptor down), so "is it alive?"
 is answered by the kernel, immune to pid reuse and zombies, and a retried start cannot run a

@@ -1,7 +1,7 @@
 """Capturing a running incarnation's Python stacks from the controller, through the run directory.
 
 The controller asks (schema/stacks.py StackRequest); each node's launcher signals its ranks that
-registered a dump (trainer/stacks.py), and each such rank's faulthandler appends its stacks to
+registered a dump (trainer/agent/stacks.py), and each such rank's faulthandler appends its stacks to
 `incarnations/K/stacks/R.txt`. Nothing here touches a process, so the same code serves every
 backend whose nodes share the run directory with the controller (local, Slurm, Kubernetes): a
 rank is reached on whatever machine it runs, by the launcher beside it.

@@ -1,4 +1,4 @@
-"""Orders to a node's warm standby over a port (trainer/standby_port.py), for backends whose nodes
+"""Orders to a node's warm standby over a port (trainer/agent/standby/port.py), for backends whose nodes
 are other machines than the controller's (Kubernetes, Slurm): a FIFO on the shared filesystem
 does not cross machines. The standby writes `standby/<node>/ready` ({"address", "port"}) once it
 listens; every order carries the run's secret (`standby/token`, written here) and the node's name.

@@ -1,4 +1,4 @@
-"""Warm standbys of the local backend (trainer/standby.py): one interpreter per node, torch and the
+"""Warm standbys of the local backend (trainer/agent/standby/): one interpreter per node, torch and the
 trainer imported before any fault, that forks the node's launcher when an incarnation starts.
 The standbys started together are forks of one interpreter that did the imports once.
 
@@ -35,7 +35,7 @@ ORDER_POLL_SECONDS = 0.002
 
 def ensure_standbys(run: RunDir, spec: RunSpec, nodes: list[str], python: str) -> subprocess.Popen | None:
     """Start the standbys of those of `nodes` that have no live one, all from one interpreter
-    that imports torch once and forks one per node (trainer/standby_fork.py): the local
+    that imports torch once and forks one per node (trainer/agent/standby/fork.py): the local
     backend's nodes share this machine, so N imports would only cost N times the CPU. Returns
     that interpreter if one was started.
 
@@ -66,7 +66,7 @@ def ensure_standbys(run: RunDir, spec: RunSpec, nodes: list[str], python: str) -
         # Until it forks, the interpreter writes to the first node's log (each fork, to its own).
         with open(run.standby(taken[0][0]) / "log", "ab") as log:
             child = subprocess.Popen(
-                [python, "-m", "lazarus.trainer.standby"],
+                [python, "-m", "lazarus.trainer.agent.standby"],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

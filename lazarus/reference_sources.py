@@ -25,7 +25,7 @@ ENVIRONMENT_GROUPS = [
         "Set for every rank",
         "Set by a node's launcher in every rank's environment (trainer/CONTRACT.md says what each means to a "
         "script), beside torchrun's own variables listed last. A spec's `trainer.env` may not override them.",
-        ["schema/contract.py", "trainer/stack_dump.py"],
+        ["schema/contract.py", "trainer/agent/stack_dump.py"],
     ),
     (
         "Tests only",

@@ -10,10 +10,11 @@ from rich.table import Table
 from rich.text import Text
 
 from lazarus.console import table
+from lazarus.schema.incident_archive import read_archived
 from lazarus.schema.records import STAGES, Incident, RunStatus
 from lazarus.schema.rundir import RunDir
 from lazarus.schema.stacks import where_it_waited
-from lazarus.schema.tally import IncidentTally, downtime, read_archived
+from lazarus.schema.tally import IncidentTally, downtime
 
 STAGE_COLORS = {
     "detect": "#d62728",

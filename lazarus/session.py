@@ -2,10 +2,10 @@
 
     from lazarus.session import TrainingSession
 
-It brings in the trainer's side of the contract only (trainer/session.py): no temporalio, no
+It brings in the trainer's side of the contract only (trainer/sdk/session.py): no temporalio, no
 controller, nothing a rank does not need.
 """
 
-from lazarus.trainer.session import TrainingSession
+from lazarus.trainer.sdk.session import TrainingSession
 
 __all__ = ["TrainingSession"]

@@ -145,9 +145,9 @@ class RankObservation(Record):
         description=(
             "Since when its process (every thread, and the processes it started) has used next to no CPU (under 2% "
             "of a core: threads that wake now and then) and its log has not changed, as its node's launcher samples "
-            "it (trainer/idle.py), in seconds since the epoch: the sample that last saw it active, or the first one; "
-            "it stays put while the rank stays idle. None where unknown (not started yet, the process is gone, or "
-            "no launcher watches it)."
+            "it (trainer/agent/idle.py), in seconds since the epoch: the sample that last saw it active, or the first "
+            "one; it stays put while the rank stays idle. None where unknown (not started yet, the process is gone, "
+            "or no launcher watches it)."
         ),
     )
 

@@ -95,7 +95,7 @@ class RunDir:
         return self.incarnation(k) / "samples" / f"{rank}.jsonl"
 
     def stacks_file(self, k: int, rank: int) -> Path:
-        """Rank R's Python stacks, one dump appended per SIGUSR1 (trainer/stack_dump.py); it exists only
+        """Rank R's Python stacks, one dump appended per SIGUSR1 (trainer/agent/stack_dump.py); it exists only
         once the rank's process registered the dump, and its first line names that process."""
         return self.incarnation(k) / "stacks" / f"{rank}.txt"
 
@@ -136,7 +136,7 @@ class RunDir:
 
     def survivor_state(self, k: int, rank: int) -> Path:
         """Rank R's state at its last completed step, saved when incarnation k's collectives broke
-        (trainer/survivors.py); it counts only with its manifest, survivor_manifest(k, R)."""
+        (trainer/sdk/survivors.py); it counts only with its manifest, survivor_manifest(k, R)."""
         return self.survivors(k) / f"{rank}.pt"
 
     def survivor_manifest(self, k: int, rank: int) -> Path:

@@ -1,10 +1,10 @@
 """The controller's request for a running incarnation's Python stacks (trainer/CONTRACT.md).
 
 A hang is declared with each rank's stack, so that the operator sees where it waited. The ranks
-dump their stacks on SIGUSR1 (trainer/stack_dump.py) into `incarnations/K/stacks/R.txt`; no
+dump their stacks on SIGUSR1 (trainer/agent/stack_dump.py) into `incarnations/K/stacks/R.txt`; no
 controller can signal a process on another machine, so it writes a StackRequest into the run
 directory, and each node's launcher, which watches that file beside its ranks, signals those it
-hosts (trainer/stacks.py). That works wherever the run directory is shared with the nodes: the
+hosts (trainer/agent/stacks.py). That works wherever the run directory is shared with the nodes: the
 local backend, Slurm and Kubernetes alike.
 """
 

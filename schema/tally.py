@@ -13,11 +13,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from lazarus.schema.base import Record
-from lazarus.schema.files import read_text, write_json_atomic
-from lazarus.schema.rundir import RunDir
 
 if TYPE_CHECKING:
     from lazarus.schema.records import Incident
@@ -91,31 +89,3 @@ def to_archive(incidents: list[Incident]) -> int:
             break
         closed += 1
     return closed
-
-
-def archive_file(run: RunDir, number: int):
-    """Where an archived incident's record lives."""
-    return run.root / "incidents" / f"{number:06d}.json"
-
-
-def write_archived(run: RunDir, incidents: list[Incident]) -> None:
-    """Keep each incident's full record in the run directory (a retry rewrites the same files)."""
-    for incident in incidents:
-        write_json_atomic(archive_file(run, incident.number), incident.model_dump_json())
-
-
-def read_archived(run: RunDir, count: int) -> list[Incident] | None:
-    """Incidents 1 .. count from the run directory, oldest first; None when any cannot be read
-    (another machine's run directory, a record removed)."""
-    from lazarus.schema.records import Incident
-
-    incidents = []
-    for number in range(1, count + 1):
-        try:
-            text = read_text(archive_file(run, number))
-            if text is None:
-                return None
-            incidents.append(Incident.model_validate_json(text))
-        except (OSError, ValidationError):
-            return None
-    return incidents

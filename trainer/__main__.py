@@ -1,3 +1,3 @@
-from lazarus.trainer.train import main
+from lazarus.trainer.gpt.train import main
 
 main()

@@ -181,7 +181,7 @@ def injected(trial: Trial) -> list[str]:
 
 
 HELD_IN = {"stuck": "wait_for_the_peer_that_never_comes", "spin": "spin_forever"}
-"""The function a planned fault holds its rank in (trainer/session.py), by effect: its stack shows it."""
+"""The function a planned fault holds its rank in (trainer/sdk/session.py), by effect: its stack shows it."""
 
 
 def held_checks(trial: Trial, status) -> list[str]:

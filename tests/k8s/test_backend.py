@@ -276,7 +276,7 @@ def test_standby_pods_keep_each_healthy_node_warm_and_a_claimed_spare_drops_othe
     assert standby_pods(pool) == {"r1": ["spare-0", "worker-0", "worker-1"], "r2": ["spare-0", "worker-2", "worker-3"]}
     pod = pool.read_namespaced_pod(standby_pod_name("r1", "worker-1"), "lz")
     env = {e.name: e.value for e in pod.spec.containers[0].env}
-    assert pod.spec.host_network and pod.spec.containers[0].command == ["python", "-m", "lazarus.trainer.standby"]
+    assert pod.spec.host_network and pod.spec.containers[0].command == ["python", "-m", "lazarus.trainer.agent.standby"]
     assert env[ENV_NODE] == "worker-1" and env[ENV_STANDBY_ADDRESS] == "10.0.0.2" and env["OMP_NUM_THREADS"] == "1"
 
     layout = k8s_spec(tmp_path).layout

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from lazarus.schema import Layout
 from lazarus.schema.files import write_json_atomic
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir, checkpoint_manifest
-from lazarus.trainer import checkpoint
-from lazarus.trainer.train import Trainer
+from lazarus.trainer.gpt.train import Trainer
+from lazarus.trainer.sdk import checkpoint
 from tests.trainer.reshard_ranks import SETTINGS, flat_state
 
 FIRST, LAST = 3, 6  # the checkpoint both incarnations share, and the one each writes after it

@@ -9,7 +9,7 @@ import sys
 
 from lazarus.schema.contract import read_exit
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.launcher import record_exit
+from lazarus.trainer.agent.launcher import record_exit
 
 SCRIPT = """
 import sys

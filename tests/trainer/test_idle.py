@@ -1,4 +1,4 @@
-"""Since when a rank has sat idle (trainer/idle.py): no CPU in its process tree, no output in its log.
+"""Since when a rank has sat idle (trainer/agent/idle.py): no CPU in its process tree, no output in its log.
 A process that sleeps keeps its idle_since; one that spins, prints, or has a child that spins moves it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from lazarus.schema.files import process_start_time, write_json_atomic
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.idle import IdleWatch, tree_cpu_ticks
+from lazarus.trainer.agent.idle import IdleWatch, tree_cpu_ticks
 from tests.support.backends import launch_two_ranks
 from tests.support.waiting import wait_until
 

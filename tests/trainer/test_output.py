@@ -14,8 +14,8 @@ import pytest
 from lazarus.schema.contract import Heartbeat, read_heartbeat, write_heartbeat
 from lazarus.schema.run import FaultInjection, TrainerSettings
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer import output
-from lazarus.trainer.output import NO_MATCH_REFRESH_SECONDS, NO_MATCH_WARNING_SECONDS, OutputWatch
+from lazarus.trainer.agent import output
+from lazarus.trainer.agent.output import NO_MATCH_REFRESH_SECONDS, NO_MATCH_WARNING_SECONDS, OutputWatch
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)

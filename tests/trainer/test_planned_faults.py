@@ -8,7 +8,7 @@ import traceback
 import pytest
 
 from lazarus.schema.contract import ENV_FAIL_AT
-from lazarus.trainer.session import PlannedFault, maybe_fail, planned_disk_full
+from lazarus.trainer.sdk.faults import PlannedFault, maybe_fail, planned_disk_full
 
 
 def test_a_planned_raise_raises_at_its_point_and_step_only():
@@ -28,7 +28,7 @@ def test_a_full_disk_is_planned_for_one_checkpoint_and_kills_nothing():
 def test_a_save_failed_on_the_disk_is_told_from_a_broken_collective():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lazarus.trainer.checkpoint import disk_error
+    from lazarus.trainer.sdk.checkpoint import disk_error
 
     full = OSError(errno.ENOSPC, "No space left on device")
     summary = traceback.StackSummary()

@@ -1,4 +1,4 @@
-"""Python stacks of running ranks (trainer/stack_dump.py, trainer/stacks.py, infra/stacks.py): every
+"""Python stacks of running ranks (trainer/agent/stack_dump.py, trainer/agent/stacks.py, infra/stacks.py): every
 rank Lazarus starts, cold or forked from a warm standby, dumps its threads on SIGUSR1 with no change
 to the user's script; a rank that has no such handler is never sent the signal (it would end it)."""
 
@@ -14,8 +14,8 @@ import pytest
 
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema.files import process_start_time, read_json
-from lazarus.trainer.stack_dump import registered_process, with_dump_hook
-from lazarus.trainer.stacks import signal_for_stacks
+from lazarus.trainer.agent.stack_dump import registered_process, with_dump_hook
+from lazarus.trainer.agent.stacks import signal_for_stacks
 from tests.support.backends import launch_two_ranks
 from tests.support.waiting import wait_until
 
@@ -114,7 +114,7 @@ def test_the_backend_captures_each_ranks_stack(cluster, tmp_path, warm):
     for rank, dump in stacks.items():
         assert "wait_for_the_peer_that_never_comes" in dump and "blocker.py" in dump, dump
         assert registered_process(run.stacks_file(0, rank))[0] == read_json(run.pid_file(0, rank))["pid"]
-        assert ("trainer/standby.py" in dump) is warm  # forked: it runs the script in place, below the standby
+        assert ("trainer/agent/standby/" in dump) is warm  # forked: it runs the script in place, below the standby
     again = cluster.capture_stacks("r1", 0, ranks=[1], wait_seconds=5)
     assert list(again) == [1] and again[1].count("most recent call first") == 1  # the new dump alone
     assert all(r.alive for r in cluster.observe("r1", 0).ranks)

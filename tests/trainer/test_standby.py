@@ -14,7 +14,7 @@ from lazarus.infra.standbys import kill_standbys
 from lazarus.schema import Assignment, parse_spec
 from lazarus.schema.contract import read_exit
 from lazarus.schema.files import lock_is_held, read_json
-from lazarus.trainer.standby import warm_entry
+from lazarus.trainer.agent.standby import warm_entry
 from tests.support.waiting import wait_until
 
 # A rank that reports what it found and exits with a code of its choosing: it imports nothing,

@@ -1,4 +1,4 @@
-"""A Kubernetes standby (trainer/standby_port.py) as its pod runs it: orders over its port, refused
+"""A Kubernetes standby (trainer/agent/standby/port.py) as its pod runs it: orders over its port, refused
 without the run's secret or for another node; a started launcher's ranks are forked warm, a
 stop kills them and answers once they are gone, and the standby records how each launcher ended."""
 
@@ -59,7 +59,7 @@ def standby(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     with open(tmp_path / "standby.log", "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "lazarus.trainer.standby"], env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "lazarus.trainer.agent.standby"], env=env, stdout=log, stderr=subprocess.STDOUT
         )
     try:
         ready = wait_until(lambda: read_json(run.standby("node-0") / "ready"), "the standby to listen")

@@ -12,7 +12,7 @@ from lazarus.infra.backend import free_port
 from lazarus.schema import Layout
 from lazarus.schema.contract import read_survivor
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer import survivors
+from lazarus.trainer.gpt import survivor_state as survivors
 from tests.trainer.survivor_ranks import COMPLETED, SETTINGS, run_rank
 
 pytestmark = pytest.mark.timeout(180)

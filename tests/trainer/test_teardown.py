@@ -1,5 +1,5 @@
 """A forked rank's destroy_process_group keeps the groups it destroys from their C++ destructors
-(lazarus.trainer.teardown.keep_destroyed_groups): no gloo teardown runs while the GIL is held."""
+(lazarus.trainer.agent.teardown.keep_destroyed_groups): no gloo teardown runs while the GIL is held."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 RANK = """
 import os, sys, torch.distributed as dist
-from lazarus.trainer import teardown as standby
+from lazarus.trainer.agent import teardown as standby
 standby.keep_destroyed_groups()
 standby.keep_destroyed_groups()  # a second call wraps nothing twice
 from torch.distributed import destroy_process_group  # as a script imports it, after the patch

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lazarus.trainer.data import batch, sample_tokens, share
+from lazarus.trainer.gpt.data import batch, sample_tokens, share
 
 
 @given(global_batch=st.integers(1, 512), dp=st.integers(1, 64))

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from lazarus.infra.backends.kubernetes.objects import node_sick
 from lazarus.schema.health_checks import HealthChecks, run_check
-from lazarus.trainer.health_check import HealthCheck
+from lazarus.trainer.agent.health_check import HealthCheck
 from tests.support.waiting import wait_until
 
 

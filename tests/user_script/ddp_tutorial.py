@@ -2,7 +2,7 @@
 CPU (gloo, no device ids), with its dataset inlined and nothing of Lazarus. Like the original it
 calls `destroy_process_group()` and returns from `main`, so DDP's Reducer, the process group's
 last owner, is freed as `main` returns: the moment gloo's teardown can deadlock (see
-lazarus.trainer.teardown.keep_destroyed_groups).
+lazarus.trainer.agent.teardown.keep_destroyed_groups).
 
     torchrun --standalone --nproc-per-node 4 ddp_tutorial.py 30 5
 """

@@ -1,5 +1,5 @@
 """The Kubernetes backend: nodes of a labelled pool are the unit of failure, each node's launcher
-(trainer/launcher.py) runs in the node's warm standby pod (infra/backends/kubernetes/pods.py) or,
+(trainer/agent/launcher.py) runs in the node's warm standby pod (infra/backends/kubernetes/pods.py) or,
 cold, in a rank pod per node and incarnation, and quarantine is cordon + taint.
 
 It implements infra/backend.py's ClusterBackend, as the local backend does. What lives where:

@@ -225,7 +225,7 @@ def rank_pod(
 
 
 def standby_pod(run_id: str, spec: RunSpec, node: str, address: str, policy: RecoveryPolicy) -> k8s.V1Pod:
-    """The warm standby pod of a node of the run (trainer/standby_port.py): it holds what a rank pod
+    """The warm standby pod of a node of the run (trainer/agent/standby/port.py): it holds what a rank pod
     would (the node's GPUs, the volume), and its ranks run in it. It listens for orders on a port
     of `address`, the node's address, on the host network."""
     # The trainer's environment as its ranks will see it, since the standby imports what they

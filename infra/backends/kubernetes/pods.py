@@ -1,7 +1,7 @@
 """The pods that run a run's node launchers on Kubernetes: cold rank pods (one per node and
 incarnation) and warm standby pods, one per healthy node of a run (its active nodes
 and the pool's free spares), started with the run, torch imported, taking orders on a port of
-the node's host network (trainer/standby_port.py). A launch orders each node's standby to fork
+the node's host network (trainer/agent/standby/port.py). A launch orders each node's standby to fork
 the node's launcher; a drain orders the surviving nodes' standbys to kill their launchers and
 deletes only the pods of nodes that are lost, so a recovery recreates nothing that is still
 there (as JobSet's in-place restart). A node whose standby does not answer gets a cold rank pod.

@@ -218,7 +218,7 @@ class LocalCluster(RunFiles):
         return record
 
     def _start_launcher(self, run: RunDir, incarnation: int, index: int, node: str, resume_step: int) -> None:
-        """Start the launcher of one node unless one runs; it starts the node's ranks (trainer/launcher.py)."""
+        """Start the launcher of one node unless one runs; it starts the node's ranks (trainer/agent/launcher.py)."""
         env = {
             **os.environ,
             ENV_RUN_DIR: str(run.root),
@@ -228,7 +228,7 @@ class LocalCluster(RunFiles):
             ENV_RESUME_STEP: str(resume_step),
         }
         child = start_locked(
-            [self.python, "-m", "lazarus.trainer.launcher"],
+            [self.python, "-m", "lazarus.trainer.agent.launcher"],
             env,
             run.node_lock_file(incarnation, index),
             run.node_pid_file(incarnation, index),

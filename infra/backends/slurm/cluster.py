@@ -1,6 +1,6 @@
 """The Slurm backend: the run's nodes are nodes of a Slurm cluster, held in one allocation of the
 run's active nodes and spares (`salloc --no-shell --no-kill`: a lost node does not end it), each
-node's launcher (trainer/launcher.py) started as a job step on its node (`srun --jobid J -w NODE
+node's launcher (trainer/agent/launcher.py) started as a job step on its node (`srun --jobid J -w NODE
 --overlap`). Its files live in a run directory on a path every node shares (`home`), as on the
 local backend, which it extends: the pool, liveness and heartbeats are read the same way.
 
@@ -9,7 +9,7 @@ nodename=N state=drain reason=...`, with the incident, so that `sinfo -R` shows 
 only by `lazarus pool return` or the site's admin; a node slurmctld marks not responding, down or
 drained by someone else counts as dead.
 
-Warm standbys (trainer/standby_port.py) run as job steps too, one per node of the allocation,
+Warm standbys (trainer/agent/standby/port.py) run as job steps too, one per node of the allocation,
 and take their orders on a port of the node's address (NodeAddr), as on Kubernetes: a FIFO on the
 shared filesystem does not cross machines. A launch orders each node's standby to fork its
 launcher; a node whose standby does not answer starts cold, as a job step of its own. A stop
@@ -233,7 +233,7 @@ class SlurmCluster(LocalCluster):
         self._children.append(
             self._step(
                 self._srun(run, node, name, allocated),
-                "lazarus.trainer.launcher",
+                "lazarus.trainer.agent.launcher",
                 env,
                 run.incarnation(incarnation) / "nodes" / f"{index}.log",
             )
@@ -297,7 +297,9 @@ class SlurmCluster(LocalCluster):
             }
             env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
             srun = self._srun(run, node, f"lazarus-{run_id}-standby", allocated)
-            self._standby_steps[(run_id, node)] = step = self._step(srun, "lazarus.trainer.standby", env, home / "log")
+            self._standby_steps[(run_id, node)] = step = self._step(
+                srun, "lazarus.trainer.agent.standby", env, home / "log"
+            )
             self._children.append(step)  # reaped with the others once it ends
 
     def _standby_lives(self, run: RunDir, node: str) -> bool:

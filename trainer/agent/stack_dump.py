@@ -7,7 +7,7 @@ Python-level handler would never reach. SIGUSR1's default action ends a process,
 signalled only where it says it has the handler: the stacks file exists only once this module
 registered it, and its first line names the process that did (pid and kernel start time).
 
-Standard library only, and loaded by path too (trainer/rank_hook/sitecustomize.py): a rank's
+Standard library only, and loaded by path too (trainer/agent/rank_hook/sitecustomize.py): a rank's
 interpreter may not have Lazarus installed, and a rank must not pay for more imports at startup.
 """
 

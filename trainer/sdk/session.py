@@ -27,7 +27,6 @@ contract without it. It needs only the environment the launcher sets.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
 import threading
@@ -35,7 +34,6 @@ import time
 from pathlib import Path
 
 from lazarus.schema.contract import (
-    ENV_FAIL_AT,
     ENV_INCARNATION,
     ENV_NODE,
     ENV_RESUME_STEP,
@@ -53,52 +51,7 @@ from lazarus.schema.layout import MESH_DIMENSIONS
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir, commit_checkpoint
-
-
-class PlannedFault(RuntimeError):
-    """The exception a planned fault with `effect: raise` raises in a rank."""
-
-
-def maybe_fail(point: str, step: int, environ=os.environ) -> None:
-    """A planned fault (LAZARUS_FAIL_AT=point:step[:raise|:stuck|:spin], `faults` in the spec) at this
-    point: die as a dead node's process does, by SIGKILL, raise PlannedFault as a buggy rank would,
-    wait forever in a collective as a hung one does, or loop forever, busy, as a rank in a bug's
-    endless loop does."""
-    planned = environ.get(ENV_FAIL_AT, "")
-    if planned == f"{point}:{step}:raise":
-        raise PlannedFault(f"planned fault: this rank raises at {point} {step}")
-    if planned == f"{point}:{step}:stuck":
-        wait_for_the_peer_that_never_comes()
-    if planned == f"{point}:{step}:spin":
-        spin_forever()
-    if planned == f"{point}:{step}":
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def wait_for_the_peer_that_never_comes() -> None:
-    """A planned `stuck` fault: receive from a peer that never sends, so this rank waits in a
-    collective forever and its peers wait behind it in the step's (a mismatched collective, a rank
-    on the wrong code path)."""
-    import torch
-    import torch.distributed as dist
-
-    print("lazarus trainer: planned fault: waiting in a receive no peer answers", file=sys.stderr, flush=True)
-    dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
-
-
-def spin_forever() -> None:
-    """A planned `spin` fault: loop forever on the CPU, never reaching the step's collective; its
-    peers wait in it. Its Python stack does not move: that is how it is found."""
-    print("lazarus trainer: planned fault: looping forever", file=sys.stderr, flush=True)
-    turns = 0
-    while True:
-        turns += 1
-
-
-def planned_disk_full(step: int, environ=os.environ) -> bool:
-    """Whether a planned fault fills the disk while the checkpoint of `step` is written."""
-    return environ.get(ENV_FAIL_AT, "") == f"checkpoint:{step}:disk_full"
+from lazarus.trainer.sdk.faults import maybe_fail
 
 
 def commit_or_say_why(run: RunDir, step: int, incarnation: int) -> bool:
@@ -235,7 +188,7 @@ class TrainingSession:
         """
         if not self.saves_survivors:
             return False
-        from lazarus.trainer.survivors import write_state
+        from lazarus.trainer.sdk.survivors import write_state
 
         return write_state(self.run, self.incarnation, self.rank, self.coordinates, step, state)
 
@@ -247,7 +200,7 @@ class TrainingSession:
         launch = read_launch(self.run, self.incarnation) if self.resume_step else None
         if launch is None or launch.survivors is None:
             return None
-        from lazarus.trainer.survivors import read_state
+        from lazarus.trainer.sdk.survivors import read_state
 
         source = launch.survivors
         return read_state(self.run, source.incarnation, source.ranks[self.rank])[1]

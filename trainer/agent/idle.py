@@ -1,5 +1,5 @@
 """Since when each rank of a node has sat idle: used no CPU and written no output
-(RankObservation.idle_since), read from the process by its node's launcher (trainer/node_report.py).
+(RankObservation.idle_since), read from the process by its node's launcher (trainer/agent/node_report.py).
 
 That is the evidence of a hang in a script that reports no steps: a rank waiting in a collective
 for a peer that will never come sleeps in the kernel and prints nothing, while a rank that trains,

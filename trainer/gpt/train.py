@@ -1,6 +1,6 @@
 """The built-in training program: one rank of a dp x pp x dp_shard x tp GPT run (contract: trainer/CONTRACT.md).
 
-Run as `python -m lazarus.trainer` by the node launcher (trainer/launcher.py), with torchrun's
+Run as `python -m lazarus.trainer` by the node launcher (trainer/agent/launcher.py), with torchrun's
 environment plus LAZARUS_RUN_DIR, LAZARUS_INCARNATION, LAZARUS_NODE and LAZARUS_RESUME_STEP.
 It uses lazarus.session for the contract, as a user's script would.
 """
@@ -17,7 +17,8 @@ from datetime import timedelta
 from lazarus.schema.contract import read_launch
 from lazarus.schema.layout import MESH_DIMENSIONS, Layout
 from lazarus.schema.run import RunSpec, TrainerSettings
-from lazarus.trainer.session import TrainingSession, maybe_fail
+from lazarus.trainer.sdk.faults import maybe_fail
+from lazarus.trainer.sdk.session import TrainingSession
 
 
 def check_layout(layout: Layout, settings: TrainerSettings, world_size: int) -> None:
@@ -65,9 +66,9 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from lazarus.trainer import prepared
-        from lazarus.trainer.data import share
-        from lazarus.trainer.model import cut_to_stage
+        from lazarus.trainer.gpt import prepared
+        from lazarus.trainer.gpt.data import share
+        from lazarus.trainer.gpt.model import cut_to_stage
 
         self.torch, self.dist = torch, dist
         self.settings, self.layout = settings, layout
@@ -109,7 +110,7 @@ class Trainer:
         if self.layout.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            from lazarus.trainer.model import tensor_parallel_plan
+            from lazarus.trainer.gpt.model import tensor_parallel_plan
 
             # Every rank built the whole model from the same seed, so each takes its slice of
             # each matrix from its own copy instead of a scatter from tp rank 0 per matrix (the
@@ -155,7 +156,7 @@ class Trainer:
         step, on every rank; the request rides on the step's own collectives, so every rank
         learns it at the same step.
         """
-        from lazarus.trainer.data import batch
+        from lazarus.trainer.gpt.data import batch
 
         torch = self.torch
         started = time.perf_counter()
@@ -268,7 +269,8 @@ def restore(session: TrainingSession, trainer: Trainer) -> tuple[int, int]:
     """Load the state the controller chose into `trainer`; returns its step and data position
     ((0, 0) from scratch): what the fault's survivors saved, if the launch record names them,
     else the checkpoint of the resume step."""
-    from lazarus.trainer import checkpoint, survivors
+    from lazarus.trainer.gpt import survivor_state as survivors
+    from lazarus.trainer.sdk import checkpoint
 
     if not session.resume_step:
         return 0, 0
@@ -296,7 +298,8 @@ def train(session: TrainingSession) -> tuple[int, bool]:
     the controller stopped the run before it."""
     import torch.distributed as dist
 
-    from lazarus.trainer import checkpoint, survivors
+    from lazarus.trainer.gpt import survivor_state as survivors
+    from lazarus.trainer.sdk import checkpoint
 
     run = session.run
     spec = RunSpec.model_validate_json(run.spec_file.read_text())

@@ -1,5 +1,5 @@
 """The local backend's standbys started together: one interpreter warms up (the imports, the
-built-in trainer's model) once and forks one standby per node (trainer/standby.py), since the
+built-in trainer's model) once and forks one standby per node (trainer/agent/standby/), since the
 local backend's nodes share one machine and N interpreters importing torch would only cost N
 times the CPU (4.2 s each here)."""
 
@@ -14,7 +14,7 @@ import traceback
 from lazarus.schema.contract import ENV_NODE
 from lazarus.schema.files import process_start_time, read_json, write_json_atomic
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.standby import Warmth, serve
+from lazarus.trainer.agent.standby import Warmth, serve
 
 RECORD_WAIT_SECONDS = 10.0
 """How long the shared interpreter waits for the backend's pid records of its nodes before it forks (seconds)."""

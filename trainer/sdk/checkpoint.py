@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.session import commit_or_say_why, planned_disk_full
+from lazarus.trainer.sdk.faults import planned_disk_full
+from lazarus.trainer.sdk.session import commit_or_say_why
 
 # Optimizer state keyed by parameter name (`state.blocks.3.q.weight.exp_avg`, and the same
 # for param_groups): each pipeline stage then has keys of its own. Unflattened, every stage

@@ -1,7 +1,7 @@
-"""Put first on a rank's PYTHONPATH by its launcher (trainer/launcher.py rank_environment): every
+"""Put first on a rank's PYTHONPATH by its launcher (trainer/agent/launcher.py rank_environment): every
 Python process the rank's command starts runs this at startup (site.py imports `sitecustomize`),
 with no change to the user's script. The rank's first one registers its stack dump on SIGUSR1
-(trainer/stack_dump.py); then the `sitecustomize` this one shadows, if any, runs as it would have.
+(trainer/agent/stack_dump.py); then the `sitecustomize` this one shadows, if any, runs as it would have.
 
 Standard library only: the rank's interpreter may not be the one Lazarus is installed in.
 """
@@ -15,7 +15,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _register() -> None:
-    """Load trainer/stack_dump.py beside this folder by its path and register the rank's dump."""
+    """Load trainer/agent/stack_dump.py beside this folder by its path and register the rank's dump."""
     path = os.path.join(os.path.dirname(_HERE), "stack_dump.py")
     spec = importlib.util.spec_from_file_location("_lazarus_stack_dump", path)
     if spec is None or spec.loader is None:

@@ -2,7 +2,7 @@
 instead of a FIFO, since the controller runs on another machine (a FIFO on the shared volume
 does not cross machines, and a polled folder on NFS would wait for its attribute cache).
 
-The standby runs as the node's standby pod (`python -m lazarus.trainer.standby` with
+The standby runs as the node's standby pod (`python -m lazarus.trainer.agent.standby` with
 LAZARUS_RUN_DIR, LAZARUS_NODE and LAZARUS_STANDBY_ADDRESS, the node's address, set). It binds a
 free port there first and writes `{"address", "port"}` to `standby/<node>/ready` on the shared
 volume, then warms up as the local standby does; an order that arrives meanwhile waits in the
@@ -33,7 +33,7 @@ import time
 
 from lazarus.schema.files import read_json, write_json_atomic
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.standby import IDLE_EXIT_SECONDS, Warmth, launch_order, launcher_alive, say_warm
+from lazarus.trainer.agent.standby import IDLE_EXIT_SECONDS, Warmth, launch_order, launcher_alive, say_warm
 
 ORDER_READ_SECONDS = 5.0
 """How long the standby waits for an order's line once its connection is accepted (seconds)."""
@@ -193,7 +193,7 @@ def _follow_order(run: RunDir, node: str, order: dict, connection, launchers: La
     elif "prefetch" in order:
         answer(connection, {"accepted": True})  # the controller does not wait for the reads
         if prepares:
-            from lazarus.trainer import prepared
+            from lazarus.trainer.gpt import prepared
 
             wanted = order["prefetch"]
             read = prepared.prefetch(run, int(wanted["incarnation"]), [int(r) for r in wanted["ranks"]])
@@ -203,6 +203,6 @@ def _follow_order(run: RunDir, node: str, order: dict, connection, launchers: La
         # and the lock): only this process answers, and a launcher never holds the controller's end.
         answer(connection, launchers.start(order, node, [*private, connection.fileno()]))
         if prepares:
-            from lazarus.trainer import prepared
+            from lazarus.trainer.gpt import prepared
 
             prepared.forget_states()  # the launcher's ranks have them; the next fault brings new ones

@@ -2,9 +2,9 @@
 for orders to start the node's ranks of an incarnation.
 
 One per node of a run (active nodes and hot spares alike), each in its own session. The local
-backend starts the standbys it needs at once as `python -m lazarus.trainer.standby` with
+backend starts the standbys it needs at once as `python -m lazarus.trainer.agent.standby` with
 LAZARUS_RUN_DIR, LAZARUS_STANDBY_NODES and their locks' descriptors set: one interpreter
-imports and builds the model, then forks one standby per node (trainer/standby_fork.py), since its nodes
+imports and builds the model, then forks one standby per node (trainer/agent/standby/fork.py), since its nodes
 share one machine; with LAZARUS_NODE instead, the process is that node's standby itself. A cold
 start pays a new interpreter and `import torch` (two to three seconds on a loaded 2-core
 node) on every recovery; here that is paid once, before any fault. An order is one JSON line
@@ -14,7 +14,7 @@ without touching the standby), and the launcher forks the ranks, each of which r
 trainer's `python -m module` or `python script.py` in place. For the built-in trainer the
 standby also builds the model before any order and, on a prefetch order from drain
 ({"prefetch": {"incarnation", "ranks"}}), reads the survivors' states its ranks will load
-(trainer/prepared.py). Nothing here starts a thread (it is checked), so forking is safe: a
+(trainer/gpt/prepared.py). Nothing here starts a thread (it is checked), so forking is safe: a
 child starts exactly as a fresh process would after its imports.
 
 The standby exits when its run has had no live launcher for `IDLE_EXIT_SECONDS` (the run
@@ -38,19 +38,14 @@ import traceback
 
 from lazarus.schema.contract import (
     ENV_INCARNATION,
-    ENV_NODE,
     ENV_NODE_INDEX,
     ENV_RESUME_STEP,
-    ENV_RUN_DIR,
-    ENV_STANDBY_ADDRESS,
-    ENV_STANDBY_LOCK_FDS,
-    ENV_STANDBY_NODES,
 )
 from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer import stack_dump
-from lazarus.trainer.teardown import keep_destroyed_groups
+from lazarus.trainer.agent import stack_dump
+from lazarus.trainer.agent.teardown import keep_destroyed_groups
 
 IDLE_EXIT_SECONDS = 30.0
 """How long a standby waits with no live launcher in its run before it exits (seconds)."""
@@ -62,10 +57,10 @@ _BUILT_IN_IMPORTS = [
     "torch.distributed",
     "torch.distributed.checkpoint",
     "torch.distributed.pipelining",
-    "lazarus.trainer.train",
-    "lazarus.trainer.model",
-    "lazarus.trainer.checkpoint",
-    "lazarus.trainer.data",
+    "lazarus.trainer.gpt.train",
+    "lazarus.trainer.gpt.model",
+    "lazarus.trainer.sdk.checkpoint",
+    "lazarus.trainer.gpt.data",
 ]
 # A user's script: what a typical DDP/FSDP script reaches before its first step (DDP's
 # constructor alone imports the compiler stack: more than a second here).
@@ -173,7 +168,7 @@ def _run_in_place(command: list[str], env: dict) -> int:
 
 
 def fork_starter(private_fds: list[int]):
-    """A `start_rank` for lazarus.trainer.launcher.launch_node that forks this warm process.
+    """A `start_rank` for lazarus.trainer.agent.launcher.launch_node that forks this warm process.
 
     `private_fds` are descriptors of the launcher that a rank must not inherit (its node
     lock: a rank holding it would keep the node's launcher looking alive).
@@ -237,7 +232,7 @@ def _forked_launcher(run: RunDir, node: str, order: dict, private_fds: list[int]
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    from lazarus.trainer.launcher import launch_node
+    from lazarus.trainer.agent.launcher import launch_node
 
     node_lock = take_lock(run.node_lock_file(incarnation, index))
     if node_lock is None:
@@ -263,7 +258,7 @@ def _follow(run: RunDir, node: str, order: dict, private_fds: list[int], prepare
     sent by drain), or start a launcher for an incarnation."""
     if "prefetch" in order:
         if prepares:
-            from lazarus.trainer import prepared
+            from lazarus.trainer.gpt import prepared
 
             wanted = order["prefetch"]
             began = time.monotonic()
@@ -276,7 +271,7 @@ def _follow(run: RunDir, node: str, order: dict, private_fds: list[int], prepare
         return
     launch_order(run, node, order, private_fds)
     if prepares:
-        from lazarus.trainer import prepared
+        from lazarus.trainer.gpt import prepared
 
         prepared.forget_states()  # the launcher's ranks have them; the next fault brings new ones
 
@@ -300,7 +295,7 @@ class Warmth:
         self.failed = warm_up(spec.trainer.command)
         self.built_in = spec.trainer.command == BUILT_IN_TRAINER and not self.failed
         if self.built_in and len(os.listdir("/proc/self/task")) == 1:
-            from lazarus.trainer import prepared
+            from lazarus.trainer.gpt import prepared
 
             prepared.prepare_model(spec.trainer, spec.layout.dp * spec.layout.dp_shard)
         global _fork_safe
@@ -371,30 +366,3 @@ def serve(run: RunDir, node: str, lock: int | None = None, orders: int | None = 
             print(f"lazarus standby {node}: no launcher alive for {IDLE_EXIT_SECONDS:g} s; exiting", flush=True)
             break
     return 0
-
-
-def main() -> None:
-    """Entry point: `python -m lazarus.trainer.standby`."""
-    if ENV_STANDBY_NODES in os.environ and ENV_RUN_DIR in os.environ:
-        from lazarus.trainer.standby_fork import serve_nodes
-
-        nodes = os.environ.pop(ENV_STANDBY_NODES).split(",")
-        locks = [int(fd) for fd in os.environ.pop(ENV_STANDBY_LOCK_FDS).split(",")]
-        sys.exit(serve_nodes(RunDir(os.environ[ENV_RUN_DIR]), nodes, locks))
-    missing = [name for name in (ENV_RUN_DIR, ENV_NODE) if name not in os.environ]
-    if missing:
-        raise SystemExit(f"lazarus standby: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")
-    run, node = RunDir(os.environ[ENV_RUN_DIR]), os.environ[ENV_NODE]
-    if ENV_STANDBY_ADDRESS in os.environ:
-        from lazarus.trainer.standby_port import serve_port
-
-        lock = take_lock(run.standby(node) / "lock")
-        if lock is None:
-            sys.exit(0)  # this node has a live standby
-        record_pid(run.standby(node))  # where the backend shares this host, it ends the standby by its group
-        sys.exit(serve_port(run, node, os.environ[ENV_STANDBY_ADDRESS], lock))
-    sys.exit(serve(run, node))
-
-
-if __name__ == "__main__":
-    main()

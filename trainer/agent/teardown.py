@@ -1,5 +1,5 @@
 """A forked rank's process groups outlive its script: gloo's teardown deadlocks when it runs in
-the rank (keep_destroyed_groups). Used by the warm standby (trainer/standby.py) in each rank it
+the rank (keep_destroyed_groups). Used by the warm standby (trainer/agent/standby/) in each rank it
 forks; a rank exec'd cold is a fresh interpreter, as under torchrun."""
 
 from __future__ import annotations

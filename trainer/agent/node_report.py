@@ -3,10 +3,10 @@ controller's look at a run costs a read per node, not three per rank.
 
 The reporter reads what the controller would otherwise read itself: each rank's liveness lock,
 newest heartbeat and exit record, all files of this node, and since when each rank's process has
-sat idle (trainer/idle.py). It rewrites the report when any of them changed (a step, an exit: the
+sat idle (trainer/agent/idle.py). It rewrites the report when any of them changed (a step, an exit: the
 launcher wakes it when it records one) and at least every heartbeat interval, and once more when
 the launcher ends. Between reports it carries out the controller's requests for its ranks' stacks
-(trainer/stacks.py).
+(trainer/agent/stacks.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from lazarus.schema.contract import ContractError, RankObservation, read_exit, r
 from lazarus.schema.files import lock_is_held
 from lazarus.schema.node_reports import NodeReport, write_node_report
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.health_check import HealthCheck
-from lazarus.trainer.idle import IdleWatch
-from lazarus.trainer.stacks import StackOrders
+from lazarus.trainer.agent.health_check import HealthCheck
+from lazarus.trainer.agent.idle import IdleWatch
+from lazarus.trainer.agent.stacks import StackOrders
 
 REPORT_POLL_SECONDS = 0.05
 """How often the reporter looks at its ranks (seconds): a change other than an exit the launcher
@@ -42,7 +42,7 @@ class NodeReporter:
         self.launched: set[int] = set()  # ranks this node's launchers started
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._loop, name="node-report", daemon=True)
-        self.health: HealthCheck | None = None  # where the spec names one (trainer/health_check.py)
+        self.health: HealthCheck | None = None  # where the spec names one (trainer/agent/health_check.py)
         # A busy rank's idle_since moves at every sample, and with it the report: a sample per
         # interval adds no write to those the interval makes anyway (past a 1 s interval, one a second).
         self.idle = IdleWatch(run, incarnation, min(interval, IDLE_SAMPLE_MAX_SECONDS))

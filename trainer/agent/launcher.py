@@ -1,7 +1,7 @@
 """One node's launcher: starts the node's ranks of an incarnation with torchrun's environment,
 and records how each one ended.
 
-Run by the backend as `python -m lazarus.trainer.launcher` with LAZARUS_RUN_DIR, LAZARUS_INCARNATION,
+Run by the backend as `python -m lazarus.trainer.agent.launcher` with LAZARUS_RUN_DIR, LAZARUS_INCARNATION,
 LAZARUS_NODE, LAZARUS_NODE_INDEX and LAZARUS_RESUME_STEP set (trainer/CONTRACT.md).
 
 Why not torchrun as the per-node launcher: its agent imports torch before it starts a rank
@@ -38,10 +38,10 @@ from lazarus.schema.files import lock_is_held, process_start_time, read_json, ta
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.health_check import HealthCheck
-from lazarus.trainer.node_report import NodeReporter
-from lazarus.trainer.output import OutputWatch
-from lazarus.trainer.stack_dump import with_dump_hook
+from lazarus.trainer.agent.health_check import HealthCheck
+from lazarus.trainer.agent.node_report import NodeReporter
+from lazarus.trainer.agent.output import OutputWatch
+from lazarus.trainer.agent.stack_dump import with_dump_hook
 
 NODE_NICENESS = 5
 """Scheduling priority added to a node's launcher and ranks (`nice`)."""
@@ -85,7 +85,7 @@ def rank_environment(
     fault = planned_fault(spec, assignment, incarnation, node_index)
     if fault is not None:
         env[ENV_FAIL_AT] = fault.planned
-    # Each Python rank dumps its stacks on SIGUSR1 (trainer/stack_dump.py), so a hang shows where it waited.
+    # Each Python rank dumps its stacks on SIGUSR1 (trainer/agent/stack_dump.py), so a hang shows where it waited.
     return with_dump_hook(env, str(run.stacks_file(incarnation, rank)))
 
 
@@ -167,7 +167,7 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
     """Start this node's ranks (those not running and not ended), wait for them; returns 0.
 
     `start_rank(command, env, log, lock_fd, cwd)` starts one rank and returns an object with
-    `pid` and `wait()`: a new process here, a fork of a warm standby in trainer/standby.py.
+    `pid` and `wait()`: a new process here, a fork of a warm standby in trainer/agent/standby/.
     """
     assignment = Assignment.model_validate_json(run.assignment_file(incarnation).read_text())
     # On the local backend every node shares this machine's cores with the controller; a real
@@ -258,7 +258,7 @@ def _start(run: RunDir, incarnation: int, rank: int, command: list[str], env: di
 
 
 def main() -> None:
-    """Entry point: `python -m lazarus.trainer.launcher`."""
+    """Entry point: `python -m lazarus.trainer.agent.launcher`."""
     missing = [name for name in (ENV_RUN_DIR, ENV_INCARNATION, ENV_NODE, ENV_NODE_INDEX) if name not in os.environ]
     if missing:
         raise SystemExit(f"lazarus launcher: missing environment variables {', '.join(missing)} (trainer/CONTRACT.md)")

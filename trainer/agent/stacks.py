@@ -1,5 +1,5 @@
 """A launcher's side of a stack capture: when the controller asks for its incarnation's stacks
-(schema/stacks.py), signal each rank of this node that registered its dump (trainer/stack_dump.py).
+(schema/stacks.py), signal each rank of this node that registered its dump (trainer/agent/stack_dump.py).
 
 SIGUSR1 ends a process that does not catch it, so a rank is signalled only when all three hold:
 its stacks file names a process (the process wrote it when it registered), that process is still
@@ -16,7 +16,7 @@ import sys
 from lazarus.schema.files import process_start_time
 from lazarus.schema.rundir import RunDir
 from lazarus.schema.stacks import read_stack_request
-from lazarus.trainer.stack_dump import registered_process
+from lazarus.trainer.agent.stack_dump import registered_process
 
 
 def catches(pid: int, signum: int) -> bool:

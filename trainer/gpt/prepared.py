@@ -7,7 +7,7 @@ reading its file after the rendezvous: the restore leaves the critical path of a
 rank started any other way, or one whose survivor is not the one prefetched, builds and reads
 for itself, so every path gives the same state.
 
-Nothing here starts a thread: the standby stays safe to fork (trainer/standby.py checks).
+Nothing here starts a thread: the standby stays safe to fork (trainer/agent/standby/ checks).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 from lazarus.schema.contract import read_survivor
 from lazarus.schema.run import TrainerSettings
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.survivors import read_state
+from lazarus.trainer.sdk.survivors import read_state
 
 if TYPE_CHECKING:
-    from lazarus.trainer.model import GPT
+    from lazarus.trainer.gpt.model import GPT
 
 _model: tuple[tuple, GPT, torch.Tensor] | None = None
 """(the settings it was built for, the whole GPT, the RNG state right after building it)."""
@@ -50,7 +50,7 @@ def whole_model(settings: TrainerSettings) -> tuple[GPT, torch.Tensor]:
         _, model, rng = _model
         _model = None
         return model, rng
-    from lazarus.trainer.model import GPT
+    from lazarus.trainer.gpt.model import GPT
 
     torch.manual_seed(settings.seed)
     model = GPT(settings.vocab_size, settings.seq_len, settings.d_model, settings.n_layers, settings.n_heads)
@@ -65,7 +65,7 @@ def prepare_model(settings: TrainerSettings, data_ranks: int) -> None:
     torch.set_num_threads(1)  # as each rank does; a thread pool would make forking unsafe
     _model = None
     model, rng = whole_model(settings)
-    from lazarus.trainer.data import batch, share
+    from lazarus.trainer.gpt.data import batch, share
 
     inputs, targets = batch(
         settings.seed, 0, share(settings.global_batch, data_ranks, 0), settings.seq_len, settings.vocab_size
