@@ -29,6 +29,7 @@ import dataclasses
 
 from lazarus.activities.look import Look, Verdict
 from lazarus.infra.backend import RankObservation
+from lazarus.schema.policy import hang_seconds
 
 FIRST_STEP_PHASES = ("starting", "joined", "restored")
 """Phases before a rank's first step of an incarnation: under a derived hang time they get the
@@ -41,7 +42,7 @@ is not judged hung (its liveness thread ends there too); one that never exits is
 
 WORKING_SECONDS = 2.0
 """A rank whose launcher saw it use CPU or write within this long is at work (seconds): the launcher
-samples every rank at least every second (trainer/node_report.py)."""
+samples every rank at least every second (trainer/agent/node_report.py)."""
 
 
 def judge_hangs(look: Look) -> Verdict | None:
@@ -49,12 +50,14 @@ def judge_hangs(look: Look) -> Verdict | None:
     is watched only where the spec says it will (the built-in trainer, output as heartbeat): exit,
     idleness and node health are the signals of any other."""
     derived = look.policy.hang_after_seconds is None
+    # Under a derived hang time a stall alone is no hang until it lasts this long (busy_hang_seconds).
+    longest = hang_seconds(look.policy, of="longest")
     stale, late_start = _stalled(look, derived)
     # A rank that exited 0 finished training: those still running are in their teardown, which
     # the exit grace judges (activities/exits.py judge_lingering), not the hang time.
     ending = any(r.exit is not None and r.exit.code == 0 for r in look.ranks)
     if derived and ending:
-        stale = [(r, age) for r, age in stale if age > look.policy.busy_hang_seconds]
+        stale = [(r, age) for r, age in stale if age > longest]
     idle = [] if ending else _every_rank_idle(look)
     if not (stale or late_start or idle):
         return None
@@ -85,13 +88,13 @@ def judge_hangs(look: Look) -> Verdict | None:
             + (f", at step {_step(culprit)}" if _step(culprit) >= 0 else "")
         )
         return dataclasses.replace(look.fault("hang", [culprit], went_idle, reason), dump_stacks=dump)
-    busy = [(r, age) for r, age in stale if age > look.policy.busy_hang_seconds]
+    busy = [(r, age) for r, age in stale if age > longest]  # stale here only under a derived hang time
     if not busy:
         return _stood_still(look, stale)
     culprit, age = min(busy, key=_lag)
     reason = (
         f"rank {culprit.rank} on {culprit.node}: no heartbeat for {age:.1f} s though every rank runs "
-        f"(recovery.busy_hang_seconds {look.policy.busy_hang_seconds:g})"
+        f"(recovery.busy_hang_seconds {longest:g})"
     )
     return dataclasses.replace(look.fault("hang", [culprit], look.now - age, reason), dump_stacks=dump)
 

@@ -8,7 +8,7 @@ from lazarus.activities.exits import exit_of, exit_step, judge_exits, judge_ling
 from lazarus.activities.hangs import judge_hangs
 from lazarus.activities.look import Look, Verdict
 from lazarus.infra.backend import Observation
-from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.policy import RecoveryPolicy, hang_seconds
 
 
 def judge(
@@ -41,8 +41,7 @@ def judge(
     teardown: completion too, with a warning that names them (`lingering`, to be ended).
     """
     if hang_after is None:  # no step times to derive it from
-        explicit = policy.hang_after_seconds
-        hang_after = explicit if explicit is not None else policy.startup_grace_seconds
+        hang_after = hang_seconds(policy)
     look = Look(observation, policy, now, last_poll, total_steps, hang_after, quiet_after, still)
     for check in (_dead_nodes, judge_exits, _all_ended_cleanly, judge_lingering, judge_hangs):
         verdict = check(look)

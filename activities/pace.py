@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from lazarus.infra.backend import Observation
-from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.policy import RecoveryPolicy, hang_seconds
 from lazarus.schema.stacks import main_thread_frames
 
 GAP_WINDOW = 200
@@ -103,14 +103,10 @@ class Pace:
 
     def hang_after(self) -> float:
         """How long the run's step may stall before it counts as hung (seconds)."""
-        policy = self.policy
-        if policy.hang_after_seconds is not None:
-            return policy.hang_after_seconds
         if len(self.gaps) < MIN_GAPS:
-            return policy.startup_grace_seconds
+            return hang_seconds(self.policy)  # too few step times yet: the startup grace
         ordered = sorted(self.gaps)
-        p99 = ordered[round(0.99 * (len(ordered) - 1))]
-        return max(policy.hang_floor_seconds, policy.hang_step_multiple * p99)
+        return hang_seconds(self.policy, ordered[round(0.99 * (len(ordered) - 1))])  # their 99th percentile
 
     def take_stacks(self, dumps: dict[int, str], now: float) -> None:
         """Take in a dump of the ranks' stacks, taken at `now` because the step stalled while they
@@ -139,12 +135,7 @@ class Pace:
         is hung (seconds): `hang_step_multiple` times the longest such stretch the run went on from,
         at least `quiet_hang_seconds`; the startup grace until a rank was seen busy (starting, a
         rank may wait long for its peers: busy, then every rank idle and silent, is the hang)."""
-        policy = self.policy
-        if policy.hang_after_seconds is not None:
-            return policy.hang_after_seconds
-        if not self._busy_seen:
-            return policy.startup_grace_seconds
-        return max(policy.quiet_hang_seconds, policy.hang_step_multiple * self.longest_quiet)
+        return hang_seconds(self.policy, self.longest_quiet if self._busy_seen else None, of="idle")
 
     def _read_quiet(self, observation: Observation) -> None:
         """Learn how long the ranks of a run without steps sit idle together while it is well: the

@@ -329,7 +329,7 @@ class RecoveryPolicy(Strict):
     @property
     def longest_hang_seconds(self) -> float:
         """The longest a stalled run goes before it counts as hung (seconds): a collective may wait this long."""
-        return self.hang_after_seconds if self.hang_after_seconds is not None else self.busy_hang_seconds
+        return hang_seconds(self, of="longest")
 
     @model_validator(mode="after")
     def _hang_longer_than_interval(self) -> RecoveryPolicy:
@@ -344,6 +344,34 @@ class RecoveryPolicy(Strict):
                 f"recovery.progress_every_seconds {self.progress_every_seconds}, or every watch times out"
             )
         return self
+
+
+HangOf = Literal["step", "idle", "longest"]
+"""What a hang time bounds: how long a run's step may stall; how long every rank of a script that
+reports no steps may sit idle together; the longest any stall goes, whatever the ranks do."""
+
+
+def hang_seconds(policy: RecoveryPolicy, stretch: float | None = None, of: HangOf = "step") -> float:
+    """How long a run may show no progress before it counts as hung (seconds): the one place this is
+    worked out (activities/pace.py, activities/health.py and activities/hangs.py ask here, and the
+    trainer's collective timeout through RecoveryPolicy.longest_hang_seconds).
+
+    The policy's `hang_after_seconds` where set, whatever else. Else it is derived: "longest" is
+    `busy_hang_seconds`; before the run showed how long it stays quiet while well (`stretch` None:
+    too few step times, no rank seen busy yet), the startup grace; after, `hang_step_multiple` times
+    `stretch` (of "step": the 99th percentile of its recent step times; of "idle": the longest
+    stretch its ranks sat idle together and it went on from), at least `hang_floor_seconds` ("step")
+    or `quiet_hang_seconds` ("idle")."""
+    if policy.hang_after_seconds is not None:
+        return policy.hang_after_seconds
+    if of == "longest":
+        # The last resort for a step that stalls while its ranks still run (a save and a spin look alike).
+        return policy.busy_hang_seconds
+    if stretch is None:
+        # The first steps after a start or a restore are slow (allocation, warm-up, loading).
+        return policy.startup_grace_seconds
+    floor = policy.hang_floor_seconds if of == "step" else policy.quiet_hang_seconds
+    return max(floor, policy.hang_step_multiple * stretch)
 
 
 def _merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
