@@ -41,6 +41,20 @@ Slurm)."""
 ENV_LAUNCHER_LOCKS = "LAZARUS_LAUNCHER_LOCKS"
 """`1`: the launcher takes its node's lock itself, as no parent passed it one (Slurm)."""
 
+
+def launcher_env(run_dir: str, incarnation: int, node: str, index: int, resume_step: int) -> dict[str, str]:
+    """The contract's environment of a node's launcher, whoever starts it (every backend, and a warm
+    standby on an order): the run directory, the incarnation, the node's name and index in it, and
+    the step to resume from (trainer/CONTRACT.md). Its ranks see it too."""
+    return {
+        ENV_RUN_DIR: run_dir,
+        ENV_INCARNATION: str(incarnation),
+        ENV_NODE: node,
+        ENV_NODE_INDEX: str(index),
+        ENV_RESUME_STEP: str(resume_step),
+    }
+
+
 Phase = Literal["starting", "joined", "restored", "training", "done", "stopped"]
 
 

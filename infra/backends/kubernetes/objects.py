@@ -14,12 +14,10 @@ from datetime import UTC, datetime
 from kubernetes import client as k8s
 
 from lazarus.schema.contract import (
-    ENV_INCARNATION,
     ENV_NODE,
-    ENV_NODE_INDEX,
-    ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_STANDBY_ADDRESS,
+    launcher_env,
 )
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment
@@ -213,12 +211,8 @@ def rank_pod(
 ) -> k8s.V1Pod:
     """The pod of node `index`: its launcher with the contract's environment, pinned to the node,
     tolerating a not-ready node for `policy.not_ready_toleration_seconds` (the policy in force)."""
-    env = {
-        ENV_INCARNATION: str(assignment.incarnation),
-        ENV_NODE: assignment.nodes[index],
-        ENV_NODE_INDEX: str(index),
-        ENV_RESUME_STEP: str(resume_step),
-    }
+    run_dir = _mounted_run_dir(spec, run_id)
+    env = launcher_env(run_dir, assignment.incarnation, assignment.nodes[index], index, resume_step)
     labels = {INCARNATION_LABEL: str(assignment.incarnation), NODE_INDEX_LABEL: str(index)}
     name = pod_name(run_id, assignment.incarnation, index)
     return _node_pod(run_id, spec, name, assignment.nodes[index], "launcher", env, labels, policy)
@@ -236,6 +230,11 @@ def standby_pod(run_id: str, spec: RunSpec, node: str, address: str, policy: Rec
     return _node_pod(run_id, spec, standby_pod_name(run_id, node), node, "standby", env, labels, policy)
 
 
+def _mounted_run_dir(spec: RunSpec, run_id: str) -> str:
+    """The run directory as a pod sees it, on the runs volume mounted at the spec's mount path."""
+    return f"{spec.cluster.kubernetes.mount_path.rstrip('/')}/runs/{run_id}"
+
+
 def _node_pod(
     run_id: str, spec: RunSpec, name: str, node: str, role: str, env: dict, labels: dict, policy: RecoveryPolicy
 ) -> k8s.V1Pod:
@@ -243,7 +242,7 @@ def _node_pod(
     resources = {"cpu": settings.cpu, "memory": settings.memory}
     if settings.gpus:
         resources["nvidia.com/gpu"] = str(settings.gpus)
-    env = {ENV_RUN_DIR: f"{settings.mount_path.rstrip('/')}/runs/{run_id}", **env}
+    env = {ENV_RUN_DIR: _mounted_run_dir(spec, run_id), **env}
     tolerations = [
         k8s.V1Toleration(
             key=key, operator="Exists", effect="NoExecute", toleration_seconds=policy.not_ready_toleration_seconds
@@ -253,7 +252,7 @@ def _node_pod(
     container = k8s.V1Container(
         name=role,
         image=settings.image,
-        command=["python", "-m", f"lazarus.trainer.{role}"],
+        command=["python", "-m", f"lazarus.trainer.agent.{role}"],
         env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
         resources=k8s.V1ResourceRequirements(requests=resources, limits=resources),
         volume_mounts=[k8s.V1VolumeMount(name="runs", mount_path=settings.mount_path)],

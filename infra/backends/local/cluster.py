@@ -22,13 +22,11 @@ from lazarus.infra.processes import any_exit, kill_and_wait, live_pids, node_gro
 from lazarus.infra.runfiles import RunFiles, survivor_holders
 from lazarus.infra.standbys import any_standby_alive, ensure_standbys, kill_standbys, order_launchers, order_prefetch
 from lazarus.schema.contract import (
-    ENV_INCARNATION,
     ENV_NODE,
-    ENV_NODE_INDEX,
-    ENV_RESUME_STEP,
     ENV_RUN_DIR,
     LaunchRecord,
     SurvivorSource,
+    launcher_env,
 )
 from lazarus.schema.files import lock_is_held
 from lazarus.schema.health_checks import run_check
@@ -219,14 +217,7 @@ class LocalCluster(RunFiles):
 
     def _start_launcher(self, run: RunDir, incarnation: int, index: int, node: str, resume_step: int) -> None:
         """Start the launcher of one node unless one runs; it starts the node's ranks (trainer/agent/launcher.py)."""
-        env = {
-            **os.environ,
-            ENV_RUN_DIR: str(run.root),
-            ENV_INCARNATION: str(incarnation),
-            ENV_NODE: node,
-            ENV_NODE_INDEX: str(index),
-            ENV_RESUME_STEP: str(resume_step),
-        }
+        env = {**os.environ, **launcher_env(str(run.root), incarnation, node, index, resume_step)}
         child = start_locked(
             [self.python, "-m", "lazarus.trainer.agent.launcher"],
             env,

@@ -33,15 +33,13 @@ from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.rate import fan_out
 from lazarus.infra.standby_orders import CONNECT_SECONDS, order_standby, write_standby_secret
 from lazarus.schema.contract import (
-    ENV_INCARNATION,
     ENV_LAUNCHER_LOCKS,
     ENV_NODE,
-    ENV_NODE_INDEX,
-    ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_STANDBY_ADDRESS,
     LaunchRecord,
     SurvivorSource,
+    launcher_env,
 )
 from lazarus.schema.files import lock_is_held, read_json
 from lazarus.schema.policy import RecoveryPolicy
@@ -222,11 +220,7 @@ class SlurmCluster(LocalCluster):
             return
         env = {
             **self.environ,
-            ENV_RUN_DIR: str(run.root),
-            ENV_INCARNATION: str(incarnation),
-            ENV_NODE: node,
-            ENV_NODE_INDEX: str(index),
-            ENV_RESUME_STEP: str(resume_step),
+            **launcher_env(str(run.root), incarnation, node, index, resume_step),
             ENV_LAUNCHER_LOCKS: "1",
         }
         name = f"lazarus-{run.root.name}-{incarnation}-{index}"

@@ -36,11 +36,7 @@ import threading
 import time
 import traceback
 
-from lazarus.schema.contract import (
-    ENV_INCARNATION,
-    ENV_NODE_INDEX,
-    ENV_RESUME_STEP,
-)
+from lazarus.schema.contract import launcher_env
 from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
@@ -245,11 +241,7 @@ def _forked_launcher(run: RunDir, node: str, order: dict, private_fds: list[int]
     if run.ended_file(incarnation).exists() or not usable.get(node, False):
         print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
         return 0
-    order_env = {
-        ENV_INCARNATION: str(incarnation),
-        ENV_NODE_INDEX: str(index),
-        ENV_RESUME_STEP: str(order["resume_step"]),
-    }
+    order_env = launcher_env(str(run.root), incarnation, node, index, int(order["resume_step"]))
     return launch_node(run, incarnation, index, {**os.environ, **order_env}, start_rank=fork_starter([node_lock]))
 
 
