@@ -17,13 +17,15 @@ with workflow.unsafe.imports_passed_through():
 
 from lazarus.workflows.stage_calls import RunFailed, call_stage
 
+# Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
+# that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
 ARCHIVE_PATCH = "bounded-status"
-"""workflow.patched id: the status holds the newest incidents and a tally of the older ones, whose
+"""Deprecated patch id: the status holds the newest incidents and a tally of the older ones, whose
 records are archived in the run directory (before: every incident, in full)."""
 
 
 CRASH_LOOP_PATCH = "program-errors-in-place"
-"""workflow.patched id: a rank's own failure (rank_error) restarts the run in place, no node blamed,
+"""Deprecated patch id: a rank's own failure (rank_error) restarts the run in place, no node blamed,
 and the same failure again is a crash loop that ends the run (before: its node was quarantined)."""
 
 
@@ -102,8 +104,9 @@ class Incidents:
         them in the status, to be tried again after the next incident."""
         status = self._status
         count = to_archive(status.incidents)
-        if not count or not workflow.patched(ARCHIVE_PATCH):
+        if not count:
             return
+        workflow.deprecate_patch(ARCHIVE_PATCH)
         archived = status.incidents[:count]
         try:
             archiving = ArchiveInput(run_id=status.run_id, incidents=archived)

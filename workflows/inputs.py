@@ -34,8 +34,10 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.schema.names import check_run_id
     from lazarus.schema.records import RunStart
 
+# Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
+# that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
 OWNER_PATCH = "one-owner"
-"""workflow.patched id: a start whose input names another run than its workflow id is refused
+"""Deprecated patch id: a start whose input names another run than its workflow id is refused
 (before: the input's run_id named the run)."""
 
 INVALID_INPUT = "InvalidInput"
@@ -101,17 +103,16 @@ else:
 
 def own_run_id(start: RunStart) -> str:
     """The run's id: its workflow id. A start whose input names another run is refused (two
-    workflows would drive one run directory); runs started before the rule keep their input's id."""
+    workflows would drive one run directory)."""
     workflow_id = workflow.info().workflow_id
     if start.run_id is not None and start.run_id != workflow_id:
-        if workflow.patched(OWNER_PATCH):
-            raise ApplicationError(
-                f"the input's run_id {start.run_id!r} is not the workflow id {workflow_id!r}: a run's id is its "
-                f"workflow id; start workflow {start.run_id!r}, or leave run_id out",
-                type=INVALID_INPUT,
-                non_retryable=True,
-            )
-        return start.run_id
+        workflow.deprecate_patch(OWNER_PATCH)
+        raise ApplicationError(
+            f"the input's run_id {start.run_id!r} is not the workflow id {workflow_id!r}: a run's id is its "
+            f"workflow id; start workflow {start.run_id!r}, or leave run_id out",
+            type=INVALID_INPUT,
+            non_retryable=True,
+        )
     try:
         return check_run_id(workflow_id)
     except ValueError as error:

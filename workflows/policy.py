@@ -81,7 +81,6 @@ def plan_recovery(
     lost: list[str],
     target_dp: int,
     min_dp: int,
-    allow_reshard: bool = True,
     want: SpareWant | None = None,
     node_limit: int | None = None,
 ) -> Decision:
@@ -92,20 +91,19 @@ def plan_recovery(
     runs' needs that outrank `want` come first, and the run holds at most `node_limit` nodes
     (shared_spares). Without enough spares, reshard to the largest dp >= min_dp that the intact
     replicas, the healthy nodes of broken replicas and the spares it may take can fill; healthy
-    nodes left over go back to the pool. If not even min_dp fits (or resharding is not
-    allowed), wait for capacity.
+    nodes left over go back to the pool. If not even min_dp fits, wait for capacity.
     """
     lost_set = set(lost) & set(assignment.nodes)
     lost_here = [node for node in assignment.nodes if node in lost_set]
     broken = broken_replicas(assignment, lost_set)
     spares, contest = shared_spares(inventory, want, node_limit, len(lost_here))
-    decision = _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp, allow_reshard)
+    decision = _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp)
     rivals = sorted({w.run_id for w in inventory.wants})
     reason = f"{decision.reason}; {contest}" if contest else decision.reason
     return decision.model_copy(update={"reason": reason, "rivals": rivals})
 
 
-def _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp, allow_reshard) -> Decision:
+def _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp) -> Decision:
     """plan_recovery's rule, on the spares the run may take."""
     layout = assignment.layout
     if not lost_here:
@@ -122,7 +120,7 @@ def _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp, al
 
     pool = _reshard_pool(assignment, lost_set, broken) + spares
     fitting = (dp for dp in range(layout.dp - 1, 0, -1) if _fits(layout, dp, len(pool)))
-    new_dp = next(fitting, 0) if allow_reshard else 0
+    new_dp = next(fitting, 0)
     if new_dp < min_dp:
         return Decision(
             action="wait",
@@ -132,8 +130,7 @@ def _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp, al
             reason=(
                 f"lost {len(lost_here)} node(s) ({', '.join(lost_here)}) and replica(s) "
                 f"{', '.join(map(str, broken))}; {len(spares)} free spare(s); "
-                + (f"the healthy nodes fit dp={new_dp}, below recovery.min_dp={min_dp}; " if allow_reshard else "")
-                + "waiting for capacity"
+                f"the healthy nodes fit dp={new_dp}, below recovery.min_dp={min_dp}; waiting for capacity"
             ),
         )
     new_layout = layout.model_copy(update={"dp": new_dp})

@@ -19,8 +19,10 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.schema.stages import RescheduleInput, ResumeResult, StopResult
     from lazarus.workflows.policy import batch_said, plan_regrow, regrow_nodes
 
+# Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
+# that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
 REGROW_PATCH = "regrow"
-"""workflow.patched id: a run below its wanted dp grows back when the pool has the nodes (before: it stayed small)."""
+"""Deprecated patch id: a run below its wanted dp grows back when the pool has the nodes (before: it stayed small)."""
 
 
 class Regrowing:
@@ -59,7 +61,9 @@ class Regrowing:
         if not self._policy.regrow or status.assignment is None:
             return None
         more = regrow_nodes(status.assignment, status.wanted_dp or self._start.spec.layout.dp)
-        return more if more is not None and workflow.patched(REGROW_PATCH) else None
+        if more is not None:
+            workflow.deprecate_patch(REGROW_PATCH)
+        return more
 
     async def _regrow(self) -> bool:
         """Grow back into the pool's nodes; True when training is done."""

@@ -20,15 +20,17 @@ with workflow.unsafe.imports_passed_through():
 
 from lazarus.workflows.stage_calls import RunAborted, RunFailed
 
+# Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
+# that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
 RESHARD_PATCH = "reshard-without-spare"
-"""workflow.patched id: recovery reshards when there are too few spares (before: it waited)."""
+"""Deprecated patch id: recovery reshards when there are too few spares (before: it waited)."""
 SHARED_SPARES_PATCH = "shared-spares"
-"""workflow.patched id: the pool's spares go to the runs that need them by priority, and a run holds
+"""Deprecated patch id: the pool's spares go to the runs that need them by priority, and a run holds
 at most cluster.active_nodes + cluster.spare_nodes nodes (before: any free spare, first come)."""
 ESCALATE_PATCH = "escalate-to-operator"
-"""workflow.patched id: after the capacity wait, wait for an operator's approval (before: fail)."""
+"""Deprecated patch id: after the capacity wait, wait for an operator's approval (before: fail)."""
 GATHER_PATCH = "gather-in-workflow"
-"""workflow.patched id: a run hit with others of its fault domain waits for them to drain on a
+"""Deprecated patch id: a run hit with others of its fault domain waits for them to drain on a
 timer of its own, between reads of the inventory (before: inside the reschedule activity, where
 it held the worker's slots that the others needed to drain)."""
 GATHER_POLL_SECONDS = 1.0
@@ -66,14 +68,12 @@ class Rescheduling:
         self._enter(RunState.RESCHEDULING)
         waited_since = workflow.now()
         capacity_until, min_dp = self._policy.capacity_wait_seconds, self._policy.min_dp
-        gather_here = workflow.patched(GATHER_PATCH)
+        workflow.deprecate_patch(GATHER_PATCH)
         while True:
             self._check_abort()
-            gather = 0.0 if gather_here else self._policy.burst_gather_seconds
-            reading = RescheduleInput(run_id=self._status.run_id, gather_seconds=gather)
+            reading = RescheduleInput(run_id=self._status.run_id)
             inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, incident)
-            if gather_here:
-                inventory = await self._gathered(inventory, incident)
+            inventory = await self._gathered(inventory, incident)
             incident.shared = inventory.shared or incident.shared
             incident.decision = decision = self._plan(inventory, fault, min_dp)
             if decision.action != "wait":
@@ -111,26 +111,21 @@ class Rescheduling:
             undrained = now_undrained
         return inventory
 
-    def _want(self, fault: FaultReport) -> SpareWant | None:
-        """What the fault makes the run need of the pool's spares (None for runs from before the shared pool)."""
-        if not workflow.patched(SHARED_SPARES_PATCH):
-            return None
+    def _want(self, fault: FaultReport) -> SpareWant:
+        """What the fault makes the run need of the pool's spares."""
+        workflow.deprecate_patch(SHARED_SPARES_PATCH)
         assert self._status.assignment is not None, "the run loop launches before it recovers"
         return spare_want(self._status.run_id, self._status.assignment, fault, self._start.spec.cluster.priority)
 
     def _plan(self, inventory: Inventory, fault: FaultReport, min_dp: int) -> Decision:
         assignment, target, cluster = self._status.assignment, self._start.spec.layout.dp, self._start.spec.cluster
         assert assignment is not None, "the run loop launches before it recovers"
-        want = self._want(fault)
-        limit = cluster.active_nodes + cluster.spare_nodes if want is not None else None
+        want, limit = self._want(fault), cluster.active_nodes + cluster.spare_nodes
         decision = plan_recovery(
             inventory, assignment, fault.nodes, target_dp=target, min_dp=min_dp, want=want, node_limit=limit
         )
-        if decision.action == "reshard" and not workflow.patched(RESHARD_PATCH):
-            # Runs started before resharding existed keep waiting for a spare.
-            decision = plan_recovery(
-                inventory, assignment, fault.nodes, target_dp=target, min_dp=min_dp, allow_reshard=False
-            )
+        if decision.action == "reshard":
+            workflow.deprecate_patch(RESHARD_PATCH)
         return batch_said(decision, self._status.steps_from == "trainer")
 
     async def _wait_for_capacity(self, seconds: float) -> None:
@@ -148,7 +143,8 @@ class Rescheduling:
             f"no capacity to recover from incident {incident.number}: {decision.reason}; "
             f"waited {waited:.0f} s (recovery.capacity_wait_seconds: {self._policy.capacity_wait_seconds:g})"
         )
-        if not workflow.patched(ESCALATE_PATCH) or self._policy.approval_wait_seconds == 0:
+        workflow.deprecate_patch(ESCALATE_PATCH)
+        if self._policy.approval_wait_seconds == 0:
             raise RunFailed(
                 reason + "; return a repaired node with `lazarus chaos return-node` and start the run again"
             )

@@ -86,8 +86,10 @@ def stage_options(stage: StagePolicy) -> dict[str, Any]:
     }
 
 
+# Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
+# that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
 LOCAL_STAGES_PATCH = "local-recovery-stages"
-"""workflow.patched id: drain, reschedule and replace_or_reshard run as local activities (before:
+"""Deprecated patch id: drain, reschedule and replace_or_reshard run as local activities (before:
 activities with a task of their own each)."""
 
 LOCAL_STAGES = ("drain", "reschedule", "replace_or_reshard")
@@ -110,7 +112,8 @@ async def call_stage(policy: RecoveryPolicy, name: str, method: Any, request: An
         request = request.model_copy(update={"owner": calling_execution()})
     summary, options = activity_summary(name, request), stage_options(stage)
     try:
-        if name in LOCAL_STAGES and workflow.patched(LOCAL_STAGES_PATCH):
+        if name in LOCAL_STAGES:
+            workflow.deprecate_patch(LOCAL_STAGES_PATCH)
             del options["heartbeat_timeout"]  # a local activity's liveness is its workflow task's
             return await workflow.execute_local_activity_method(method, request, summary=summary, **options)
         return await workflow.execute_activity_method(method, request, summary=summary, **options)

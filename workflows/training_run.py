@@ -49,16 +49,18 @@ from lazarus.workflows.story import current_details
 from lazarus.workflows.takeover import TakingOver
 from lazarus.workflows.watch import watch
 
+# Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
+# that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
 RESTART_PATCH = "restart-as-recovery"
-"""workflow.patched id: an operator's restart ends as a recovery does: a fault before the first step
+"""Deprecated patch id: an operator's restart ends as a recovery does: a fault before the first step
 is the next incident at once, and a restart that finds training done completes the run (before:
 back to TRAINING first, and a finished run went on being watched)."""
 
 RELEASE_PATCH = "release-at-end"
-"""workflow.patched id: an ended run gives its nodes back to the pool (before: it kept them)."""
+"""Deprecated patch id: an ended run gives its nodes back to the pool (before: it kept them)."""
 
 PASSING_PATCH = "passing-states-unlisted"
-"""workflow.patched id: the recovery states a run passes through in a moment are not upserted to
+"""Deprecated patch id: the recovery states a run passes through in a moment are not upserted to
 the search attributes (before: an upsert, one history event, for each)."""
 
 PASSING_STATES = (RunState.RESCHEDULING, RunState.REPLACING, RunState.RESHARDING, RunState.RESUMING)
@@ -121,8 +123,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
     async def _release(self) -> None:
         """The run ended: its nodes go back to the pool for other runs (what it quarantined stays
         out). A release that fails is logged; the run's outcome stands."""
-        if not workflow.patched(RELEASE_PATCH):
-            return  # runs started before the shared pool kept their nodes
+        workflow.deprecate_patch(RELEASE_PATCH)
         try:
             releasing = ReleaseInput(run_id=self._status.run_id)
             await call_stage(self._policy, "release", RecoveryActivities.release, releasing)
@@ -139,7 +140,8 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             raise RuntimeError(f"a run may not go from {current.value} to {state.value} (schema.records.TRANSITIONS)")
         self._status.state = state
         self._show()
-        if state in PASSING_STATES and workflow.patched(PASSING_PATCH):
+        if state in PASSING_STATES:
+            workflow.deprecate_patch(PASSING_PATCH)
             return  # the search attribute stays DRAINING (recovering) until the run trains or waits
         if self._start.search_attributes:
             workflow.upsert_search_attributes(
@@ -274,8 +276,10 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         """One incident. Detect is done (`fault` is its result); then drain, reschedule,
         replace-or-reshard and resume. A fault in the result hit the new incarnation before its
         first step: it is the next incident."""
-        program = fault.kind == "rank_error" and workflow.patched(CRASH_LOOP_PATCH)
-        looping = crash_loop(self._status.incidents, fault) if program else None
+        looping = None
+        if fault.kind == "rank_error":
+            workflow.deprecate_patch(CRASH_LOOP_PATCH)
+            looping = crash_loop(self._status.incidents, fault)
         incident = self._open_incident(fault)
         if fault.kind in PLANNED_KINDS:
             await self._stop_for_swap(incident, fault)
@@ -384,8 +388,6 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         training is done. A fault before the first step is recovered from next, by the run loop."""
         resumed = await self._replace_and_resume(decision, None, fault_kind="operator")
         self._next_fault = resumed.fault
-        if (resumed.fault is not None or resumed.completed) and not workflow.patched(RESTART_PATCH):
-            # Runs started before RESTART_PATCH went back to TRAINING first, then watched.
-            self._enter(RunState.TRAINING)
-            return False
+        if resumed.fault is not None or resumed.completed:
+            workflow.deprecate_patch(RESTART_PATCH)
         return resumed.completed

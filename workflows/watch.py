@@ -20,8 +20,10 @@ with workflow.unsafe.imports_passed_through():
 from lazarus.workflows.stage_calls import RunFailed, root_cause, stage_options
 from lazarus.workflows.story import activity_summary
 
+# Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
+# that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
 KEPT_REPORT_PATCH = "watch-report-kept"
-"""workflow.patched id: a watch that reports in the workflow task that interrupts it returns its
+"""Deprecated patch id: a watch that reports in the workflow task that interrupts it returns its
 report (before: dropped, and with it a fault the watch had found)."""
 
 
@@ -67,8 +69,8 @@ async def watch(
         reported_anyway = await detect
         # A watch that reported in the same workflow task as the interruption (its verdict and an
         # operator's request arrive together) keeps its report: a fault is never dropped.
-        if workflow.patched(KEPT_REPORT_PATCH):
-            return reported_anyway
+        workflow.deprecate_patch(KEPT_REPORT_PATCH)
+        return reported_anyway
     except (ActivityError, asyncio.CancelledError):
         pass
     return _signalled(status, reported)

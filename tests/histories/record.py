@@ -1,32 +1,32 @@
 """Record workflow histories from real runs for the replay test: .venv/bin/python -m tests.histories.record [NAME...]
 
-Each history comes from a real run (dev server, local backend, trainer processes). When
-TrainingRun changes on purpose, gate the change with workflow.patched and record new
-histories beside the old ones, which keep replaying the unpatched branch:
+Each history comes from a real run (dev server, local backend, trainer processes). The histories
+kept here are the supported window: the versions of TrainingRun whose runs a new worker must
+replay. A gate is added, deprecated and removed as they allow (the patch policy,
+docs/concepts/run-as-workflow.md); a change gated with workflow.patched records new histories
+beside these, which keep replaying its old branch. All of these were recorded with the code just
+before its gates were deprecated (2026-12-05): they took each gate's new branch and carry its
+patched marker, which workflow.deprecate_patch accepts. Recorded again with the deprecating code,
+they carry deprecated markers only, and the deprecate_patch calls may go.
 
-  *_v1.json          recorded before the operator's updates existed; kept to replay old runs.
-  no_spare.json      recorded before resharding existed (waits, then fails); replays the
-                     branch of lazarus.workflows.training_run.RESHARD_PATCH that is not patched.
-  hot_spare.json     a node killed, a spare takes its place.
-  reshard.json       dp2 x pp2 without a spare: reshard to dp1.
-  no_capacity.json   no spare and min_dp = dp: waits, then fails (recorded before escalation
-                     to an operator existed; replays the unpatched branch of ESCALATE_PATCH).
   clean.json         a run without a fault.
+  hot_spare.json     a node killed, a spare takes its place (drain, reschedule and
+                     replace_or_reshard as local activities).
+  reshard.json       dp2 x pp2 without a spare: reshard to dp1, then watch the pool to regrow.
   override.json      an operator pauses, resumes, drains a node and reshards (updates).
   escalation.json    no capacity, the operator approves a reshard below the minimum.
+  no_capacity.json   no spare and min_dp = dp, recovery.approval_wait_seconds 0: waits for
+                     capacity, then fails without asking an operator.
   story.json         the demo's spec at 60 steps, a node killed at step 25: recorded once detect
                      reported no routine progress (the hourly safety interval) and every
                      activity carried a summary.
-  local_stages.json  a node killed, a spare takes its place, with drain, reschedule and
-                     replace_or_reshard as local activities (LOCAL_STAGES_PATCH).
   rack.json          two runs lose a node each to one rack (simulated nodes); the one recorded
                      waits on its timer for the other to drain before it decides (GATHER_PATCH).
-  restart_done_v1.json, restart_fault_v1.json
-                     an operator pauses and resumes, and the resume finds the last step already
-                     checkpointed (done) or meets a fault before its first step (fault). Recorded
-                     before RESTART_PATCH (with TrainingRun as it was then, on a dev server with
-                     search attributes, against the fakes of tests/workflow/fakes.py, which reach
-                     these paths on purpose); they replay its branch that is not patched.
+
+`no_spare`, `hot_spare_v1`, `reshard_v1`, `restart_done_v1`, `restart_fault_v1` and `local_stages`
+were dropped when the gates were deprecated: each took an old branch (or predated a gate), and
+their paths are in the histories above or, for an operator's restart that meets a fault or the
+end (restart-as-recovery), in tests/workflow/test_training_run.py, which replays its own runs.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 from lazarus.client import start_run
+from lazarus.commands.demo_run import run_demo
 from lazarus.config import Settings
-from lazarus.demo import run_demo
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.backends.simulated.cluster import SimulatedCluster
 from lazarus.infra.harness.temporal_server import local_environment
@@ -178,11 +178,18 @@ async def wait_for_state(handle, holds, timeout: float = 60.0):
 
 
 async def main() -> None:
-    names = set(sys.argv[1:]) or {"hot_spare", "reshard", "clean", "override", "escalation", "story"}
+    names = set(sys.argv[1:]) or {
+        "hot_spare",
+        "reshard",
+        "clean",
+        "override",
+        "escalation",
+        "story",
+        "no_capacity",
+        "rack",
+    }
     if "hot_spare" in names:
         await record("hot_spare", load_spec(SMALL), kill_at=15)
-    if "local_stages" in names:
-        await record("local_stages", load_spec(SMALL), kill_at=15)
     if "reshard" in names:
         await record("reshard", changed(SMALL_PP, cluster={"spare_nodes": 0}), kill_at=15)
     if "clean" in names:
@@ -209,7 +216,12 @@ async def main() -> None:
             changed(
                 SMALL,
                 cluster={"spare_nodes": 0},
-                recovery={"min_dp": 4, "capacity_wait_seconds": 3, "capacity_poll_seconds": 1},
+                recovery={
+                    "min_dp": 4,
+                    "capacity_wait_seconds": 3,
+                    "capacity_poll_seconds": 1,
+                    "approval_wait_seconds": 0,
+                },
             ),
             kill_at=15,
         )

@@ -21,18 +21,13 @@ HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.j
 def test_histories_are_committed():
     assert {path.stem for path in HISTORIES} >= {
         "hot_spare",
-        "no_spare",
         "reshard",
         "no_capacity",
         "clean",
         "override",
         "escalation",
-        "hot_spare_v1",
-        "reshard_v1",
-        "restart_done_v1",
-        "restart_fault_v1",
         "story",
-        "local_stages",
+        "rack",
     }
 
 

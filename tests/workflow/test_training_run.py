@@ -336,7 +336,8 @@ async def pause_and_resume(stages: FakeStages, handle: WorkflowHandle) -> None:
 
 
 async def replays_with_patch(handle: WorkflowHandle, patch: str) -> bool:
-    """The run's history replays against TrainingRun, and took the patched branch of `patch`."""
+    """The run's history replays against TrainingRun, and passed `patch`'s gate (its marker, deprecated or
+    not, is in the history)."""
     history = await handle.fetch_history()
     replayer = Replayer(workflows=[TrainingRun], data_converter=pydantic_data_converter)
     await replayer.replay_workflow(history, raise_on_replay_failure=True)
