@@ -37,7 +37,7 @@ from bench import perf_page
 from lazarus.chaos.judge import train_without_fault
 from lazarus.chaos.run import run_scenario
 from lazarus.chaos.scenarios import BY_NAME, SCENARIOS
-from lazarus.demo import DEFAULT_SPEC, default_kill_step
+from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step
 from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable
 from lazarus.local_paths import anchor_paths
 from lazarus.schema import load_spec

@@ -37,8 +37,8 @@ from kubernetes import client as k8s
 
 from bench import perf_page
 from bench.recovery import COLUMNS, row
+from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.config import Settings
-from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.infra.backend import free_port
 from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
 from lazarus.infra.harness.temporal_server import local_environment

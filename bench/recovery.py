@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import perf_page
 from lazarus.activities.metrics import Metrics
+from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.config import Settings
-from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.local_paths import anchor_paths

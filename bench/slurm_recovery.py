@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import perf_page
 from bench.recovery import COLUMNS, row
+from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.config import Settings
-from lazarus.demo import DEFAULT_SPEC, default_kill_step, drive_run
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.backends.slurm.cluster import SlurmCluster
 from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable

@@ -40,7 +40,7 @@ def build_parser() -> OneLineParser:
     chaos.register(commands)
     simulate.register(commands)
     demo.register(commands)
-    # Parsed by lazarus.launch's own parser (torchrun's flags before the script, its arguments after):
+    # Parsed by lazarus.commands.launch's own parser (torchrun's flags before the script, its arguments after):
     # listed here for `lazarus --help`, never reached through this parser.
     commands.add_parser(
         "launch",
@@ -57,8 +57,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     if argv[:1] == ["launch"]:
-        from lazarus.launch import build_parser as launch_parser
-        from lazarus.launch import launch
+        from lazarus.commands.launch import build_parser as launch_parser
+        from lazarus.commands.launch import launch
 
         args = launch_parser().parse_args(argv[1:])
         args.handler = launch

@@ -87,7 +87,7 @@ def _no_lazarus_environment():
 
 def _cli_parsers() -> list[tuple[str, argparse.ArgumentParser, str]]:
     from lazarus.cli import build_parser
-    from lazarus.launch import build_parser as launch_parser
+    from lazarus.commands.launch import build_parser as launch_parser
 
     with _no_lazarus_environment():
         return _all_commands(build_parser(), launch_parser())

@@ -33,7 +33,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 async def _final_status(args: argparse.Namespace, settings: Settings):
     """Run the demo as asked; returns the run's final status."""
-    from lazarus.demo import DEFAULT_SPEC, DemoError, default_kill_step, run_demo
+    from lazarus.commands.demo_run import DEFAULT_SPEC, DemoError, default_kill_step, run_demo
 
     spec = load_run_spec(args.spec or DEFAULT_SPEC)
     if args.spares is not None:

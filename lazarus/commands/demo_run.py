@@ -24,7 +24,7 @@ from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
 from lazarus.worker import build_worker
 
-DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
+DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
 
 class DemoError(RuntimeError):

@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from lazarus.commands.common import OneLineParser, UserError, connect_client, open_cluster
-from lazarus.launch_follow import Interruption
+from lazarus.commands.launch_follow import Interruption
 
 # The torchrun flags that mean nothing under Lazarus, each with the reason said once for its group.
 IGNORED_FLAGS = {
@@ -330,9 +330,9 @@ async def _serve(spec, run_id: str, settings, cluster, say):
     """Start or reuse the server, serve the run with a worker of this process and follow it; on
     cancellation (a signal), end the run and every process of it (on Slurm, its allocation too)
     before the cancellation goes on."""
-    from lazarus.demo import DemoError, ensure_server
+    from lazarus.commands.demo_run import DemoError, ensure_server
+    from lazarus.commands.launch_follow import say_end, stop_processes, terminate
     from lazarus.infra.backend import ClusterError
-    from lazarus.launch_follow import say_end, stop_processes, terminate
     from lazarus.worker import build_worker
 
     try:
@@ -367,7 +367,7 @@ async def _follow(client, settings, spec, run_id: str, cluster, say):
     from temporalio.client import WorkflowFailureError
 
     from lazarus.client import run_status, start_run
-    from lazarus.launch_follow import Follower, WaitingNotice
+    from lazarus.commands.launch_follow import Follower, WaitingNotice
     from lazarus.schema.states import TERMINAL_STATES
 
     follower, clock = Follower(cluster.run_dir(run_id), say), asyncio.get_running_loop()

@@ -14,7 +14,7 @@ import pytest
 
 from lazarus.chaos.run import run_scenario, shared_bed
 from lazarus.chaos.scenarios import BY_NAME
-from lazarus.demo import default_kill_step
+from lazarus.commands.demo_run import default_kill_step
 from lazarus.schema import load_spec
 from tests.support.runs import SPECS
 

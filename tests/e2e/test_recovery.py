@@ -9,6 +9,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,10 @@ def test_demo_recovers_with_a_hot_spare_and_identical_losses(dev_env, home, refe
     # from the newest checkpoint, and no completed step is lost.
     assert_restored_from_survivors(RunDir(status["run_dir"]), incident)
     assert incident["resumed_from_step"] % 10 != 0
-    assert incident["mttr_seconds"] > incident["stages"]["resume"]["seconds"] > 0
+    # The first step is the rank's own time; resume ends when the controller has seen it, a look later.
+    first_step = datetime.fromisoformat(incident["first_step_at"])
+    assert incident["mttr_seconds"] > 0 and incident["stages"]["resume"]["seconds"] > 0
+    assert first_step <= datetime.fromisoformat(incident["stages"]["resume"]["ended_at"])
     assert status["assignment"] == incident["new_assignment"]
 
     run = RunDir(status["run_dir"])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from lazarus.client import start_run
+from lazarus.commands.demo_run import drive_run
 from lazarus.config import Settings
-from lazarus.demo import drive_run
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.worker import build_worker

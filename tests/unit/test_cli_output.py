@@ -133,11 +133,11 @@ async def fetch_status(client, run_id, home=None):
 runs.connect_client, runs.fetch_status = connect_client, fetch_status
 """,
     "demo": """
-import lazarus.demo
+import lazarus.commands.demo_run
 async def run_demo(settings, spec, kill_at, as_json=False):
     noise()
     return STATUS
-lazarus.demo.run_demo = run_demo
+lazarus.commands.demo_run.run_demo = run_demo
 """,
     "simulate": """
 import lazarus.simulate

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from lazarus import demo
+from lazarus.commands import demo_run as demo
 from lazarus.schema import RunState, load_spec
 from tests.unit.test_cli_output import recovered_run
 

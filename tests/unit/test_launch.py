@@ -11,10 +11,10 @@ from datetime import UTC, datetime
 import pytest
 
 from lazarus.commands.common import UserError
+from lazarus.commands.launch import _say_start, build_parser, build_spec
+from lazarus.commands.launch_follow import Interruption, WaitingNotice, stop_processes, waiting_words
 from lazarus.infra.backend import ClusterError
 from lazarus.infra.backends.slurm.cluster import SlurmCluster
-from lazarus.launch import _say_start, build_parser, build_spec
-from lazarus.launch_follow import Interruption, WaitingNotice, stop_processes, waiting_words
 from lazarus.schema import RecoveryPolicy, RunState
 from lazarus.schema.records import Decision, FaultReport, Incident, RunStatus
 
@@ -249,7 +249,7 @@ def test_a_signal_cancels_the_launch_once_and_a_second_is_only_said(sig):
 
 
 def test_a_program_failure_names_the_node_its_rank_ran_on_though_no_node_is_blamed(capsys):
-    from lazarus.launch_follow import say_end
+    from lazarus.commands.launch_follow import say_end
 
     now = datetime(2026, 1, 1, tzinfo=UTC)
     failure = FaultReport(

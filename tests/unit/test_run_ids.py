@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from lazarus.commands.common import UserError
+from lazarus.commands.launch import run_id_for
 from lazarus.infra.backend import ClusterError
 from lazarus.infra.runfiles import RunFiles
-from lazarus.launch import run_id_for
 from lazarus.schema import RunStart, parse_spec
 from lazarus.schema.controls import DrainNodeRequest
 from lazarus.schema.names import check_node_name, check_run_id
@@ -24,7 +24,7 @@ HOSTILE = ["", ".", "..", "../../x", "a/b", "a\\b", "/etc", "-rf", ".hidden", "a
 """Run ids that must be refused: empty, dot names, separators, NUL and control characters, a
 leading dash (an option) or dot (hidden), non-ASCII, too long."""
 
-GENERATED = ["demo-20261201-193000-ab12", "crash-1a2b3c", "bench-0", "restart_done_v1", "small-pp-20261130-104324-2c63"]
+GENERATED = ["demo-20261201-193000-ab12", "crash-1a2b3c", "bench-0", "hot_spare", "small-pp-20261130-104324-2c63"]
 """Run ids the demo, `run start`, the tests, the benchmarks and the committed histories make."""
 
 
