@@ -38,8 +38,8 @@ from lazarus.chaos.judge import train_without_fault
 from lazarus.chaos.run import run_scenario
 from lazarus.chaos.scenarios import BY_NAME, SCENARIOS
 from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step
+from lazarus.commands.local_paths import anchor_paths
 from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable
-from lazarus.local_paths import anchor_paths
 from lazarus.schema import load_spec
 from lazarus.schema.load import SpecError
 
@@ -207,4 +207,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lazarus.client.runs import exit_after
+
+    exit_after(main)  # past the native client's crash at interpreter exit

@@ -50,9 +50,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
 
 from bench import perf_page
-from lazarus.client import run_status, start_run
-from lazarus.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
-from lazarus.history import chain_histories, incident_spans
+from lazarus.client.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
+from lazarus.client.history import chain_histories, incident_spans
+from lazarus.client.runs import run_status, start_run
 from lazarus.infra.backend import free_ports
 from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
 from lazarus.infra.pool import LocalPool
@@ -635,4 +635,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lazarus.client.runs import exit_after
+
+    exit_after(main)  # past the native client's crash at interpreter exit

@@ -37,8 +37,8 @@ from kubernetes import client as k8s
 
 from bench import perf_page
 from bench.recovery import COLUMNS, row
+from lazarus.client.config import Settings
 from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step, drive_run
-from lazarus.config import Settings
 from lazarus.infra.backend import free_port
 from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
 from lazarus.infra.harness.temporal_server import local_environment
@@ -222,4 +222,6 @@ def write_markdown(path: Path, sitting, rows: dict[str, list[dict]], medians: di
 
 
 if __name__ == "__main__":
-    main()
+    from lazarus.client.runs import exit_after
+
+    exit_after(main)  # past the native client's crash at interpreter exit

@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ and te
 
 from bench import perf_page
 from lazarus.activities.running import look
-from lazarus.client import run_status, start_run
-from lazarus.config import Settings
-from lazarus.history import chain_histories, incident_spans, largest_payloads
+from lazarus.client.config import Settings
+from lazarus.client.history import chain_histories, incident_spans, largest_payloads
+from lazarus.client.runs import run_status, start_run
 from lazarus.infra.backends.simulated.cluster import SimulatedCluster
 from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
 from lazarus.schema import RunState, parse_spec
@@ -186,7 +186,7 @@ async def one_size(env, home: Path, nodes: int, faults: int, say) -> dict:
         "payloads": payloads,
         "killed": killed,
         "replacements": [incident.decision.replacements for incident in status.incidents],
-        # The controller's share of each stage the planner costs (lazarus/planner.py StageCosts).
+        # The controller's share of each stage the planner costs (lazarus/planner/model.py StageCosts).
         "stage_seconds": {
             name: round(statistics.median(i.stages[name].seconds for i in status.incidents), 3)
             for name in ("drain", "reschedule", "replace_or_reshard")
@@ -318,4 +318,6 @@ def write_markdown(args, sitting, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lazarus.client.runs import exit_after
+
+    exit_after(main)  # past the native client's crash at interpreter exit

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not an
 
 from bench import perf_page
 from lazarus.chaos.pool_race import local_pool, race_for_one_spare
+from lazarus.commands.report import summarize
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.harness.temporal_server import local_environment
-from lazarus.report import summarize
 from lazarus.schema import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,4 +129,6 @@ def write_markdown(path: Path, sitting, rows: list[dict], spec: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lazarus.client.runs import exit_after
+
+    exit_after(main)  # past the native client's crash at interpreter exit

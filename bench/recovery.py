@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import perf_page
 from lazarus.activities.metrics import Metrics
+from lazarus.client.config import Settings
 from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step, drive_run
-from lazarus.config import Settings
+from lazarus.commands.local_paths import anchor_paths
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.harness.temporal_server import local_environment
-from lazarus.local_paths import anchor_paths
 from lazarus.schema import STAGES, RunState, load_spec
 from lazarus.schema.contract import read_heartbeat
 from lazarus.worker import build_worker
@@ -297,4 +297,6 @@ def write_markdown(path, sitting, rows, splits, medians, split_medians, resume_m
 
 
 if __name__ == "__main__":
-    main()
+    from lazarus.client.runs import exit_after
+
+    exit_after(main)  # past the native client's crash at interpreter exit

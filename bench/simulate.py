@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import perf_page
-from lazarus.planner import run_policy
-from lazarus.simulate import load_scenario
+from lazarus.planner.model import run_policy
+from lazarus.planner.simulate import load_scenario
 
 PAGE_TITLE = "Planner speed"
 ABOUT = """The planner (`lazarus simulate`) replays a long run's faults many times under each recovery

@@ -37,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import perf_page
 from bench.recovery import COLUMNS, row
+from lazarus.client.config import Settings
 from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step, drive_run
-from lazarus.config import Settings
+from lazarus.commands.local_paths import anchor_paths
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.backends.slurm.cluster import SlurmCluster
 from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable
 from lazarus.infra.harness.temporal_server import local_environment
-from lazarus.local_paths import anchor_paths
 from lazarus.schema import RunState, load_spec
 from lazarus.worker import build_worker
 
@@ -178,4 +178,6 @@ def write_markdown(path: Path, sitting, results: dict, medians: dict, columns: l
 
 
 if __name__ == "__main__":
-    main()
+    from lazarus.client.runs import exit_after
+
+    exit_after(main)  # past the native client's crash at interpreter exit

@@ -244,8 +244,8 @@ async def launch_trials(repetitions: int, kill_at: int, timeout: float, root: Pa
 
 async def lazarus_trials(repetitions: int, kill_at: int, timeout: float, folder: Path) -> list[Trial]:
 
-    from lazarus.client import start_run
-    from lazarus.config import Settings
+    from lazarus.client.config import Settings
+    from lazarus.client.runs import start_run
     from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
     from lazarus.schema import parse_spec
     from lazarus.worker import build_worker
@@ -407,4 +407,6 @@ def write_markdown(args, sitting, results: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lazarus.client.runs import exit_after
+
+    exit_after(main)  # past the native client's crash at interpreter exit

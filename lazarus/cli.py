@@ -14,10 +14,10 @@ import os
 import sys
 import traceback
 
+from lazarus.client.config import HELP as ENV_HELP
+from lazarus.client.config import Settings
 from lazarus.commands import chaos, controls, demo, pool, runs, server, simulate, worker
 from lazarus.commands.common import OneLineParser, UserError, server_error
-from lazarus.config import HELP as ENV_HELP
-from lazarus.config import Settings
 
 
 def build_parser() -> OneLineParser:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as error:
         print(f"{prog}: error: {one_line(str(error))}", file=sys.stderr)
         sys.exit(2)
-    # Logs (the Temporal core's included, see lazarus.client.CORE_LOGGER) go to stderr: stdout is for results.
+    # Logs (the Temporal core's included, see lazarus.client.runs.CORE_LOGGER) go to stderr: stdout is for results.
     logging.basicConfig(
         stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

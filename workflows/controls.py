@@ -35,23 +35,24 @@ with workflow.unsafe.imports_passed_through():
         ReturnNodeRequest,
         SetPolicyRequest,
     )
-    from lazarus.schema.policy import RecoveryPolicy, changed_policy, describe_changes
+    from lazarus.schema.policy import changed_policy, describe_changes
     from lazarus.schema.records import (
         Decision,
         FaultReport,
+        Incident,
         Intervention,
         InterventionKind,
         OperatorUpdate,
-        RunStart,
+        Regrowth,
         RunState,
         RunStatus,
     )
     from lazarus.schema.stages import RescheduleInput, ReturnNodeInput, StopInput, StopResult
     from lazarus.schema.states import TERMINAL_STATES
     from lazarus.workflows.policy import nodes_for, plan_operator_reshard
-
 from lazarus.workflows import inputs
 from lazarus.workflows.inputs import expect
+from lazarus.workflows.run_parts import RunParts
 from lazarus.workflows.stage_calls import RunAborted, RunFailed, call_stage
 
 Request = TypeVar("Request", bound=ControlRequest)
@@ -69,12 +70,8 @@ class Pending(Generic[Request]):
     done: bool = False
 
 
-class OperatorControls:
+class OperatorControls(RunParts):
     """The run's query, signal and updates, and carrying out the requests they queue."""
-
-    _start: RunStart
-    _status: RunStatus
-    _next_fault: FaultReport | None
 
     def __init__(self) -> None:
         self._reported: list[FaultSignal] = []
@@ -86,30 +83,6 @@ class OperatorControls:
         # Returns run one at a time: each rewrites the run's inventory on the backend, and the
         # histories recorded so far hold a second return's activity until the first one's ended.
         self._return_lock = asyncio.Lock()
-
-    @property
-    def _policy(self) -> RecoveryPolicy:
-        policy = self._status.policy
-        assert policy is not None, "TrainingRun.__init__ sets it"
-        return policy
-
-    # --- what TrainingRun provides ------------------------------------------------------
-
-    def _enter(self, state: RunState) -> None:
-        """Move the run to `state`, as the state machine allows."""
-        raise NotImplementedError
-
-    async def _restart(self, decision: Decision) -> bool:
-        """Start the next incarnation on `decision`'s nodes; True when training is done."""
-        raise NotImplementedError
-
-    async def _recover_all(self, fault: FaultReport) -> bool:
-        """Recover from `fault` as from a detected one; True when training is done."""
-        raise NotImplementedError
-
-    async def _stage(self, name: str, method, request, incident=None):
-        """Run a stage's activity, timed on `incident` when given (TrainingRun)."""
-        raise NotImplementedError
 
     # --- query and signal ---------------------------------------------------------------
 
@@ -395,9 +368,9 @@ class OperatorControls:
         self._finish(pending, decision.reason)
         return done
 
-    async def _stop_ranks(self, why: str, timing=None) -> StopResult | None:
-        """Checkpoint and stop the current incarnation (the stage timed on `timing`, a Regrowth);
-        None when the run is paused (nothing runs)."""
+    async def _stop_ranks(self, why: str, timing: Incident | Regrowth | None = None) -> StopResult | None:
+        """Checkpoint and stop the current incarnation (the stage timed on `timing`: a swap's incident,
+        a regrow); None when the run is paused (nothing runs)."""
         status = self._status
         if status.state == RunState.PAUSED:
             return None

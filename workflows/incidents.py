@@ -10,11 +10,10 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
-    from lazarus.schema.policy import RecoveryPolicy
-    from lazarus.schema.records import FaultReport, Incident, RunState, RunStatus, StageRecord
-    from lazarus.schema.stages import ArchiveInput, ResumeResult, StopResult
+    from lazarus.schema.records import FaultReport, Incident, RunState, StageRecord
+    from lazarus.schema.stages import ArchiveInput, ResumeResult
     from lazarus.schema.tally import downtime_seconds, to_archive
-
+from lazarus.workflows.run_parts import RunParts
 from lazarus.workflows.stage_calls import RunFailed, call_stage
 
 # Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
@@ -58,19 +57,8 @@ def crash_loop(incidents: list[Incident], fault: FaultReport) -> str | None:
     return None
 
 
-class Incidents:
+class Incidents(RunParts):
     """Opening, ending and archiving the run's incidents."""
-
-    _status: RunStatus
-
-    @property
-    def _policy(self) -> RecoveryPolicy:
-        """The recovery policy in force (OperatorControls)."""
-        raise NotImplementedError
-
-    def _enter(self, state: RunState) -> None:
-        """Move the run to `state`, as the state machine allows (TrainingRun)."""
-        raise NotImplementedError
 
     def _end_crash_loop(self, incident: Incident, looping: str) -> ResumeResult:
         """The program fails the same way on every restart: no recovery can help and no node is to
@@ -117,10 +105,6 @@ class Incidents:
         for incident in archived:
             status.earlier_incidents.add(incident, downtime_seconds(incident, workflow.now()))
         status.incidents = status.incidents[count:]
-
-    async def _stop_ranks(self, why: str, timing=None) -> StopResult | None:
-        """Checkpoint and stop the current incarnation (OperatorControls)."""
-        raise NotImplementedError
 
     async def _stop_for_swap(self, incident: Incident, fault: FaultReport) -> None:
         """A planned swap (nothing died: a straggler): checkpoint and stop every rank at a step

@@ -14,10 +14,10 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
-    from lazarus.schema.policy import RecoveryPolicy
-    from lazarus.schema.records import Decision, FaultReport, Incident, Regrowth, RunStart, RunStatus
-    from lazarus.schema.stages import RescheduleInput, ResumeResult, StopResult
+    from lazarus.schema.records import Regrowth
+    from lazarus.schema.stages import RescheduleInput
     from lazarus.workflows.policy import batch_said, plan_regrow, regrow_nodes
+from lazarus.workflows.run_parts import RunParts
 
 # Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
 # that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
@@ -25,31 +25,8 @@ REGROW_PATCH = "regrow"
 """Deprecated patch id: a run below its wanted dp grows back when the pool has the nodes (before: it stayed small)."""
 
 
-class Regrowing:
+class Regrowing(RunParts):
     """Watching the pool for the nodes a smaller run wants back, and growing into them."""
-
-    _start: RunStart
-    _status: RunStatus
-    _next_fault: FaultReport | None
-
-    @property
-    def _policy(self) -> RecoveryPolicy:
-        """The recovery policy in force (OperatorControls)."""
-        raise NotImplementedError
-
-    async def _stage(self, name: str, method, request, incident: Incident | Regrowth | None = None):
-        """Run a stage's activity and record its timing (TrainingRun)."""
-        raise NotImplementedError
-
-    async def _stop_ranks(self, why: str, timing: Regrowth | None = None) -> StopResult | None:
-        """Checkpoint and stop the current incarnation (OperatorControls)."""
-        raise NotImplementedError
-
-    async def _replace_and_resume(
-        self, decision: Decision, incident: Incident | None, fault_kind: str, survivors_of=None, timing=None
-    ) -> ResumeResult:
-        """Claim the decision's nodes and start the next incarnation (TrainingRun)."""
-        raise NotImplementedError
 
     def _node_limit(self) -> int:
         cluster = self._start.spec.cluster

@@ -12,12 +12,11 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
     from lazarus.schema.controls import ApproveRequest
-    from lazarus.schema.policy import RecoveryPolicy
     from lazarus.schema.pool import SpareWant
-    from lazarus.schema.records import Decision, FaultReport, Incident, Inventory, RunStart, RunState, RunStatus
+    from lazarus.schema.records import Decision, FaultReport, Incident, Inventory, RunState
     from lazarus.schema.stages import RescheduleInput
     from lazarus.workflows.policy import batch_said, plan_recovery, spare_want
-
+from lazarus.workflows.run_parts import RunParts
 from lazarus.workflows.stage_calls import RunAborted, RunFailed
 
 # Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
@@ -37,30 +36,8 @@ GATHER_POLL_SECONDS = 1.0
 """How often a gathering run reads the inventory again (seconds)."""
 
 
-class Rescheduling:
+class Rescheduling(RunParts):
     """The reschedule stage of TrainingRun's recovery, with its capacity wait and escalation."""
-
-    _start: RunStart
-    _status: RunStatus
-    _approval: ApproveRequest | None
-    _inventory_changed: bool
-
-    @property
-    def _policy(self) -> RecoveryPolicy:
-        """The recovery policy in force (OperatorControls)."""
-        raise NotImplementedError
-
-    def _enter(self, state: RunState) -> None:
-        """Move the run to `state`, as the state machine allows (TrainingRun)."""
-        raise NotImplementedError
-
-    async def _stage(self, name: str, method, request, incident: Incident | None = None):
-        """Run a stage's activity and record its timing on the incident (TrainingRun)."""
-        raise NotImplementedError
-
-    def _requested(self, kind: str) -> bool:
-        """Whether an operator request of this kind is outstanding (OperatorControls)."""
-        raise NotImplementedError
 
     async def _reschedule(self, incident: Incident, fault: FaultReport) -> Decision:
         """Read the inventory until the policy can place the next incarnation: without capacity,

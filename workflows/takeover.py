@@ -17,49 +17,19 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
-    from lazarus.schema.policy import RecoveryPolicy
     from lazarus.schema.records import (
         FaultReport,
-        Intervention,
-        InterventionKind,
         RankProgress,
-        RunStart,
         RunState,
-        RunStatus,
     )
-    from lazarus.schema.stages import ResumeResult, TakeOverInput, TakeOverResult
-
+    from lazarus.schema.stages import TakeOverInput, TakeOverResult
 from lazarus.workflows.progress import take_progress
+from lazarus.workflows.run_parts import RunParts
 from lazarus.workflows.stage_calls import OwnerChanged, RunFailed, calling_execution
 
 
-class TakingOver:
+class TakingOver(RunParts):
     """Answering a NOT_OWNER refusal: take the run over when this execution may, and reconcile."""
-
-    _start: RunStart
-    _status: RunStatus
-    _next_fault: FaultReport | None
-
-    @property
-    def _policy(self) -> RecoveryPolicy:
-        """The recovery policy in force (OperatorControls)."""
-        raise NotImplementedError
-
-    def _enter(self, state: RunState) -> None:
-        """Move the run to `state` (TrainingRun)."""
-        raise NotImplementedError
-
-    def _intervene(self, kind: InterventionKind, detail: str) -> Intervention:
-        """Record an intervention (OperatorControls)."""
-        raise NotImplementedError
-
-    async def _stage(self, name: str, method, request, incident=None):
-        """Run a stage's activity (TrainingRun)."""
-        raise NotImplementedError
-
-    async def _resume(self, assignment, record=None, fault_step=None, survivors_of=None) -> ResumeResult:
-        """Start the assignment's incarnation; TRAINING unless a fault hit it first (TrainingRun)."""
-        raise NotImplementedError
 
     async def _take_over(self, changed: OwnerChanged | None) -> bool:
         """Take the run over from the execution that holds it, and take it up as the cluster holds

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.activities.failpoints import ENV_FAILPOINT_DIR, ENV_FAILPOINTS
-from lazarus.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
+from lazarus.client.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
 from lazarus.infra.backend import free_ports
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.backends.slurm.cluster import SlurmCluster

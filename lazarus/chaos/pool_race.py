@@ -20,8 +20,8 @@ from temporalio.client import Client
 
 from lazarus.activities.failpoints import Failpoints
 from lazarus.chaos.bed import POLL_SECONDS, ChaosError, wait_for
-from lazarus.client import start_run
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.runs import start_run
 from lazarus.infra.backend import ClusterBackend
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunSpec, RunStatus, controls

@@ -13,7 +13,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.service import RPCError
 
 from lazarus.chaos.bed import ChaosBed, ChaosError, CheckpointWatch, wait_for
-from lazarus.client import connect, run_status, start_run
+from lazarus.client.runs import connect, run_status, start_run
 from lazarus.schema.contract import read_metrics
 from lazarus.schema.files import read_json
 from lazarus.schema.records import Assignment, RunStatus

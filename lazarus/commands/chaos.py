@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from lazarus.client.config import Settings
 from lazarus.commands.common import RUN_HELP, UserError, node_name, run_id
-from lazarus.config import Settings
 
 
 def register(commands: argparse._SubParsersAction) -> None:

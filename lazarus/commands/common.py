@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lazarus.config import Settings
+from lazarus.client.config import Settings
 
 
 class UserError(Exception):
@@ -57,8 +57,8 @@ def positive_int(value: str) -> int:
 
 def load_run_spec(path: str | Path):
     """The run spec at `path`, its relative paths taken from the folder the command runs in
-    (lazarus/local_paths.py); a bad one is the user's mistake, said in one line."""
-    from lazarus.local_paths import anchor_paths
+    (lazarus/commands/local_paths.py); a bad one is the user's mistake, said in one line."""
+    from lazarus.commands.local_paths import anchor_paths
     from lazarus.schema.load import SpecError, load_spec
 
     try:
@@ -109,8 +109,8 @@ def server_error(error: BaseException, address: str) -> str | None:
 async def connect_client(settings: Settings):
     """A Temporal client; an unreachable server, a bad TLS setting or a failed TLS handshake is said
     in one line, with what to do about it."""
-    from lazarus.client import connect
-    from lazarus.tls import TLSSettingsError, describe_failure
+    from lazarus.client.runs import connect
+    from lazarus.client.tls import TLSSettingsError, describe_failure
 
     try:
         return await connect(settings)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from lazarus.client.config import Settings
 from lazarus.commands.common import RUN_HELP, UserError, connect_client, node_name, run_id
-from lazarus.config import Settings
 
 
 def _pause(args, controls):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from lazarus.client.config import Settings
 from lazarus.commands.common import UserError, load_run_spec
-from lazarus.config import Settings
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -55,8 +55,8 @@ async def _final_status(args: argparse.Namespace, settings: Settings):
 async def run_the_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Print the run's stage tables and where to read more, or with --json its final status; exit 0
     if the run completed."""
+    from lazarus.commands.report import stage_tables
     from lazarus.console import stdout, stdout_reserved_for_json
-    from lazarus.report import stage_tables
     from lazarus.schema.records import RunState
 
     if args.json:

@@ -13,9 +13,9 @@ from pathlib import Path
 from temporalio.client import WorkflowFailureError
 
 from lazarus import console
-from lazarus.client import run_status, start_run
+from lazarus.client.config import Settings
+from lazarus.client.runs import run_status, start_run
 from lazarus.commands.common import connect_client
-from lazarus.config import Settings
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.harness.temporal_server import port_answers, split_address, start_detached
 from lazarus.schema.contract import MetricsLine, read_metrics

@@ -216,8 +216,8 @@ def _command(args: argparse.Namespace) -> list[str]:
 def build_spec(args: argparse.Namespace, folder: Path):
     """The run spec the flags describe (on --spec's, if given), its paths taken from `folder`."""
     from lazarus.commands.common import load_run_spec, registered_backend
+    from lazarus.commands.local_paths import anchor_paths
     from lazarus.infra.registry import DEFAULT_BACKEND
-    from lazarus.local_paths import anchor_paths
     from lazarus.schema.load import SpecError, parse_spec
 
     command = _command(args)
@@ -366,7 +366,7 @@ async def _follow(client, settings, spec, run_id: str, cluster, say):
     """Start the run and show it (rank 0's output, incidents, waits) until it ends; its final status."""
     from temporalio.client import WorkflowFailureError
 
-    from lazarus.client import run_status, start_run
+    from lazarus.client.runs import run_status, start_run
     from lazarus.commands.launch_follow import Follower, WaitingNotice
     from lazarus.schema.states import TERMINAL_STATES
 

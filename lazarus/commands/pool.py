@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lazarus.client.config import Settings
 from lazarus.commands.common import (
     UserError,
     connect_client,
@@ -25,7 +26,6 @@ from lazarus.commands.common import (
     positive_int,
     registered_backend,
 )
-from lazarus.config import Settings
 
 
 def register(commands: argparse._SubParsersAction) -> None:

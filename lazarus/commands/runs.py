@@ -6,6 +6,7 @@ import argparse
 import asyncio
 from datetime import datetime
 
+from lazarus.client.config import Settings
 from lazarus.commands.common import (
     RUN_HELP,
     UserError,
@@ -16,7 +17,6 @@ from lazarus.commands.common import (
     registered_backend,
     run_id,
 )
-from lazarus.config import Settings
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "ABORTED")
 
@@ -87,7 +87,7 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
     from temporalio.service import RPCError
 
     from lazarus.activities.preflight import missing_command
-    from lazarus.client import start_run
+    from lazarus.client.runs import start_run
     from lazarus.schema.rundir import RunDir
 
     spec = load_run_spec(args.spec)
@@ -109,7 +109,7 @@ async def adopt_run(args: argparse.Namespace, settings: Settings) -> int:
     """Start a workflow that takes over a run whose workflow ended without ending it."""
     from temporalio.service import RPCError
 
-    from lazarus.client import NotAdoptable, adopt_run
+    from lazarus.client.runs import NotAdoptable, adopt_run
 
     client = await connect_client(settings)
     try:
@@ -127,12 +127,12 @@ async def adopt_run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def fetch_status(client, run_id: str, home=None):
-    """The run's status and where it was read (lazarus/reading.py): from its worker, else its
+    """The run's status and where it was read (lazarus/client/reading.py): from its worker, else its
     result or its history; no such run, or a history this version cannot replay, in one line."""
     from temporalio.client import WorkflowQueryFailedError
     from temporalio.service import RPCError
 
-    from lazarus.reading import read_status
+    from lazarus.client.reading import read_status
 
     try:
         return await read_status(client, run_id, home)
@@ -155,7 +155,7 @@ def status_view(status, read_from: str = ""):
     from rich.table import Table
     from rich.text import Text
 
-    from lazarus.report import stage_tables
+    from lazarus.commands.report import stage_tables
 
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
@@ -192,8 +192,8 @@ async def show_status(args: argparse.Namespace, settings: Settings) -> int:
 
 async def show_report(args: argparse.Namespace, settings: Settings) -> int:
     """Print what elasticity cost a run (with --json its numbers); with --plot, draw its timeline."""
+    from lazarus.commands.report import plot_timeline, run_report, summarize, with_archived
     from lazarus.console import stdout, stdout_reserved_for_json
-    from lazarus.report import plot_timeline, run_report, summarize, with_archived
 
     async def bill():
         reading = await fetch_status(await connect_client(settings), args.run_id, settings.home)
@@ -223,8 +223,8 @@ async def list_runs(args: argparse.Namespace, settings: Settings) -> int:
     """A table of the runs Temporal knows, newest first: id, workflow status, state, incidents, start."""
     from temporalio.client import WorkflowExecutionStatus
 
+    from lazarus.client.reading import ask_worker
     from lazarus.console import stdout, table
-    from lazarus.reading import ask_worker
 
     client = await connect_client(settings)
     query = "WorkflowType='TrainingRun'" + (f" AND LazarusState='{args.state}'" if args.state else "")
@@ -312,9 +312,9 @@ async def follow(current, console, poll_seconds: float = 0.5) -> int:
 
 async def show_logs(args: argparse.Namespace, settings: Settings) -> int:
     """Print the ranks' logs from the run directory, each line prefixed with its node and rank."""
+    from lazarus.commands.logs import LogsError, select, show
     from lazarus.infra.backend import ClusterError
     from lazarus.infra.backends.local.cluster import LocalCluster
-    from lazarus.logs import LogsError, select, show
 
     try:
         run = LocalCluster(settings.home).run_dir(args.run_id)

@@ -6,8 +6,8 @@ import argparse
 import signal
 import subprocess
 
+from lazarus.client.config import Settings
 from lazarus.commands.common import UserError
-from lazarus.config import Settings
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from lazarus.client.config import Settings
 from lazarus.commands.common import UserError
-from lazarus.config import Settings
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -35,7 +35,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def _planned(args: argparse.Namespace) -> dict:
     """The plan of the scenario asked for, with a plot when asked; a bad scenario is said in one line."""
-    from lazarus.simulate import PlanError, load_scenario, measured_costs, plan, plot
+    from lazarus.planner.simulate import PlanError, load_scenario, measured_costs, plan, plot
 
     try:
         scenario = load_scenario(args.scenario, args.preset)
@@ -56,7 +56,7 @@ def _planned(args: argparse.Namespace) -> dict:
 def simulate_plan(args: argparse.Namespace, settings: Settings) -> int:
     """Print the plan's tables, or with --json the whole result as one document."""
     from lazarus.console import stdout, stdout_reserved_for_json
-    from lazarus.simulate import report
+    from lazarus.planner.simulate import report
 
     if args.json:
         with stdout_reserved_for_json() as emit:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 
+from lazarus.client.config import Settings
 from lazarus.commands.common import UserError, registered_backend
-from lazarus.config import Settings
 
 ACCEPT_SECONDS = 5.0
 """How long a control waits for a worker that answered to accept the update (seconds); past it,
@@ -54,10 +54,10 @@ async def run_start(client, run_id: str):
 
 async def why_unserved(client, run_id: str, task_queue: str) -> str | None:
     """None when a worker serves the run (it answered a status query within
-    lazarus.reading.QUERY_SECONDS), else why not, in words."""
+    lazarus.client.reading.QUERY_SECONDS), else why not, in words."""
     from temporalio.client import WorkflowQueryFailedError
 
-    from lazarus.reading import ask_worker
+    from lazarus.client.reading import ask_worker
 
     try:
         answer, why = await ask_worker(client, run_id, task_queue)

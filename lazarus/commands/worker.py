@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import os
 
-from lazarus import config
+from lazarus.client import config
+from lazarus.client.config import Settings
 from lazarus.commands.common import UserError, connect_client, open_cluster
-from lazarus.config import Settings
 from lazarus.infra import registry
 
 

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from lazarus.client import run_status, start_run
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.runs import run_status, start_run
 from lazarus.infra.backends.simulated.cluster import SimulatedCluster
 from lazarus.schema import RunState, controls, parse_spec
 from lazarus.worker import build_worker

@@ -9,11 +9,11 @@ import uuid
 import pytest
 
 from lazarus.activities.metrics import Metrics
-from lazarus.client import start_run
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.runs import start_run
+from lazarus.commands.report import plot_timeline, summarize
 from lazarus.infra.backend import free_port
 from lazarus.infra.backends.local.cluster import LocalCluster
-from lazarus.report import plot_timeline, summarize
 from lazarus.schema import RunState, controls, load_spec
 from lazarus.worker import build_worker, serve_metrics
 from lazarus.workflows.training_run import TrainingRun

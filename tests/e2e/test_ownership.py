@@ -22,7 +22,7 @@ from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
-from lazarus.history import local_activity_type
+from lazarus.client.history import local_activity_type
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.ownership import read_owner
 from lazarus.schema import RunStart, RunState, RunStatus, load_spec

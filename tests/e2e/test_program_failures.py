@@ -11,8 +11,8 @@ import uuid
 import pytest
 from temporalio.client import WorkflowFailureError
 
-from lazarus.client import run_status, start_run
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.runs import run_status, start_run
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, parse_spec
 from lazarus.worker import build_worker

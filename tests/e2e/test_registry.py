@@ -8,9 +8,9 @@ import uuid
 import pytest
 
 from lazarus.cli import build_parser
+from lazarus.client.config import Settings
 from lazarus.commands.common import load_run_spec, open_cluster
 from lazarus.commands.demo_run import drive_run
-from lazarus.config import Settings
 from lazarus.infra import registry
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState

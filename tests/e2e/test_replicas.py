@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
+from lazarus.client.config import Settings
 from lazarus.commands.demo_run import drive_run
-from lazarus.config import Settings
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunSpec, RunState, RunStatus, load_spec, parse_spec
 from lazarus.schema.contract import read_metrics

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.client import connect, has_search_attributes
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.runs import connect, has_search_attributes
 from lazarus.infra.backend import free_ports
 from lazarus.infra.harness.temporal_server import start_detached, stop_detached
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 
 async def test_a_detached_server_serves_a_client_at_once_and_stops(tmp_path):
-    """The demo connects the moment its server answers (lazarus.client.connect waits out a
+    """The demo connects the moment its server answers (lazarus.client.runs.connect waits out a
     frontend that is not healthy yet), and `lazarus server --stop` ends the server it recorded."""
     port, ui_port = free_ports(2)
     pid = start_detached(tmp_path, port, ui_port)

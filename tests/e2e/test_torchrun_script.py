@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.client import start_run
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.runs import start_run
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, parse_spec
 from lazarus.schema.rundir import RunDir

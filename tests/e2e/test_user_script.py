@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.client import start_run
+from lazarus.client.config import Settings
+from lazarus.client.runs import start_run
 from lazarus.commands.demo_run import drive_run
-from lazarus.config import Settings
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.worker import build_worker

@@ -39,9 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from lazarus.client import start_run
+from lazarus.client.config import Settings
+from lazarus.client.runs import start_run
 from lazarus.commands.demo_run import run_demo
-from lazarus.config import Settings
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.backends.simulated.cluster import SimulatedCluster
 from lazarus.infra.harness.temporal_server import local_environment

@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from lazarus.client import start_run
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.runs import start_run
 from lazarus.infra.backend import free_port
 from lazarus.infra.backends.kubernetes.cluster import KubernetesCluster
 from lazarus.infra.backends.kubernetes.objects import QUARANTINE_TAINT, RUN_LABEL, run_object_name, standby_pod_name

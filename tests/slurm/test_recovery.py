@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from lazarus.client import start_run
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.runs import start_run
 from lazarus.infra.backends.slurm.cluster import SlurmCluster
 from lazarus.schema import RunState, load_spec
 from lazarus.worker import build_worker

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 from rich.console import Console
 
+from lazarus.commands.report import run_report, summarize
 from lazarus.commands.runs import follow, status_view
-from lazarus.report import run_report, summarize
 from lazarus.schema.records import RunState, RunStatus
 
 NOISE = """
@@ -127,7 +127,7 @@ PATCHES = {
 import lazarus.commands.runs as runs
 async def connect_client(settings): return None
 async def fetch_status(client, run_id, home=None):
-    from lazarus.reading import StatusReading
+    from lazarus.client.reading import StatusReading
     noise()
     return StatusReading(STATUS, "a test's fake", served=True)
 runs.connect_client, runs.fetch_status = connect_client, fetch_status
@@ -140,12 +140,12 @@ async def run_demo(settings, spec, kill_at, as_json=False):
 lazarus.commands.demo_run.run_demo = run_demo
 """,
     "simulate": """
-import lazarus.simulate
-real_plan = lazarus.simulate.plan
+import lazarus.planner.simulate
+real_plan = lazarus.planner.simulate.plan
 def plan(*args, **kwargs):
     noise()
     return real_plan(*args, **kwargs)
-lazarus.simulate.plan = plan
+lazarus.planner.simulate.plan = plan
 """,
 }
 SCENARIO = (
@@ -289,7 +289,7 @@ def test_the_temporal_core_logs_to_python_logging_not_stdout():
     import asyncio, logging, sys, time
     from temporalio.client import Client
     from temporalio.runtime import Runtime, TelemetryFilter
-    from lazarus.client import CORE_LOG_FILTER, CORE_LOGGER, core_telemetry
+    from lazarus.client.runs import CORE_LOG_FILTER, CORE_LOGGER, core_telemetry
 
     forwarding = core_telemetry().logging
     assert forwarding.filter == CORE_LOG_FILTER and forwarding.forwarding.logger is CORE_LOGGER
@@ -322,8 +322,8 @@ def test_the_temporal_core_logs_to_python_logging_not_stdout():
 
 
 async def test_every_client_uses_the_forwarding_runtime(monkeypatch):
-    from lazarus import client as lazarus_client
-    from lazarus.config import Settings
+    from lazarus.client import runs as lazarus_client
+    from lazarus.client.config import Settings
 
     seen = {}
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from lazarus.planner import PolicyTable, analytic_ettr, run_policy
+from lazarus.planner.model import PolicyTable, analytic_ettr, run_policy
+from lazarus.planner.simulate import measured_costs
 from lazarus.schema.scenario import Measured, Scenario
-from lazarus.simulate import measured_costs
 
 
 def closed_form_scenario(**changes) -> Scenario:

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, Field
 
-from lazarus import reference
-from lazarus.reference_models import (
+from lazarus.reference import pages as reference
+from lazarus.reference.models import (
     OPERATOR_MESSAGES,
     RUN_DIRECTORY_RECORDS,
     nested_models,
     run_directory_paths,
     undocumented,
 )
-from lazarus.reference_sources import declared_variables, metric_rows
+from lazarus.reference.sources import declared_variables, metric_rows
 from lazarus.schema.run import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]

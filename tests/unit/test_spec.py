@@ -168,7 +168,7 @@ def test_a_planned_fault_s_effect_fits_its_point_and_trainer():
 
 
 def test_relative_paths_are_taken_from_the_folder_the_run_starts_in(tmp_path):
-    from lazarus.local_paths import anchor_paths
+    from lazarus.commands.local_paths import anchor_paths
 
     (tmp_path / "train.py").write_text("")
     (tmp_path / "mypkg").mkdir()

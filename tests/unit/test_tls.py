@@ -3,8 +3,8 @@ reports the close (which one a connection gets depends on when haproxy's close l
 
 import pytest
 
-from lazarus.config import Settings
-from lazarus.tls import describe_failure
+from lazarus.client.config import Settings
+from lazarus.client.tls import describe_failure
 
 _PREFIX = "Failed client connect: `get_system_info` call error after connection: "
 

@@ -9,9 +9,9 @@ from argparse import Namespace
 
 import pytest
 
+from lazarus.client.config import Settings
 from lazarus.commands import unserved
 from lazarus.commands.common import UserError
-from lazarus.config import Settings
 
 
 class FakeUpdate:

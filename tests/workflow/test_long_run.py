@@ -22,8 +22,8 @@ from temporalio import activity
 from temporalio.worker import Worker
 
 from lazarus.activities.recovery import RecoveryActivities
-from lazarus.history import chain_histories, incident_spans, largest_payloads
-from lazarus.report import summarize, with_archived
+from lazarus.client.history import chain_histories, incident_spans, largest_payloads
+from lazarus.commands.report import summarize, with_archived
 from lazarus.schema import (
     Assignment,
     DetectResult,

@@ -206,8 +206,8 @@ async def test_approve_refused_when_nothing_waits_and_set_policy(dev_env):
 
 
 async def test_search_attributes_follow_the_runs_state(dev_env):
-    from lazarus.client import start_run
-    from lazarus.config import Settings
+    from lazarus.client.config import Settings
+    from lazarus.client.runs import start_run
 
     stages = FakeStages(watch=[fault(), "done"])
     queue, run_id = f"sa-{uuid.uuid4()}", f"sa-{uuid.uuid4().hex[:8]}"

@@ -5,7 +5,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import sys
 import time
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
@@ -14,12 +19,12 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
 from temporalio.service import RPCError
 
-from lazarus.config import Settings
+from lazarus.client.config import Settings
+from lazarus.client.tls import tls_config
 from lazarus.infra.harness.temporal_server import SEARCH_ATTRIBUTES
 from lazarus.schema.records import RunStart, RunState, RunStatus
 from lazarus.schema.run import RunSpec
 from lazarus.schema.states import TERMINAL_STATES
-from lazarus.tls import tls_config
 from lazarus.workflows.training_run import INCIDENTS_ATTRIBUTE, STATE_ATTRIBUTE, TrainingRun
 
 CORE_LOGGER = logging.getLogger("lazarus.temporal_core")
@@ -43,6 +48,27 @@ def core_runtime() -> Runtime:
     return Runtime(telemetry=core_telemetry())
 
 
+def exit_after(main: Callable[[], object]) -> NoReturn:
+    """Run a script's `main` and end the process with its status, skipping the interpreter's
+    teardown: Temporal's native client can crash there (sdk-python#300: "PyGILState_Release: thread
+    state ... must be current", exit 134) or hang while a worker's threads wind down. What the
+    script printed is flushed first; a traceback is printed for an error (status 1)."""
+    code = 0
+    try:
+        result = main()
+        code = result if isinstance(result, int) else 0
+    except SystemExit as error:
+        code = error.code if isinstance(error.code, int) else int(error.code is not None)
+        if isinstance(error.code, str):
+            print(error.code, file=sys.stderr)
+    except BaseException as error:  # noqa: BLE001 - printed, then the process ends below with status 1
+        traceback.print_exception(error)
+        code = 1 if not isinstance(error, KeyboardInterrupt) else 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 STARTING_SECONDS = 30.0
 """How long a connect waits for a server that answers but whose frontend is not serving yet (seconds)."""
 
@@ -52,7 +78,7 @@ STARTING_RETRY_SECONDS = 0.2
 
 async def connect(settings: Settings) -> Client:
     """A Temporal client for the configured address and namespace, with TLS when a LAZARUS_TEMPORAL_TLS_*
-    setting is set (lazarus.tls: a bad setting raises TLSSettingsError before any connection).
+    setting is set (lazarus.client.tls: a bad setting raises TLSSettingsError before any connection).
 
     A dev server accepts connections a moment before its frontend serves ("Frontend is not
     healthy yet"): that answer is waited out for up to STARTING_SECONDS, so that a command run
@@ -128,7 +154,7 @@ async def adopt_run(client: Client, settings: Settings, run_id: str) -> tuple[Wo
     as an adopt intervention and in the run's owner record) and takes it up where the cluster holds
     it. Returns its handle and the status it carried; NotAdoptable when there is nothing to adopt,
     RPCError when there is no such workflow."""
-    from lazarus.reading import replayed_run
+    from lazarus.client.reading import replayed_run
 
     description = await client.get_workflow_handle(run_id).describe()
     ended = description.status

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lazarus.console import table
-from lazarus.planner import (
+from lazarus.planner.model import (
     CAUSES,
     RECOVERY_STAGES,
     job_mtbf_seconds,

@@ -1,5 +1,5 @@
 """The reference rows read from the source: the environment variables each module declares, and the
-worker's Prometheus metrics (lazarus/reference.py turns them into pages)."""
+worker's Prometheus metrics (lazarus/reference/pages.py turns them into pages)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from prometheus_client.metrics import MetricWrapperBase
 from lazarus.activities.metrics import Metrics
 from lazarus.schema.run import CONTRACT_ENV
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]
 
 ENVIRONMENT_GROUPS = [
     (
         "The CLI and the worker",
         "Read by `lazarus` and `lazarus worker`: where Temporal is, where runs keep their state, the worker's "
         "defaults.",
-        ["config.py"],
+        ["client/config.py"],
     ),
     (
         "Set for every rank",

@@ -1,5 +1,5 @@
 """The reference pages drawn from pydantic models: the run spec, the operator's messages, and the
-run directory's paths and records (lazarus/reference.py writes them)."""
+run directory's paths and records (lazarus/reference/pages.py writes them)."""
 
 from __future__ import annotations
 

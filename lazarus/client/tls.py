@@ -13,7 +13,7 @@ from pathlib import Path
 
 from temporalio.service import TLSConfig
 
-from lazarus.config import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TLS_SERVER_NAME, Settings
+from lazarus.client.config import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TLS_SERVER_NAME, Settings
 
 
 class TLSSettingsError(ValueError):
