@@ -183,7 +183,7 @@ def main() -> None:
     # SIGTERM as Ctrl-C: every bed then ends the servers, workers and ranks it started.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        spec = anchor_paths(load_spec(args.spec), Path.cwd())
+        spec = anchor_paths(load_spec(args.spec), Path.cwd(), shares_paths=True)  # local, or one machine's Slurm
     except (SpecError, OSError) as error:
         raise SystemExit(f"bench/chaos.py: {error}") from None
     kill_at = args.kill_at_step or default_kill_step(spec)

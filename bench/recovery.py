@@ -16,8 +16,10 @@ from the spans the activities time themselves and the run's history:
   work        inside drain, reschedule and replace_or_reshard, and resume's start to the
               first training step of the new incarnation
   wf_task     an activity's end (as it timed itself) to the next one's ActivityTaskScheduled:
-              the completion RPC and a workflow task
-  dispatch    ActivityTaskScheduled to the activity's start: matching, the poll, the worker
+              the completion RPC and a workflow task; for a stage run as a local activity
+              (drain, reschedule, replace_or_reshard), which has no such event, to its start
+  dispatch    ActivityTaskScheduled to the activity's start: matching, the poll, the worker;
+              none for a local activity, which the worker runs in its own workflow task
 The four add up to the MTTR; overhead is wf_task + dispatch, as a share of MTTR.
 """
 
@@ -113,7 +115,13 @@ async def split(client, run_id: str, incident, spans: list) -> dict:
     )
     previous_end, hops = detected, {}
     for stage in RECOVERY_STAGES:
-        hops[stage] = {"wf_task": scheduled[stage] - previous_end, "dispatch": inside[stage].started - scheduled[stage]}
+        if stage in scheduled:
+            hops[stage] = {
+                "wf_task": scheduled[stage] - previous_end,
+                "dispatch": inside[stage].started - scheduled[stage],
+            }
+        else:  # a local activity: no task to schedule or dispatch
+            hops[stage] = {"wf_task": inside[stage].started - previous_end, "dispatch": 0.0}
         previous_end = inside[stage].ended
     wf_task = sum(h["wf_task"] for h in hops.values())
     dispatch = sum(h["dispatch"] for h in hops.values())
@@ -136,7 +144,7 @@ def _kill_node(home: str, run_id: str, node: str) -> list[int]:
 async def bench(
     spec_path: Path, kills: int, kill_at: int | None, quiet: bool, keep: Path | None = None, spares: int | None = None
 ) -> list[dict]:
-    spec = anchor_paths(load_spec(spec_path), Path.cwd())
+    spec = anchor_paths(load_spec(spec_path), Path.cwd(), shares_paths=True)  # the local backend
     if spares is not None:
         spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"spare_nodes": spares})})
     kill_at = kill_at or default_kill_step(spec)

@@ -65,7 +65,7 @@ before detect's clock starts (a silent node's share)."""
 async def kills_on(backend: str, kills: int, say) -> list[dict]:
     """`kills` runs of the demo spec on `backend` ("slurm", "slurm-silent" or "local"), a node killed
     (or silenced) mid-run in each; one row (bench/recovery.py's columns) per run."""
-    spec = anchor_paths(load_spec(DEFAULT_SPEC), Path.cwd())
+    spec = anchor_paths(load_spec(DEFAULT_SPEC), Path.cwd(), shares_paths=True)  # one machine's Slurm cluster
     on_slurm = backend.startswith("slurm")
     if on_slurm:
         spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"backend": "slurm"})})

@@ -25,9 +25,9 @@ def _absolute(path: str, folder: Path) -> str:
 def anchor_paths(spec: RunSpec, folder: Path, shares_paths: bool) -> RunSpec:
     """The spec with the trainer's relative paths taken from `folder`, where the backend's nodes
     share this machine's paths (`shares_paths`: local, Slurm; on Kubernetes they are paths inside
-    the image): a relative
-    workdir; the script of `python script.py` or a program named by a relative path; for `python -m
-    package`, the folder holding the package goes on the ranks' PYTHONPATH."""
+    the image): a relative workdir; the script of `python script.py` or a program named by a
+    relative path; for `python -m package`, the folder holding the package goes on the ranks'
+    PYTHONPATH."""
     trainer = spec.trainer
     if not shares_paths or trainer.built_in:
         return spec
