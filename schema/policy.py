@@ -3,9 +3,9 @@ stage's timeouts and retries (the spec's `recovery` section)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from lazarus.schema.base import MAX_ATTEMPTS, MAX_SECONDS, Strict
 
@@ -372,42 +372,3 @@ def hang_seconds(policy: RecoveryPolicy, stretch: float | None = None, of: HangO
         return policy.startup_grace_seconds
     floor = policy.hang_floor_seconds if of == "step" else policy.quiet_hang_seconds
     return max(floor, policy.hang_step_multiple * stretch)
-
-
-def _merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in changes.items():
-        nested = isinstance(value, dict) and isinstance(base.get(key), dict)
-        merged[key] = _merged(base[key], value) if nested else value
-    return merged
-
-
-def changed_policy(policy: RecoveryPolicy, changes: dict[str, Any], layout_dp: int) -> RecoveryPolicy:
-    """`policy` with `changes` (nested as in the spec) merged in; fields not named keep their values.
-
-    Raises ValueError with one line naming the first field that is wrong, as the spec's loader
-    would (`recovery.<field>: why`); min_dp may not exceed `layout_dp`, the spec's layout.dp.
-    """
-    try:
-        changed = RecoveryPolicy.model_validate(_merged(policy.model_dump(mode="json"), changes))
-    except ValidationError as error:
-        first = error.errors()[0]
-        why = " ".join(first["msg"].removeprefix("Value error, ").split())
-        # A check across fields (a model validator) has no field of its own, and names them itself.
-        raise ValueError(f"recovery.{'.'.join(map(str, first['loc']))}: {why}" if first["loc"] else why) from None
-    if changed.min_dp > layout_dp:
-        raise ValueError(f"recovery.min_dp: {changed.min_dp} exceeds layout.dp {layout_dp}")
-    return changed
-
-
-def describe_changes(changes: dict[str, Any]) -> str:
-    """Policy changes as dotted assignments: `hang_after_seconds=60, stages.drain.max_attempts=9`."""
-
-    def dotted(changes: dict[str, Any], prefix: str) -> list[str]:
-        return [
-            item
-            for key, value in changes.items()
-            for item in (dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"])
-        ]
-
-    return ", ".join(dotted(changes, ""))

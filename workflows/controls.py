@@ -35,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
         ReturnNodeRequest,
         SetPolicyRequest,
     )
-    from lazarus.schema.policy import changed_policy, describe_changes
+    from lazarus.schema.policy_changes import changed_policy, describe_changes
     from lazarus.schema.records import (
         Decision,
         FaultReport,

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lazarus.schema.policy import RecoveryPolicy, changed_policy, describe_changes
+from lazarus.schema.policy import RecoveryPolicy
+from lazarus.schema.policy_changes import changed_policy, describe_changes
 
 POLICY = RecoveryPolicy()
 
