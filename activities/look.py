@@ -122,7 +122,15 @@ class Look:
 
     def silent_nodes(self, since: float) -> set[str]:
         """Nodes whose every rank looks alive to the backend yet has neither an exit record nor a
-        heartbeat since `since`."""
+        heartbeat since `since`, and whose launcher has not reported since either: a survivor whose
+        ranks block in a collective on a loaded host still has a launcher that reports."""
+        return self._silent_ranks_or_beats(since) - {
+            node.summary.node
+            for node in self.observation.nodes
+            if node.summary is not None and node.summary.reported_at is not None and node.summary.reported_at > since
+        }
+
+    def _silent_ranks_or_beats(self, since: float) -> set[str]:
         by_node: dict[str, list[RankObservation]] = {}
         for r in self.ranks:
             by_node.setdefault(r.node, []).append(r)

@@ -62,10 +62,20 @@ class NodeSummary(Record):
     sick: str | None = Field(
         default=None, description="Why the node's health check failed (NodeReport.sick); None: healthy."
     )
+    reported_at: float | None = Field(
+        default=None,
+        description=(
+            "When the launcher wrote the report (NodeReport.time, seconds since the epoch; None: not known). The "
+            "launcher rewrites it at least every heartbeat interval, so a report newer than a fault shows its node "
+            "outlived the fault even while every rank on it is blocked."
+        ),
+    )
 
     @classmethod
-    def of(cls, node: str, ranks: list[RankObservation], sick: str | None = None) -> NodeSummary:
-        """The summary of a node's ranks (and of its health, `sick`)."""
+    def of(
+        cls, node: str, ranks: list[RankObservation], sick: str | None = None, reported_at: float | None = None
+    ) -> NodeSummary:
+        """The summary of a node's ranks (and of its health, `sick`), reported at `reported_at`."""
         beats = [r.heartbeat for r in ranks if r.heartbeat is not None]
         steps = [beat.step for beat in beats if beat.step is not None]
         times = [beat.time for beat in beats]
@@ -92,6 +102,7 @@ class NodeSummary(Record):
             trained=any(beat.first_step_at for beat in beats),
             compute_seconds=max((b.compute_seconds for b in beats if b.compute_seconds is not None), default=None),
             sick=sick,
+            reported_at=reported_at,
         )
 
 
@@ -132,7 +143,7 @@ class NodeReading:
 def write_node_report(run: RunDir, incarnation: int, node_index: int, report: NodeReport) -> None:
     """Replace the node's report (atomically): its summary, a newline, then the report, whose
     fields at their defaults are left out (which keeps the file, and the time to read it, small)."""
-    summary = NodeSummary.of(report.node, report.ranks, report.sick)
+    summary = NodeSummary.of(report.node, report.ranks, report.sick, report.time)
     text = f"{summary.model_dump_json()}\n{report.model_dump_json(exclude_defaults=True)}"
     write_json_atomic(run.node_report_file(incarnation, node_index), text)
 

@@ -8,7 +8,7 @@ from lazarus.activities.health import judge
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema import RecoveryPolicy
 from lazarus.schema.contract import Heartbeat, RankExit
-from lazarus.schema.node_reports import NodeReading
+from lazarus.schema.node_reports import NodeReading, NodeSummary
 
 POLICY = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=60)
 NOW = 1_000_000.0
@@ -354,3 +354,24 @@ def test_ranks_that_only_lost_their_peers_are_named_as_witnesses_never_as_failin
     assert fault.kind == "rank_error" and fault.rank == 0 and fault.nodes == []
     assert "every rank that failed lost a peer or gave up waiting for one, and no node went silent" in fault.reason
     assert "for a reason of its own" not in fault.reason
+
+
+def test_a_silent_node_whose_launcher_reported_after_the_loss_is_a_survivor_not_a_suspect():
+    # Every node is one address (as on the Kubernetes emulator), so the errors name both silent
+    # nodes; node-3's ranks block in the collective on a loaded host, but its launcher reported
+    # after the first loss: it outlived the fault. node-2's last report precedes it.
+    lost = {"code": 1, "time": NOW - 3, "step": 7, "error": "Connection reset by peer [127.0.0.1]:47767"}
+    ranks = [rank(0, alive=False, exit=lost), rank(1, alive=False, exit=lost), rank(2, beat_age=3.5)]
+    ranks.append(rank(3, beat_age=3.5))
+    reported = {0: NOW - 2.9, 1: NOW - 2.9, 2: NOW - 3.4, 3: NOW - 0.2}
+    nodes = [NodeReading(NodeSummary.of(r.node, [r], reported_at=reported[r.rank]), ranks=[r]) for r in ranks]
+    observation = Observation(
+        incarnation=2,
+        launched_at=NOW - 100,
+        resume_step=0,
+        nodes=nodes,
+        dead_nodes={},
+        node_addresses={f"node-{i}": "127.0.0.1" for i in range(4)},
+    )
+    verdict = judge(observation, POLICY, NOW, NOW - 0.1, 40)
+    assert verdict.fault.kind == "node_down" and verdict.fault.nodes == ["node-2"], verdict.fault.reason

@@ -151,7 +151,7 @@ def test_a_report_is_read_back_as_written_and_a_torn_one_is_refused(tmp_path):
     write_node_report(run, 3, 1, NodeReport(node="node-1", time=NOW, ranks=ranks))
     read = read_node_reports(run, 3, [0, 1])
     assert list(read) == [1]
-    assert read[1].summary == NodeSummary.of("node-1", ranks) and not read[1].summary.steady
+    assert read[1].summary == NodeSummary.of("node-1", ranks, reported_at=NOW) and not read[1].summary.steady
     assert read[1].ranks == ranks
     run.node_report_file(3, 0).write_text('{"node": "node-0"}')
     with pytest.raises(ContractError, match=r"0\.report\.json: not a node report"):
