@@ -5,6 +5,7 @@ end the incarnation and clear what it left half done."""
 from __future__ import annotations
 
 from lazarus.infra.backend import ClusterBackend, QuarantineRefused
+from lazarus.infra.survivors import fall_back, wait_at_boundary
 from lazarus.schema.stages import DrainInput, DrainResult
 
 
@@ -31,8 +32,23 @@ def end_incarnation(cluster: ClusterBackend, request: DrainInput, held_back: str
     step = cluster.observe(run_id, incarnation).newest_step() if request.read_step else None
     if request.stop_first:
         cluster.stop_nodes(run_id, incarnation, request.stop_first)
+    if request.boundary_grace_seconds > 0 and cluster.keeps_survivors:
+        kept = keep_survivors(cluster, request)
+        if kept:
+            stopped = cluster.stop_nodes(run_id, incarnation, request.nodes)
+            quarantined = [] if held_back else sorted(request.nodes)
+            return DrainResult(
+                quarantined=quarantined,
+                held_back=held_back,
+                stopped_ranks=stopped,
+                removed_partial_checkpoints=[],
+                kept_survivors=kept,
+                step=step,
+            )
     survivors = {}
     if request.survivor_grace_seconds > 0:
+        # Survivors that wait at their boundary (RecoveryPolicy.in_process) save and end as the others do.
+        fall_back(cluster.run_dir(run_id), incarnation)
         survivors = cluster.await_survivors(run_id, incarnation, request.survivor_grace_seconds)
     in_flight, committed = cluster.await_checkpoint_in_flight(run_id, incarnation, request.save_grace_seconds)
     stopped = cluster.stop_incarnation(run_id, incarnation)
@@ -48,3 +64,15 @@ def end_incarnation(cluster: ClusterBackend, request: DrainInput, held_back: str
         survivors=survivors,
         step=step,
     )
+
+
+def keep_survivors(cluster: ClusterBackend, request: DrainInput) -> dict[int, int]:
+    """Wait for every rank off the blamed nodes to reach its step boundary: rank -> the step each
+    holds; else tell those waiting to fall back to the restart path, and return {}."""
+    run, assignment = cluster.run_dir(request.run_id), cluster.assignment(request.run_id, request.incarnation)
+    if assignment is None:
+        return {}
+    kept = wait_at_boundary(run, assignment, request.nodes, request.boundary_grace_seconds)
+    if not kept:
+        fall_back(run, request.incarnation)
+    return kept

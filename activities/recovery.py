@@ -241,7 +241,15 @@ class RecoveryActivities:
             )
         # The record in force: a retried resume restores what its first attempt chose.
         resumed_from, skipped = launch.resume_step, launch.skipped
-        restored_from = "survivors" if launch.survivors else "checkpoint" if resumed_from else "scratch"
+        restored_from = (
+            "in_process"
+            if launch.rejoin
+            else "survivors"
+            if launch.survivors
+            else "checkpoint"
+            if resumed_from
+            else "scratch"
+        )
         await self.failpoints.reach("resume.after_launch")
 
         # A progress bar shows the restored count before it trains (activities/resuming.py).
@@ -270,6 +278,7 @@ class RecoveryActivities:
             restored_from=restored_from,
             completed=verdict.completed,
             first_step_at=datetime.fromtimestamp(done_at, UTC) if done_at else None,
+            rank_first_steps={beat.rank: beat.first_step_at for beat in beats if beat.first_step_at},
             step=verdict.step,
         )
 

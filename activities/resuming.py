@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from lazarus.activities.running import in_thread
 from lazarus.infra.backend import ClusterBackend
-from lazarus.infra.runfiles import survivor_source
-from lazarus.schema.contract import Heartbeat, LaunchRecord
+from lazarus.infra.survivors import fall_back, rejoin_of, survivor_source, waiting_survivors
+from lazarus.schema.contract import Heartbeat, LaunchRecord, read_launch
 from lazarus.schema.stages import ResumeInput
 
 
@@ -27,15 +27,48 @@ def restore_and_start(cluster: ClusterBackend, request: ResumeInput) -> tuple[La
     if newest >= request.total_steps:
         cluster.release_standbys(request.run_id)
         return None, newest, skipped
+    incarnation = request.assignment.incarnation
+    if request.survivors_of is not None and cluster.keeps_survivors:
+        launch = rejoin_or_release(cluster, request, request.survivors_of, skipped)
+        if launch is not None:
+            return launch, newest, skipped
     survivors = None
     if request.survivors_of is not None:
         found = survivor_source(run, request.survivors_of, request.assignment.layout, newest)
         # The last step's state belongs in a checkpoint: a run never ends on survivors' files.
         if found is not None and found[0] < request.total_steps:
             newest, survivors = found
-    incarnation = request.assignment.incarnation
     launch = cluster.start_ranks(request.run_id, incarnation, newest, skipped, request.policy, survivors)
     return launch, newest, skipped
+
+
+def rejoin_or_release(
+    cluster: ClusterBackend, request: ResumeInput, old: int, skipped: dict[int, str]
+) -> LaunchRecord | None:
+    """Where the survivors of incarnation `old` wait at their step boundary (RecoveryPolicy.in_process):
+    start the new incarnation with them rejoining, when its assignment keeps their nodes and a whole
+    replica of them can send the state (its launch record); else tell them to fall back, give them
+    the grace to save their state and end, and stop what is left of `old` (None: start afresh)."""
+    run, new = cluster.run_dir(request.run_id), request.assignment
+    earlier = read_launch(run, new.incarnation)  # a retried resume takes the path the first attempt took
+    old_assignment = cluster.assignment(request.run_id, old)
+    if old_assignment is None:
+        return None
+    kept = waiting_survivors(run, old_assignment)
+    rejoin = rejoin_of(old_assignment, new, kept) if earlier is None else earlier.rejoin
+    if rejoin is not None:
+        return cluster.rejoin_ranks(request.run_id, new.incarnation, kept_step(kept, earlier), rejoin, skipped)
+    if not run.ended_file(old).exists():  # drain kept them: they save and end now, as on the restart path
+        fall_back(run, old)
+        cluster.await_survivors(request.run_id, old, request.policy.survivor_grace_seconds)
+        cluster.stop_incarnation(request.run_id, old)
+        cluster.remove_partial_checkpoints(request.run_id)
+    return None
+
+
+def kept_step(kept: dict[int, int], earlier: LaunchRecord | None) -> int:
+    """The step the kept survivors hold: what they wait at, or what a first attempt recorded."""
+    return earlier.resume_step if earlier is not None else next(iter(kept.values()))
 
 
 def shows_restored_count(first_heartbeats: list[Heartbeat]) -> bool:

@@ -1,7 +1,13 @@
 """Recovery cost on the local backend: kill a node N times, print each stage's median seconds.
 
     .venv/bin/python bench/recovery.py [--kills 3] [--spec examples/demo.yaml] [--spares N] [--kill-at-step N]
-                                       [--json] [--keep DIR] [--markdown [PATH]]
+                                       [--path both|restart|in_process] [--json] [--keep DIR] [--markdown [PATH]]
+
+With --path both (the default), each kill is made once on each recovery path in the same sitting: the
+restart path (every rank restarts as a fork of its warm standby) and in-process recovery
+(recovery.in_process: the survivors keep their processes, the spare's ranks join them), and a first
+table sets them side by side: the survivors' stall (the fault to the slowest survivor's next step),
+full width (the fault to the step every rank, the new ones too, has done: the MTTR) and the steps lost.
 
 Each kill is its own run (the spec's nodes, with its hot spares or --spares) on a private
 Temporal dev server and one in-process worker. Stage times are those the workflow records (activity scheduled to
@@ -63,16 +69,26 @@ the four add up to the MTTR, and overhead is wf_task + dispatch as a share of it
 resume by the new incarnation's slowest rank: processes up, rendezvous, checkpoint restored, first
 step."""
 COLUMNS = [*STAGES, "MTTR", "lost_steps"]
+PATHS = {"restart": False, "in_process": True}
+SIDE_BY_SIDE = ["survivors_stall", "full_width", "lost_steps"]
 SPLIT = ["detect", "work", "wf_task", "dispatch", "overhead_pct"]
 RECOVERY_STAGES = ["drain", "reschedule", "replace_or_reshard", "resume"]
 
 
 def row(incident) -> dict:
+    layout, lost = incident.old_assignment.layout, set(incident.fault.nodes)
+    survivors = [
+        stall
+        for rank, stall in incident.stalls.items()
+        if incident.old_assignment.nodes[layout.node_of_rank(rank)] not in lost
+    ]
     return {
         **{name: incident.stages[name].seconds for name in STAGES},
         "MTTR": incident.mttr_seconds,
         "lost_steps": incident.lost_steps,
         "restored_from": incident.restored_from,
+        "survivors_stall": max(survivors, default=None),
+        "full_width": max(incident.stalls.values(), default=None),
     }
 
 
@@ -142,14 +158,22 @@ def _kill_node(home: str, run_id: str, node: str) -> list[int]:
 
 
 async def bench(
-    spec_path: Path, kills: int, kill_at: int | None, quiet: bool, keep: Path | None = None, spares: int | None = None
-) -> list[dict]:
+    spec_path: Path,
+    kills: int,
+    kill_at: int | None,
+    quiet: bool,
+    keep: Path | None = None,
+    spares: int | None = None,
+    paths: list[str] = ("restart",),
+) -> dict[str, tuple[list[dict], list[dict]]]:
+    """Per recovery path: each kill's row and its MTTR's split. The paths alternate run by run, so
+    that a machine busier at one moment weighs on both alike."""
     spec = anchor_paths(load_spec(spec_path), Path.cwd(), shares_paths=True)  # the local backend
     if spares is not None:
         spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"spare_nodes": spares})})
     kill_at = kill_at or default_kill_step(spec)
     env = await local_environment()
-    rows, splits = [], []
+    results: dict[str, tuple[list[dict], list[dict]]] = {path: ([], []) for path in paths}
     metrics = Metrics()
     chaos = None
     try:
@@ -175,24 +199,30 @@ async def bench(
 
             async with build_worker(env.client, settings.task_queue, cluster, metrics=metrics):
                 for i in range(kills):
-                    say(f"run {i + 1}/{kills}: kill a node at step {kill_at}")
-                    final = await drive_run(env.client, settings, cluster, spec, f"bench-{i}", kill_at, say, kill)
-                    if final.state != RunState.COMPLETED or len(final.incidents) != 1:
-                        raise SystemExit(
-                            f"bench: run {i + 1} ended {final.state.value} with "
-                            f"{len(final.incidents)} incident(s): {final.reason}"
+                    for path in paths:
+                        on_path = spec.model_copy(
+                            update={"recovery": spec.recovery.model_copy(update={"in_process": PATHS[path]})}
                         )
-                    rows.append(row(final.incidents[0]))
-                    parts = await split(env.client, f"bench-{i}", final.incidents[0], list(metrics.spans))
-                    parts["resume"] = resume_parts(
-                        cluster.run_dir(f"bench-{i}"), final.incidents[0], parts.pop("resume_started")
-                    )
-                    splits.append(parts)
+                        run_id = f"bench-{path.replace('_', '-')}-{i}"
+                        say(f"run {i + 1}/{kills}, {path}: kill a node at step {kill_at}")
+                        final = await drive_run(env.client, settings, cluster, on_path, run_id, kill_at, say, kill)
+                        if final.state != RunState.COMPLETED or len(final.incidents) != 1:
+                            raise SystemExit(
+                                f"bench: run {i + 1} ({path}) ended {final.state.value} with "
+                                f"{len(final.incidents)} incident(s): {final.reason}"
+                            )
+                        rows, splits = results[path]
+                        rows.append(row(final.incidents[0]))
+                        parts = await split(env.client, run_id, final.incidents[0], list(metrics.spans))
+                        parts["resume"] = resume_parts(
+                            cluster.run_dir(run_id), final.incidents[0], parts.pop("resume_started")
+                        )
+                        splits.append(parts)
     finally:
         if chaos is not None:
             chaos.shutdown()
         await env.shutdown()
-    return rows, splits
+    return results
 
 
 def main() -> None:
@@ -207,6 +237,13 @@ def main() -> None:
     parser.add_argument(
         "--spares", type=int, metavar="N", help="hot spares instead of the spec's (0: every recovery reshards)"
     )
+    parser.add_argument(
+        "--path",
+        choices=["both", *PATHS],
+        default="both",
+        help="recovery path: restart (every rank restarts), in_process (survivors keep their processes), or both "
+        "side by side (default)",
+    )
     perf_page.add_option(parser, __file__)
     args = parser.parse_args()
     if args.spares is not None and args.spares < 0:
@@ -218,43 +255,60 @@ def main() -> None:
     if args.kills < 1:
         parser.error("--kills must be at least 1")
     sitting = perf_page.begin()
-
-    rows, splits = asyncio.run(
-        bench(args.spec, args.kills, args.kill_at_step, quiet=args.json, keep=args.keep, spares=args.spares)
-    )
-    medians = {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
-    split_medians = {c: statistics.median(r[c] for r in splits) for c in SPLIT}
-    resume_medians = {c: statistics.median(r["resume"][c] for r in splits) for c in RESUME_PARTS}
-    if args.markdown:
-        write_markdown(args.markdown, sitting, rows, splits, medians, split_medians, resume_medians, args)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "runs": rows,
-                    "median": medians,
-                    "split": splits,
-                    "split_median": split_medians,
-                    "resume_median": resume_medians,
-                },
-                indent=2,
-            )
+    paths = list(PATHS) if args.path == "both" else [args.path]
+    results = asyncio.run(
+        bench(
+            args.spec, args.kills, args.kill_at_step, quiet=args.json, keep=args.keep, spares=args.spares, paths=paths
         )
+    )
+    summaries = {path: summarize(*results[path]) for path in paths}
+    if args.markdown:
+        write_markdown(args.markdown, sitting, summaries, args)
+    if args.json:
+        print(json.dumps(summaries, indent=2))
         return
-    print_tables(rows, splits, medians, split_medians, resume_medians, args)
+    print_side_by_side(summaries)
+    for path, summary in summaries.items():
+        print_tables(path, summary, args)
 
 
-def print_tables(rows, splits, medians, split_medians, resume_medians, args) -> None:
-    """The per-run rows and medians, as three tables."""
+def summarize(rows: list[dict], splits: list[dict]) -> dict:
+    """One path's rows and splits with their medians."""
+    return {
+        "runs": rows,
+        "median": {c: statistics.median(r[c] for r in rows) for c in [*COLUMNS, *SIDE_BY_SIDE]},
+        "split": splits,
+        "split_median": {c: statistics.median(r[c] for r in splits) for c in SPLIT},
+        "resume_median": {c: statistics.median(r["resume"][c] for r in splits) for c in RESUME_PARTS},
+    }
+
+
+def side_by_side(summaries: dict) -> tuple[list[str], list[list]]:
+    """Each path's medians of the survivors' stall, full width and lost steps."""
+    body = [[path, *(f"{s['median'][c]:.2f}" for c in SIDE_BY_SIDE), len(s["runs"])] for path, s in summaries.items()]
+    return ["path", *SIDE_BY_SIDE, "kills"], body
+
+
+def print_side_by_side(summaries: dict) -> None:
+    columns, body = side_by_side(summaries)
+    print("\nThe recovery paths side by side (medians; seconds from the fault, lost steps)")
+    print("".join(f"{c:>16}" for c in columns))
+    for line in body:
+        print("".join(f"{v:>16}" for v in line))
+
+
+def print_tables(path: str, summary: dict, args) -> None:
+    """One path's per-run rows and medians, as three tables."""
+    rows, splits = summary["runs"], summary["split"]
+    medians, split_medians, resume_medians = summary["median"], summary["split_median"], summary["resume_median"]
     how = "by resharding" if args.spares == 0 else "with a hot spare"
-    print(f"\nRecovery {how}, {len(rows)} kill(s), spec {args.spec} (seconds)")
+    print(f"\nRecovery {how}, {path} path, {len(rows)} kill(s), spec {args.spec} (seconds)")
     widths = {c: max(len(c), 6) + 2 for c in COLUMNS}
     print("run     " + "".join(f"{c:>{widths[c]}}" for c in COLUMNS))
     for i, r in enumerate(rows, 1):
         print(f"{i:<8}" + "".join(f"{r[c]:>{widths[c]}.2f}" for c in COLUMNS))
     print("median  " + "".join(f"{medians[c]:>{widths[c]}.2f}" for c in COLUMNS))
-    sources = [r["restored_from"] for r in rows]
-    print("restored from: " + ", ".join(f"{name} {sources.count(name)}/{len(rows)}" for name in sorted(set(sources))))
+    print(f"restored from: {restored_from(rows)}")
     print("\nWhere the MTTR goes (seconds; overhead = wf_task + dispatch, % of MTTR)")
     print("run     " + "".join(f"{c:>14}" for c in SPLIT))
     for i, r in enumerate(splits, 1):
@@ -267,40 +321,50 @@ def print_tables(rows, splits, medians, split_medians, resume_medians, args) -> 
     print("median  " + "".join(f"{resume_medians[c]:>14.3f}" for c in RESUME_PARTS))
 
 
-def write_markdown(path, sitting, rows, splits, medians, split_medians, resume_medians, args) -> None:
-    """The three tables print_tables prints, as a page."""
-    how = "by resharding" if args.spares == 0 else "with a hot spare"
+def restored_from(rows: list[dict]) -> str:
     sources = [r["restored_from"] for r in rows]
-    restored = ", ".join(f"{name} {sources.count(name)}/{len(rows)}" for name in sorted(set(sources)))
+    return ", ".join(f"{name} {sources.count(name)}/{len(rows)}" for name in sorted(set(sources)))
+
+
+def write_markdown(path, sitting, summaries: dict, args) -> None:
+    """The side-by-side table, then the three tables print_tables prints for each path, as a page."""
+    how = "by resharding" if args.spares == 0 else "with a hot spare"
 
     def table(columns, runs, median, fmt, caption):
         body = [[i, *(f"{r[c]:{fmt}}" for c in columns)] for i, r in enumerate(runs, 1)]
         body.append(["median", *(f"{median[c]:{fmt}}" for c in columns)])
         return perf_page.Table(["run", *columns], body, caption)
 
+    columns, body = side_by_side(summaries)
     tables = [
-        table(
-            COLUMNS,
-            rows,
-            medians,
-            ".2f",
-            f"Recovery {how}, {len(rows)} kill(s), spec {args.spec} (seconds); restored from: {restored}",
-        ),
-        table(
-            SPLIT,
-            splits,
-            split_medians,
-            ".3f",
-            "Where the MTTR goes (seconds; overhead = wf_task + dispatch, % of MTTR)",
-        ),
-        table(
-            RESUME_PARTS,
-            [r["resume"] for r in splits],
-            resume_medians,
-            ".3f",
-            "Inside resume, by the slowest rank (seconds): processes up, rendezvous, checkpoint restored, first step",
-        ),
+        perf_page.Table(columns, body, "The recovery paths side by side (medians; seconds from the fault, lost steps)")
     ]
+    for name, summary in summaries.items():
+        rows, splits = summary["runs"], summary["split"]
+        tables += [
+            table(
+                COLUMNS,
+                rows,
+                summary["median"],
+                ".2f",
+                f"Recovery {how}, {name} path, {len(rows)} kill(s), spec {args.spec} (seconds); "
+                f"restored from: {restored_from(rows)}",
+            ),
+            table(
+                SPLIT,
+                splits,
+                summary["split_median"],
+                ".3f",
+                f"{name}: where the MTTR goes (seconds; overhead = wf_task + dispatch, % of MTTR)",
+            ),
+            table(
+                RESUME_PARTS,
+                [r["resume"] for r in splits],
+                summary["resume_median"],
+                ".3f",
+                f"{name}: inside resume, by the slowest rank (seconds): processes up, rendezvous, restored, first step",
+            ),
+        ]
     perf_page.write_page(path, sitting, title=PAGE_TITLE, doc=__doc__, about=ABOUT, tables=tables)
 
 

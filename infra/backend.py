@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lazarus.infra.stacks import STACKS_WAIT_SECONDS
-from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource
+from lazarus.schema.contract import LaunchRecord, RankObservation, Rejoin, SurvivorSource
 from lazarus.schema.node_reports import NodeReading
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.pool import SpareWant
@@ -108,6 +108,9 @@ class ClusterBackend(Protocol):
     quarantines_in_cluster: bool
     """Whether a quarantine also marks the node in the cluster itself (drained, cordoned), so that
     returning the node must go through the backend, not only the pool's record."""
+    keeps_survivors: bool
+    """Whether the survivors of a fault may keep their processes and rejoin the next incarnation
+    (RecoveryPolicy.in_process; rejoin_ranks)."""
     home: Path
     """Where run directories live (`home/runs/<run id>`)."""
 
@@ -178,6 +181,14 @@ class ClusterBackend(Protocol):
         """Start every rank of an incarnation that is not running; returns the launch record in
         force (the first launch's). `policy` is the recovery policy in force; `survivors`, where
         the ranks load the resume step's state from instead of its checkpoint."""
+        ...
+
+    def rejoin_ranks(
+        self, run_id: str, incarnation: int, resume_step: int, rejoin: Rejoin, skipped: dict[int, str] | None = None
+    ) -> LaunchRecord:
+        """Start an incarnation that the survivors of the one before rejoin in their processes: its
+        launch record names them (`rejoin`), their nodes' launchers follow them into it, and the
+        other nodes' ranks start afresh. Only where keeps_survivors."""
         ...
 
     def observe(self, run_id: str, incarnation: int) -> Observation:

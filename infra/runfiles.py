@@ -18,6 +18,7 @@ from lazarus.infra.backend import ClusterError, Observation, RankObservation
 from lazarus.infra.stacks import STACKS_WAIT_SECONDS, capture_stacks
 from lazarus.schema.contract import (
     LaunchRecord,
+    Rejoin,
     SurvivorSource,
     read_exit,
     read_heartbeat,
@@ -25,8 +26,7 @@ from lazarus.schema.contract import (
     read_survivors,
     write_launch,
 )
-from lazarus.schema.files import file_sha256, write_json_atomic, write_once
-from lazarus.schema.layout import Layout
+from lazarus.schema.files import write_json_atomic, write_once
 from lazarus.schema.names import check_run_id
 from lazarus.schema.node_reports import NodeReading, read_node_reports
 from lazarus.schema.records import Assignment
@@ -65,6 +65,10 @@ COMMIT_POLL_SECONDS = 0.02
 
 class RunFiles:
     """Run directories under `home/runs/<run_id>`."""
+
+    keeps_survivors = False
+    """Whether survivors may keep their processes at a recovery (rejoin_ranks): the backend starts an
+    incarnation's launchers on some nodes only, and a survivor node's launcher follows its ranks."""
 
     records_stages = False
     quick_observe = False
@@ -175,11 +179,12 @@ class RunFiles:
         resume_step: int,
         skipped: dict[int, str] | None,
         survivors: SurvivorSource | None = None,
+        rejoin: Rejoin | None = None,
     ) -> LaunchRecord:
         """The incarnation's launch record, written by its first launch (a retried launch restores
         the same state as the ranks the first attempt may have started)."""
         proposed = LaunchRecord(
-            resume_step=resume_step, skipped=skipped or {}, launched_at=time.time(), survivors=survivors
+            resume_step=resume_step, skipped=skipped or {}, launched_at=time.time(), survivors=survivors, rejoin=rejoin
         )
         return write_launch(self._existing(run_id), incarnation, proposed)
 
@@ -327,67 +332,11 @@ class RunFiles:
     def close(self) -> None:
         """Release what the backend holds for its lifetime (the Kubernetes backend's watches); nothing here."""
 
+    def rejoin_ranks(
+        self, run_id: str, incarnation: int, resume_step: int, rejoin: Rejoin, skipped: dict[int, str] | None = None
+    ) -> LaunchRecord:
+        """Start an incarnation that the survivors of the one before rejoin (keeps_survivors)."""
+        raise ClusterError("this backend restarts every rank at a recovery: it cannot keep survivors")
+
     def record_stage(self, run_id: str, stage: str, message: str) -> None:
         """Note a recovery stage where the cluster's own tools show it (Kubernetes: an Event); here nothing."""
-
-
-Place = tuple[int, int, int]
-"""A rank's (pp, dp_shard, tp) coordinates: the share of the state it holds, whatever its replica."""
-
-
-def place_of(layout: Layout, rank: int) -> Place:
-    """The (pp, dp_shard, tp) place of `rank` in `layout`."""
-    c = layout.coordinates(rank)
-    return c["pp"], c["dp_shard"], c["tp"]
-
-
-def survivor_holders(
-    run: RunDir, incarnation: int, layout: Layout, verify: bool = True
-) -> tuple[int, dict[Place, int]] | None:
-    """The last step every survivor of `incarnation` completed, and for each (pp, dp_shard, tp)
-    place of `layout` the survivor to load it from (None: no survivor saved it whole); None if
-    no survivor saved anything.
-
-    A rank may finish the step its peers failed in (its all-reduce completed before the fault
-    broke theirs): the run completed only the step they all did, so that is the one restored.
-    Every replica holds the same state at the same place, so any survivor there will do; each
-    file must match its manifest, and a survivor whose file does not is passed over (unless not
-    `verify`: for a hint that whoever reads the file checks anyway).
-    """
-    saved = read_survivors(run, incarnation, _world_size_of(run, incarnation))
-    if not saved:
-        return None
-    step = min(m.step for m in saved.values())
-    holders = {}
-    for place in sorted({place_of(layout, rank) for rank in range(layout.world_size)}):
-        at_place = [r for r, m in sorted(saved.items()) if m.step == step and m.place() == place]
-        holders[place] = next((r for r in at_place if not verify or _matches(run, incarnation, r, saved[r])), None)
-    return step, holders
-
-
-def survivor_source(
-    run: RunDir, incarnation: int, layout: Layout, after_step: int
-) -> tuple[int, SurvivorSource] | None:
-    """The state to restore from the survivors of `incarnation`: their last common step, if it is
-    newer than `after_step` and saved for every place of `layout`, with the survivor each rank
-    loads; None otherwise (no full replica survived, or a second fault cut a save short)."""
-    found = survivor_holders(run, incarnation, layout)
-    if found is None or found[0] <= after_step or None in found[1].values():
-        return None
-    step, holders = found
-    ranks = {rank: holders[place_of(layout, rank)] for rank in range(layout.world_size)}
-    return step, SurvivorSource(incarnation=incarnation, ranks=ranks)
-
-
-def _world_size_of(run: RunDir, incarnation: int) -> int:
-    path = run.assignment_file(incarnation)
-    return Assignment.model_validate_json(path.read_text()).layout.world_size if path.exists() else 0
-
-
-def _matches(run: RunDir, incarnation: int, rank: int, manifest) -> bool:
-    """The survivor's state file is whole: its size and SHA-256 are the manifest's."""
-    path = run.survivor_state(incarnation, rank)
-    try:
-        return path.stat().st_size == manifest.size and file_sha256(path) == manifest.sha256
-    except FileNotFoundError:
-        return False

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from functools import partial
 
 from lazarus.infra.processes import KILL_WAIT_SECONDS, kill_group, wait_released
-from lazarus.infra.runfiles import Place, place_of
+from lazarus.infra.survivors import Place, place_of
 from lazarus.schema.contract import ENV_RUN_DIR, ENV_STANDBY_LOCK_FDS, ENV_STANDBY_NODES
 from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
 from lazarus.schema.records import Assignment, Inventory
@@ -83,8 +83,11 @@ def ensure_standbys(run: RunDir, spec: RunSpec, nodes: list[str], python: str) -
     return child
 
 
-def order_launchers(run: RunDir, assignment: Assignment, resume_step: int, start_cold: Callable[[int], None]) -> None:
-    """Order each node's standby to start its launcher; return once each node's launcher exists.
+def order_launchers(
+    run: RunDir, assignment: Assignment, resume_step: int, start_cold: Callable[[int], None], indexes=None
+) -> None:
+    """Order each node's standby (or those at `indexes` of the assignment) to start its launcher;
+    return once each such node's launcher exists.
 
     A node whose standby is gone, or does not answer within STANDBY_ANSWER_SECONDS, is started
     by `start_cold(index)` instead; should the standby answer later, its launcher finds the node
@@ -94,6 +97,8 @@ def order_launchers(run: RunDir, assignment: Assignment, resume_step: int, start
     # O_RDWR keeps the FIFO's buffer alive until the standby opens it, even if it has not yet.
     writers = {}
     for index, node in enumerate(assignment.nodes):
+        if indexes is not None and index not in indexes:
+            continue
         fd = os.open(run.standby(node) / "orders", os.O_RDWR | os.O_NONBLOCK)
         order = {"incarnation": incarnation, "node_index": index, "resume_step": resume_step}
         os.write(fd, json.dumps(order).encode() + b"\n")

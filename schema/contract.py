@@ -55,7 +55,7 @@ def launcher_env(run_dir: str, incarnation: int, node: str, index: int, resume_s
     }
 
 
-Phase = Literal["starting", "joined", "restored", "training", "done", "stopped"]
+Phase = Literal["starting", "joined", "restored", "training", "waiting", "done", "stopped"]
 
 
 class ContractError(ValueError):
@@ -74,7 +74,10 @@ class Heartbeat(Record):
         ),
     )
     phase: Phase = Field(
-        description="starting, joined (process group), restored (checkpoint), training, done, stopped."
+        description=(
+            "starting, joined (process group), restored (checkpoint), training, waiting (a survivor at its step "
+            "boundary, its process group broken, for the next incarnation: RecoveryPolicy.in_process), done, stopped."
+        )
     )
     time: float = Field(description="When it was written (seconds since the epoch).")
     phases: dict[str, float] = Field(
@@ -177,6 +180,25 @@ class LaunchRecord(Record):
     survivors: SurvivorSource | None = Field(
         default=None,
         description="Restore the resume step from an earlier incarnation's survivors (None: the checkpoint).",
+    )
+    rejoin: Rejoin | None = Field(
+        default=None,
+        description=(
+            "The survivors of an earlier incarnation join this one in the processes they kept, and the others "
+            "receive the resume step's state from them in memory (None: every rank starts afresh)."
+        ),
+    )
+
+
+class Rejoin(Record):
+    """How an incarnation starts when the survivors of the one before kept their processes
+    (RecoveryPolicy.in_process): they keep their rank numbers, nodes and state; the ranks on the
+    replacement nodes are new and take the state from the source replica."""
+
+    incarnation: int = Field(ge=0, description="The incarnation whose survivors wait at their step boundary.")
+    ranks: list[int] = Field(description="The survivor ranks that join, in rank order (their numbers stay).")
+    source_replica: int = Field(
+        ge=0, description="The data-parallel replica (dp coordinate) whose ranks send the state to the new ranks."
     )
 
 

@@ -312,6 +312,33 @@ class RecoveryPolicy(Strict):
             "incarnation starts from that step instead of the newest checkpoint; 0 turns it off (seconds)."
         ),
     )
+    in_process: bool = Field(
+        default=False,
+        description=(
+            "Survivors keep their processes when a node is lost and replaced by a spare: they abandon the broken "
+            "process group and wait at their step boundary, the replacement's ranks join them in a new group and "
+            "receive the state from a surviving replica in memory (the built-in trainer on the local backend). "
+            "Any other fault, or a survivor that does not reach the boundary, takes the restart path."
+        ),
+    )
+    boundary_grace_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "With in_process: how long drain waits for every surviving rank to reach its step boundary before it "
+            "falls back to the restart path (seconds)."
+        ),
+    )
+    rejoin_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "With in_process: how long a survivor waits at its step boundary for the new incarnation, and then for "
+            "its process group to form, before it saves its state and ends as on the restart path (seconds)."
+        ),
+    )
     not_ready_toleration_seconds: int = Field(
         default=10,
         ge=0,

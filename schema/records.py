@@ -90,8 +90,9 @@ class Inventory(Record):
 
 
 StepSource = Literal["trainer", "output"]
-RestoreSource = Literal["survivors", "checkpoint", "scratch"]
-"""Where a new incarnation's state came from: the fault's survivors, a periodic checkpoint, nothing."""
+RestoreSource = Literal["in_process", "survivors", "checkpoint", "scratch"]
+"""Where a new incarnation's state came from: the fault's survivors in the processes they kept, their saved
+state, a periodic checkpoint, nothing."""
 """Who reports the step: trainer (the built-in trainer or a lazarus.session script, which train to
 trainer.steps), output (trainer.progress_pattern on the ranks' output; the script decides its end)."""
 
@@ -197,13 +198,21 @@ class Incident(Record):
     restored_from: RestoreSource | None = Field(
         default=None,
         description=(
-            "Where the restored state came from: survivors (the ranks that outlived the fault saved their last "
-            "step), checkpoint (the newest periodic one), scratch; None when the script restores its own."
+            "Where the restored state came from: in_process (the ranks that outlived the fault kept their processes "
+            "and sent it to the new ranks in memory), survivors (they saved their last step), checkpoint (the newest "
+            "periodic one), scratch; None when the script restores its own."
         ),
     )
     lost_steps: int | None = Field(
         default=None,
         description="Steps trained after that checkpoint and lost to the fault (steps); None when unknown.",
+    )
+    stalls: dict[int, float] = Field(
+        default_factory=dict,
+        description=(
+            "Each rank's stall: from the fault to the rank's first step past the restore (seconds); a survivor "
+            "that kept its process stalls only while it waits and rejoins."
+        ),
     )
     first_step_at: datetime | None = Field(
         default=None, description="When the new incarnation completed its first step (UTC)."

@@ -254,12 +254,14 @@ class FaultInjection(Strict):
         le=MAX_SECONDS,
         description="Or: seconds after the incarnation's ranks started, for a script that reports no steps (seconds).",
     )
-    point: Literal["step", "checkpoint", "survivor_save"] = Field(
+    point: Literal["step", "checkpoint", "survivor_save", "boundary"] = Field(
         default="step",
         description=(
             "step: just before training `step`; checkpoint: just after starting the checkpoint of `step`, "
             "while it is being written (the built-in trainer and lazarus.session scripts); survivor_save: while "
-            "saving the state of `step` as a survivor of another node's fault (a trainer that saves survivors)."
+            "saving the state of `step` as a survivor of another node's fault (a trainer that saves survivors); "
+            "boundary: where a survivor holding the state of `step` would wait for the next incarnation "
+            "(recovery.in_process; the built-in trainer)."
         ),
     )
     incarnation: int = Field(
@@ -274,7 +276,8 @@ class FaultInjection(Strict):
             "fail with ENOSPC, as on a full volume (point: checkpoint; the built-in trainer); stuck: each rank of "
             "the node waits at that point, forever, in a receive no peer answers, its peers behind it in the "
             "step's collective (point: step; the built-in trainer and lazarus.session scripts); spin: each rank of "
-            "the node loops forever at that point, busy, never reaching the step's collective (point: step; the same)."
+            "the node loops forever at that point, busy, never reaching the step's collective or the boundary "
+            "(point: step or boundary; the same)."
         ),
     )
 
@@ -288,8 +291,10 @@ class FaultInjection(Strict):
             raise ValueError(f"faults.effect: {self.effect} needs a step, not after_seconds (the ranks raise it)")
         if self.effect == "disk_full" and self.point != "checkpoint":
             raise ValueError("faults.effect: disk_full fails a checkpoint's write; set point: checkpoint")
-        if self.effect in ("stuck", "spin") and self.point != "step":
-            raise ValueError(f"faults.effect: {self.effect} holds a rank before its step; set point: step")
+        if self.effect == "stuck" and self.point != "step":
+            raise ValueError("faults.effect: stuck holds a rank before its step; set point: step")
+        if self.effect == "spin" and self.point not in ("step", "boundary"):
+            raise ValueError("faults.effect: spin holds a rank before its step or at its boundary; set point: step")
         return self
 
     @property

@@ -143,6 +143,11 @@ class RunDir:
         """Step, mesh coordinates, size and SHA-256 of survivor_state(k, R), written last."""
         return self.survivors(k) / f"{rank}.json"
 
+    def fall_back_file(self, k: int) -> Path:
+        """Written by the controller when incarnation k's survivors, waiting at their step boundary,
+        are to save their state and end as on the restart path (RecoveryPolicy.in_process)."""
+        return self.incarnation(k) / "fall-back"
+
     def ended_file(self, k: int) -> Path:
         """Written by the backend before it kills an incarnation: a launcher started later must not run."""
         return self.incarnation(k) / "ended"

@@ -108,6 +108,15 @@ class DrainInput(RunRequest):
         default=True,
         description="The pool's quarantine breaker counts the nodes (false for an operator's own drain of a node).",
     )
+    boundary_grace_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "RecoveryPolicy.in_process for a lost node: how long to wait for every surviving rank to reach its step "
+            "boundary; then only the lost nodes' ranks are stopped, and the others wait for the next incarnation "
+            "(seconds; 0: stop every rank, the restart path)."
+        ),
+    )
 
 
 class DrainResult(Record):
@@ -131,6 +140,13 @@ class DrainResult(Record):
     held_back: str = Field(
         default="",
         description="Why nothing was quarantined (the pool's quarantine breaker is open): the run waits for a person.",
+    )
+    kept_survivors: RankSteps = Field(
+        default_factory=dict,
+        description=(
+            "Ranks that kept their processes and wait at their step boundary for the next incarnation -> the step "
+            "they hold (RecoveryPolicy.in_process); empty: every rank was stopped."
+        ),
     )
 
 
@@ -202,6 +218,10 @@ class ResumeResult(Record):
     )
     first_step_at: datetime | None = Field(
         default=None, description="When every rank had completed its first step past the restored one (UTC)."
+    )
+    rank_first_steps: dict[int, float] = Field(
+        default_factory=dict,
+        description="When each rank completed its first step past the restore (seconds since the epoch).",
     )
     fault: FaultReport | None = Field(
         default=None, description="A fault that hit the new incarnation before its first step."

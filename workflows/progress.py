@@ -64,3 +64,5 @@ def take_recovery(incident: Incident, resumed: ResumeResult) -> None:
     else:
         incident.first_step_at = resumed.first_step_at
         incident.outcome = "recovered"
+        fault_at = incident.fault.occurred_at.timestamp()
+        incident.stalls = {rank: round(at - fault_at, 3) for rank, at in sorted(resumed.rank_first_steps.items())}

@@ -288,7 +288,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             return self._end_crash_loop(incident, looping)
         if drained.held_back:
             return self._hold_for_a_person(incident, drained.held_back)
-        survivors_of = fault.incarnation if drained.survivors else None
+        survivors_of = fault.incarnation if drained.survivors or drained.kept_survivors else None
         while True:
             decision = await self._reschedule(incident, fault)
             self._check_abort()
@@ -328,6 +328,12 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             # Detect's own faults carry the step of their look; the others only the last progress report.
             read_step=fault.kind in ("external", "operator"),
             breaker=fault.kind != "operator",  # an operator's own drain is a person's decision
+            # A lost node's survivors may keep their processes; every other fault takes the restart path.
+            boundary_grace_seconds=(
+                self._policy.boundary_grace_seconds
+                if self._policy.in_process and fault.kind == "node_down" and self._start.spec.trainer.built_in
+                else 0.0
+            ),
         )
         drained = await self._stage("drain", RecoveryActivities.drain, draining, incident)
         if drained.step is not None and (fault.step is None or drained.step > fault.step):

@@ -22,6 +22,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="hot spares, overriding the spec's cluster.spare_nodes (0: the run reshards to fewer replicas)",
     )
+    demo.add_argument(
+        "--in-process",
+        action="store_true",
+        help="survivors keep their processes and the spare's ranks join them (recovery.in_process)",
+    )
     fault = demo.add_mutually_exclusive_group()
     fault.add_argument(
         "--kill-at-step", type=int, metavar="N", help="kill a node once the run reaches step N (default: mid-run)"
@@ -36,11 +41,13 @@ async def _final_status(args: argparse.Namespace, settings: Settings):
     from lazarus.commands.demo_run import DEFAULT_SPEC, DemoError, default_kill_step, run_demo
 
     spec = load_run_spec(args.spec or DEFAULT_SPEC)
-    if args.spares is not None:
+    if args.spares is not None or args.in_process:
         from lazarus.schema.load import SpecError, parse_spec
 
         data = spec.model_dump(mode="json")
-        data["cluster"]["spare_nodes"] = args.spares
+        if args.spares is not None:
+            data["cluster"]["spare_nodes"] = args.spares
+        data["recovery"]["in_process"] = data["recovery"]["in_process"] or args.in_process
         try:
             spec = parse_spec(data)
         except SpecError as error:

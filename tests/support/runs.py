@@ -56,7 +56,7 @@ def no_whole_survivor_state(run: RunDir, incarnation: int) -> bool:
     different times on different ranks, so a rank can complete the step its replica's other
     ranks fail in), or a survivor waits in a pipeline's receive past the survivors' grace and is
     killed unsaved."""
-    from lazarus.infra.runfiles import place_of
+    from lazarus.infra.survivors import place_of
     from lazarus.schema.contract import read_survivors
 
     layout = Assignment.model_validate_json(run.assignment_file(incarnation).read_text()).layout

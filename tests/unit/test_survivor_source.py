@@ -8,8 +8,8 @@ import json
 import os
 import time
 
-from lazarus.infra.runfiles import survivor_holders, survivor_source
 from lazarus.infra.standbys import order_prefetch
+from lazarus.infra.survivors import survivor_holders, survivor_source
 from lazarus.schema.contract import SurvivorManifest, read_survivor, read_survivors, write_survivor
 from lazarus.schema.files import file_sha256, take_lock, write_json_atomic
 from lazarus.schema.layout import Layout

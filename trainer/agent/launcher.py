@@ -38,6 +38,7 @@ from lazarus.schema.files import lock_is_held, process_start_time, read_json, ta
 from lazarus.schema.records import Assignment
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
+from lazarus.trainer.agent.follow import Follower
 from lazarus.trainer.agent.health_check import HealthCheck
 from lazarus.trainer.agent.node_report import NodeReporter
 from lazarus.trainer.agent.output import OutputWatch
@@ -217,21 +218,31 @@ def launch_node(run: RunDir, incarnation: int, node_index: int, base_env: dict, 
         finally:
             os.close(fd)
     reporter.launched.update(watched, children)
-    _wait_for_ranks(run, incarnation, children, watched, output, reporter)
+    # Where survivors keep their processes, this launcher follows its ranks into the incarnations they rejoin.
+    follower = (
+        Follower(run, incarnation, node_index, ranks, me, [reporter, output]) if spec.recovery.in_process else None
+    )
+    _wait_for_ranks(run, incarnation, children, watched, output, reporter, follower)
     return 0
 
 
-def _wait_for_ranks(run: RunDir, incarnation: int, children: dict, watched: list[int], output, reporter) -> None:
+def _wait_for_ranks(
+    run: RunDir, incarnation: int, children: dict, watched: list[int], output, reporter, follower: Follower | None
+) -> None:
     """Watch the ranks' output and report the node until every rank has ended, recording how each
-    one this launcher started ended."""
+    one this launcher started ended (in the incarnation it ended in, where they rejoined later ones)."""
     output.start()
     reporter.start()
     reporter.health.start()
+    if follower is not None:
+        follower.start()
     for rank, child in children.items():
         code = child.wait()
         output.finish(rank)
-        record_exit(run, incarnation, rank, code)
+        record_exit(run, follower.incarnation if follower is not None else incarnation, rank, code)
         reporter.changed()
+    if follower is not None:
+        follower.stop()
     output.stop()
     reporter.health.stop()
     for rank in watched:

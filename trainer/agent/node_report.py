@@ -58,6 +58,15 @@ class NodeReporter:
         self.write()
         self._thread.start()
 
+    def move_to(self, incarnation: int) -> None:
+        """Report the same ranks as those of `incarnation` from now on (their launcher followed them
+        there: trainer/agent/follow.py)."""
+        self.idle = IdleWatch(self.run, incarnation, self.idle.sample_seconds)
+        self.stacks = StackOrders(self.run, incarnation, self.ranks)
+        self.incarnation = incarnation
+        self._last = None
+        self.changed()
+
     def changed(self) -> None:
         """Something the report holds changed (an exit was recorded): write it now."""
         self._wake.set()

@@ -105,6 +105,10 @@ class OutputWatch:
             if self.trainer.output_is_heartbeat:
                 self._beat(output, "starting", output.started)
 
+    def move_to(self, incarnation: int) -> None:
+        """Write the ranks' heartbeats as those of `incarnation` from now on (trainer/agent/follow.py)."""
+        self.incarnation = incarnation
+
     def start(self) -> None:
         """Start the watch's thread, if there is anything to watch."""
         if self.needed and self.ranks:

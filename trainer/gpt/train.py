@@ -267,14 +267,22 @@ class SamplesLog:
 
 def restore(session: TrainingSession, trainer: Trainer) -> tuple[int, int]:
     """Load the state the controller chose into `trainer`; returns its step and data position
-    ((0, 0) from scratch): what the fault's survivors saved, if the launch record names them,
-    else the checkpoint of the resume step."""
+    ((0, 0) from scratch): what the survivors that kept their processes send, where they rejoin
+    this incarnation; what the fault's survivors saved, if the launch record names them; else the
+    checkpoint of the resume step."""
     from lazarus.trainer.gpt import survivor_state as survivors
     from lazarus.trainer.sdk import checkpoint
 
     if not session.resume_step:
         return 0, 0
     run, launch = session.run, read_launch(session.run, session.incarnation)
+    if launch is not None and launch.rejoin is not None:
+        # The survivors kept their processes and state: the source replica's rank at this place sends it.
+        step, samples = survivors.share(trainer, session.rank, launch.rejoin, None)
+        if step != session.resume_step:
+            raise RuntimeError(f"the survivors hold step {step}, expected {session.resume_step}")
+        print(f"lazarus trainer: received step {step} from replica {launch.rejoin.source_replica}", flush=True)
+        return step, samples
     if launch is not None and launch.survivors is not None:
         # The state of the step the fault interrupted, from a survivor at this rank's place.
         source = launch.survivors
@@ -293,25 +301,101 @@ def restore(session: TrainingSession, trainer: Trainer) -> tuple[int, int]:
     return progress["step"], progress["samples"]
 
 
+class BrokenStep(Exception):
+    """A step whose collective broke before the optimizer touched anything (a peer's node died):
+    what the rank holds is exactly the state after `step` steps, at data position `samples`."""
+
+    def __init__(self, step: int, samples: int):
+        super().__init__(f"the collectives of step {step + 1} broke")
+        self.step, self.samples = step, samples
+
+
 def train(session: TrainingSession) -> tuple[int, bool]:
     """Train from the resume step to the last step; returns the last step trained and whether
-    the controller stopped the run before it."""
+    the controller stopped the run before it. With RecoveryPolicy.in_process, a step whose
+    collectives break leaves this process waiting at its boundary for the next incarnation,
+    which it joins (keep_process); else, or when the controller falls back, it saves the state
+    for the next incarnation's ranks and ends."""
+    from lazarus.trainer.gpt import survivor_state as survivors
+    from lazarus.trainer.sdk.rejoin import remember_inherited_sockets
+
+    run = session.run
+    spec = RunSpec.model_validate_json(run.spec_file.read_text())
+    check_layout(session.layout, spec.trainer, session.world_size)
+    remember_inherited_sockets()
+    join(session, spec)
+    trainer = Trainer(spec.trainer, session.layout, session.rank)
+    step, samples = restore(session, trainer)  # samples: the data position, index of the next sample
+    while True:
+        try:
+            return train_steps(session, spec, trainer, step, samples)
+        except BrokenStep as broken:
+            kept = keep_process(session, spec, trainer, broken) if keeps_process(spec) else None
+            if kept is None:
+                survivors.save(run, session.incarnation, session.rank, trainer, broken.step, broken.samples)
+                raise broken.__cause__ or broken from None
+            trainer, step, samples = kept
+
+
+def keeps_process(spec: RunSpec) -> bool:
+    """Whether a survivor keeps its process at a broken step: the policy asks for it, and the
+    group is gloo's, which can be abandoned (NCCL's would need aborting: not done yet)."""
+    import torch.distributed as dist
+
+    return spec.recovery.in_process and dist.get_backend() == "gloo"
+
+
+def keep_process(session: TrainingSession, spec: RunSpec, trainer: Trainer, broken: BrokenStep):
+    """A survivor at its step boundary: abandon the broken groups, wait for the next incarnation
+    to take this rank in, move there, join its group, and share the state with the new ranks.
+    Returns (the trainer to go on with, its step, its data position); None, with nothing moved,
+    when the controller starts the next incarnation afresh (the caller saves the state and ends).
+    A failure after the move saves the state as a survivor of the new incarnation and raises."""
+    from lazarus.trainer.gpt import survivor_state as survivors
+    from lazarus.trainer.sdk.rejoin import abandon_process_groups, wait_for_rejoin
+
+    began = time.monotonic()
+    held = survivors.snapshot(trainer, broken.step, broken.samples)  # local tensors: no collective
+    abandon_process_groups()
+    maybe_fail("boundary", broken.step)
+    launch = wait_for_rejoin(session, broken.step, spec.recovery.rejoin_timeout_seconds)
+    if launch is None or launch.rejoin is None:
+        return None
+    waited = time.monotonic() - began
+    if launch.resume_step != broken.step:
+        raise RuntimeError(f"the next incarnation resumes step {launch.resume_step}; this rank holds {broken.step}")
+    session.move_to(session.incarnation + 1, launch.resume_step)
+    try:
+        join(session, spec)
+        if trainer.mesh is not None:
+            # The mesh's groups were the broken incarnation's: the same shares, laid out afresh.
+            trainer = Trainer(spec.trainer, session.layout, session.rank)
+            survivors.apply(trainer, held)
+        step, samples = survivors.share(trainer, session.rank, launch.rejoin, held)
+    except Exception:
+        survivors.save(session.run, session.incarnation, session.rank, trainer, broken.step, broken.samples, held)
+        raise
+    print(
+        f"lazarus trainer: kept this process at step {step}; waited {waited:.3f} s, joined incarnation "
+        f"{session.incarnation} in {time.monotonic() - began - waited:.3f} s",
+        flush=True,
+    )
+    return trainer, step, samples
+
+
+def train_steps(session: TrainingSession, spec: RunSpec, trainer: Trainer, step: int, samples: int) -> tuple[int, bool]:
+    """This incarnation's steps from `step` (data position `samples`) to the last; returns the last
+    step trained and whether the controller stopped the run. BrokenStep: a step's collectives broke
+    with the state intact."""
     import torch.distributed as dist
 
     from lazarus.trainer.gpt import survivor_state as survivors
     from lazarus.trainer.sdk import checkpoint
 
-    run = session.run
-    spec = RunSpec.model_validate_json(run.spec_file.read_text())
-    layout, settings = session.layout, spec.trainer
-    check_layout(layout, settings, session.world_size)
-    join(session, spec)
-    trainer = Trainer(settings, layout, session.rank)
+    run, settings = session.run, spec.trainer
     checkpointer = checkpoint.Checkpointer(
         run, session.incarnation, settings.keep_checkpoints, settings.async_checkpoint, warn=session.warn
     )
-
-    step, samples = restore(session, trainer)  # samples: the data position, index of the next sample
     session.heartbeat(step, "restored")
     consumed = SamplesLog(session, trainer) if trainer.writes_samples else None
 
@@ -325,11 +409,11 @@ def train(session: TrainingSession) -> tuple[int, bool]:
         # Rank 0's stop request rides on the step's own collectives (no extra one per step).
         try:
             loss, stopped = trainer.step(samples, stop_requested=session.stop_requested(agree=lambda asked: asked))
-        except Exception:
+        except Exception as error:
             # A broken collective (a peer's node died) fails the step before the optimizer
             # touched anything: what this rank holds is exactly the state after `step` steps.
             if not trainer.updating:
-                survivors.save(run, session.incarnation, session.rank, trainer, step, samples)
+                raise BrokenStep(step, samples) from error
             raise
         step += 1
         samples += settings.global_batch

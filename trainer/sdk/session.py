@@ -205,6 +205,30 @@ class TrainingSession:
         source = launch.survivors
         return read_state(self.run, source.incarnation, source.ranks[self.rank])[1]
 
+    def move_to(self, incarnation: int, resume_step: int) -> None:
+        """Go on as the same rank of `incarnation`, in this process: a survivor the controller kept
+        (RecoveryPolicy.in_process; trainer/sdk/rejoin.py). Its lock, pid record, environment,
+        layout and heartbeats are that incarnation's from now on; the step it resumes is the one it
+        waited at."""
+        from lazarus.trainer.sdk.rejoin import move_rank
+
+        move_rank(self.run, self.rank, self.node, incarnation)
+        assignment = Assignment.model_validate_json(self.run.assignment_file(incarnation).read_text())
+        os.environ.update(
+            {
+                ENV_INCARNATION: str(incarnation),
+                ENV_RESUME_STEP: str(resume_step),
+                "MASTER_ADDR": assignment.master_addr,
+                "MASTER_PORT": str(assignment.master_port),
+                "TORCHELASTIC_RESTART_COUNT": str(incarnation),
+                "TORCHELASTIC_ERROR_FILE": str(self.run.error_file(incarnation, self.rank)),
+            }
+        )
+        with self._beat_lock:
+            self.incarnation, self.layout, self.resume_step = incarnation, assignment.layout, resume_step
+            self.first_step_at, self._first_step, self._phases = None, None, {}
+        self.heartbeat(resume_step, "starting")
+
     def heartbeat(self, step: int, phase: Phase = "training", compute_seconds: float | None = None) -> None:
         """Tell the controller this rank completed `step` (call after every optimizer step)."""
         now = time.time()

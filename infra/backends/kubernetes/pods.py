@@ -34,9 +34,9 @@ from lazarus.infra.backends.kubernetes.objects import (
 )
 from lazarus.infra.backends.kubernetes.watch import RunWatches
 from lazarus.infra.rate import fan_out
-from lazarus.infra.runfiles import survivor_holders
 from lazarus.infra.standby_orders import CONNECT_SECONDS, order_standby, write_standby_secret
 from lazarus.infra.standbys import order_prefetch
+from lazarus.infra.survivors import survivor_holders
 from lazarus.schema.policy import RecoveryPolicy
 from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import KubernetesSettings, RunSpec

@@ -12,19 +12,30 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, Observation, free_port
 from lazarus.infra.pool import LocalPool, claim_and_release
-from lazarus.infra.processes import any_exit, kill_and_wait, live_pids, node_groups, open_pidfds, start_locked
-from lazarus.infra.runfiles import RunFiles, survivor_holders
+from lazarus.infra.processes import (
+    LOCK_POLL_SECONDS,
+    any_exit,
+    kill_and_wait,
+    live_pids,
+    node_groups,
+    open_pidfds,
+    start_locked,
+)
+from lazarus.infra.runfiles import RunFiles
 from lazarus.infra.standbys import any_standby_alive, ensure_standbys, kill_standbys, order_launchers, order_prefetch
+from lazarus.infra.survivors import survivor_holders
 from lazarus.schema.contract import (
     ENV_NODE,
     ENV_RUN_DIR,
     LaunchRecord,
+    Rejoin,
     SurvivorSource,
     launcher_env,
 )
@@ -36,6 +47,10 @@ from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
 
+FOLLOW_WAIT_SECONDS = 2.0
+"""How long rejoin_ranks waits for the survivor nodes' launchers to follow their ranks into the new
+incarnation before it starts the other nodes anyway (seconds): they poll every 10 ms."""
+
 
 class LocalCluster(RunFiles):
     """Runs' nodes as rank processes on this machine, with state under `home/runs/<run_id>`."""
@@ -44,6 +59,7 @@ class LocalCluster(RunFiles):
     quick_observe = True  # the run directory's files and the pool's record
     vets_spares = True  # a spare's health check runs here, where its ranks would
     shares_host = True  # the ranks are this machine's processes
+    keeps_survivors = True  # a survivor node's launcher follows its ranks (trainer/agent/follow.py)
     shares_paths = True
 
     def __init__(self, home: str | Path, python: str = sys.executable):
@@ -203,16 +219,39 @@ class LocalCluster(RunFiles):
         `policy`."""
         run, assignment = self._incarnation(run_id, incarnation)
         record = self.record_launch(run_id, incarnation, resume_step, skipped, survivors)
+        self._start_nodes(run_id, run, assignment, record.resume_step, range(len(assignment.nodes)))
+        return record
+
+    def _start_nodes(self, run_id: str, run: RunDir, assignment: Assignment, resume_step: int, indexes) -> None:
+        """Start the launchers of the assignment's nodes at `indexes`: through their warm standbys
+        where the spec has them, else as new processes."""
 
         def start_cold(index: int) -> None:
-            self._start_launcher(run, incarnation, index, assignment.nodes[index], record.resume_step)
+            self._start_launcher(run, assignment.incarnation, index, assignment.nodes[index], resume_step)
 
         if self.spec(run_id).cluster.warm_standby:
             self.ensure_standbys(run_id)  # the spares too, so that they are warm before they are needed
-            order_launchers(run, assignment, record.resume_step, start_cold)
+            order_launchers(run, assignment, resume_step, start_cold, indexes=list(indexes))
         else:
-            for index in range(len(assignment.nodes)):
+            for index in indexes:
                 start_cold(index)
+
+    def rejoin_ranks(
+        self, run_id: str, incarnation: int, resume_step: int, rejoin: Rejoin, skipped: dict[int, str] | None = None
+    ) -> LaunchRecord:
+        """Start an incarnation that the survivors of the one before rejoin: its launch record names
+        them; once each survivor node's launcher has followed its ranks into it (or FOLLOW_WAIT_SECONDS
+        passed: a launcher that did not is started here, and finds the ranks), the other nodes start."""
+        run, assignment = self._incarnation(run_id, incarnation)
+        record = self.record_launch(run_id, incarnation, resume_step, skipped, rejoin=rejoin)
+        followed = {assignment.layout.node_of_rank(rank) for rank in rejoin.ranks}
+        deadline = time.monotonic() + FOLLOW_WAIT_SECONDS
+        while not all(lock_is_held(run.node_lock_file(incarnation, i)) for i in followed):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(LOCK_POLL_SECONDS)
+        fresh = [i for i in range(len(assignment.nodes)) if i not in followed]
+        self._start_nodes(run_id, run, assignment, record.resume_step, fresh)
         return record
 
     def _start_launcher(self, run: RunDir, incarnation: int, index: int, node: str, resume_step: int) -> None:

@@ -178,6 +178,8 @@ class SimulatedCluster(LocalCluster):
     """LocalCluster with rank processes replaced by node reports that a process of simulated
     launchers keeps current."""
 
+    keeps_survivors = False  # its nodes only report: no rank keeps anything
+
     def __init__(
         self,
         home: str | Path,

@@ -72,6 +72,7 @@ class SlurmCluster(LocalCluster):
     quick_observe = False  # it asks slurmctld which nodes are down (sinfo)
     vets_spares = False  # a spare's health check would have to run on the node, in the run's allocation
     shares_host = False  # the ranks run on the cluster's nodes, which share LAZARUS_HOME's path
+    keeps_survivors = False  # its launchers are job steps: a survivor node's is not followed yet
     quarantines_in_cluster = True  # a quarantined node is drained in Slurm
 
     @classmethod
