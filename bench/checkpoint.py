@@ -37,7 +37,7 @@ from bench import perf_page
 from lazarus.infra.backend import free_port
 from lazarus.schema import load_spec
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir
-from lazarus.trainer.gpt.train import Trainer
+from lazarus.trainer.gpt.step import Trainer
 from lazarus.trainer.sdk import checkpoint
 
 PAGE_TITLE = "Checkpoint cost"

@@ -16,6 +16,10 @@ from lazarus.schema.rundir import RunDir
 BOUNDARY_POLL_SECONDS = 0.005
 """How often drain looks whether every survivor has reached its step boundary (seconds)."""
 
+FOLLOW_WAIT_SECONDS = 2.0
+"""How long a rejoining start waits for the survivor nodes' launchers to follow their ranks into the
+new incarnation before it starts the other nodes anyway (seconds): they look every 10 ms."""
+
 
 Place = tuple[int, int, int]
 """A rank's (pp, dp_shard, tp) coordinates: the share of the state it holds, whatever its replica."""
@@ -142,3 +146,15 @@ def rejoin_of(old: Assignment, new: Assignment, kept: dict[int, int]) -> Rejoin 
     if not whole:
         return None
     return Rejoin(incarnation=old.incarnation, ranks=sorted(kept), source_replica=whole[0])
+
+
+def await_followers(run: RunDir, assignment: Assignment, rejoin: Rejoin) -> list[int]:
+    """Wait until the launcher of every node whose ranks rejoin the assignment's incarnation holds
+    that incarnation's node lock (trainer/agent/follow.py), or FOLLOW_WAIT_SECONDS passed; returns
+    the indexes of the other nodes, whose launchers are to start."""
+    followed = {assignment.layout.node_of_rank(rank) for rank in rejoin.ranks}
+    deadline = time.monotonic() + FOLLOW_WAIT_SECONDS
+    k = assignment.incarnation
+    while not all(lock_is_held(run.node_lock_file(k, i)) for i in followed) and time.monotonic() < deadline:
+        time.sleep(BOUNDARY_POLL_SECONDS)
+    return [i for i in range(len(assignment.nodes)) if i not in followed]

@@ -334,10 +334,7 @@ class RecoveryPolicy(Strict):
         default=120.0,
         gt=0,
         le=MAX_SECONDS,
-        description=(
-            "With in_process: how long a survivor waits at its step boundary for the new incarnation, and then for "
-            "its process group to form, before it saves its state and ends as on the restart path (seconds)."
-        ),
+        description="With in_process: how long a survivor waits at its step boundary for the next incarnation (s).",
     )
     not_ready_toleration_seconds: int = Field(
         default=10,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lazarus.schema import Layout
 from lazarus.schema.files import write_json_atomic
 from lazarus.schema.rundir import COMMIT_MARKER, RunDir, checkpoint_manifest
-from lazarus.trainer.gpt.train import Trainer
+from lazarus.trainer.gpt.step import Trainer
 from lazarus.trainer.sdk import checkpoint
 from tests.trainer.reshard_ranks import SETTINGS, flat_state
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lazarus.schema import Layout, TrainerSettings
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.gpt.train import Trainer
+from lazarus.trainer.gpt.step import Trainer
 from lazarus.trainer.sdk import checkpoint
 
 SETTINGS = TrainerSettings(steps=3, global_batch=12, seq_len=16, d_model=32, n_layers=2, n_heads=2, checkpoint_every=3)

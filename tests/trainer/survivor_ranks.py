@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lazarus.schema import Layout, TrainerSettings
 from lazarus.schema.rundir import RunDir
 from lazarus.trainer.gpt import survivor_state as survivors
-from lazarus.trainer.gpt.train import Trainer
+from lazarus.trainer.gpt.step import Trainer
 
 SETTINGS = TrainerSettings(steps=8, global_batch=12, seq_len=16, d_model=32, n_layers=2, n_heads=2, microbatches=2)
 COMPLETED = 5

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +19,6 @@ from pathlib import Path
 from lazarus.infra.backend import ClusterError, Observation, free_port
 from lazarus.infra.pool import LocalPool, claim_and_release
 from lazarus.infra.processes import (
-    LOCK_POLL_SECONDS,
     any_exit,
     kill_and_wait,
     live_pids,
@@ -30,7 +28,7 @@ from lazarus.infra.processes import (
 )
 from lazarus.infra.runfiles import RunFiles
 from lazarus.infra.standbys import any_standby_alive, ensure_standbys, kill_standbys, order_launchers, order_prefetch
-from lazarus.infra.survivors import survivor_holders
+from lazarus.infra.survivors import await_followers, survivor_holders
 from lazarus.schema.contract import (
     ENV_NODE,
     ENV_RUN_DIR,
@@ -46,10 +44,6 @@ from lazarus.schema.pool import PoolRecord, SpareWant
 from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
-
-FOLLOW_WAIT_SECONDS = 2.0
-"""How long rejoin_ranks waits for the survivor nodes' launchers to follow their ranks into the new
-incarnation before it starts the other nodes anyway (seconds): they poll every 10 ms."""
 
 
 class LocalCluster(RunFiles):
@@ -241,16 +235,10 @@ class LocalCluster(RunFiles):
     ) -> LaunchRecord:
         """Start an incarnation that the survivors of the one before rejoin: its launch record names
         them; once each survivor node's launcher has followed its ranks into it (or FOLLOW_WAIT_SECONDS
-        passed: a launcher that did not is started here, and finds the ranks), the other nodes start."""
+        passed), the other nodes start."""
         run, assignment = self._incarnation(run_id, incarnation)
         record = self.record_launch(run_id, incarnation, resume_step, skipped, rejoin=rejoin)
-        followed = {assignment.layout.node_of_rank(rank) for rank in rejoin.ranks}
-        deadline = time.monotonic() + FOLLOW_WAIT_SECONDS
-        while not all(lock_is_held(run.node_lock_file(incarnation, i)) for i in followed):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(LOCK_POLL_SECONDS)
-        fresh = [i for i in range(len(assignment.nodes)) if i not in followed]
+        fresh = await_followers(run, assignment, rejoin)
         self._start_nodes(run_id, run, assignment, record.resume_step, fresh)
         return record
 

@@ -54,6 +54,7 @@ _BUILT_IN_IMPORTS = [
     "torch.distributed.checkpoint",
     "torch.distributed.pipelining",
     "lazarus.trainer.gpt.train",
+    "lazarus.trainer.gpt.step",
     "lazarus.trainer.gpt.model",
     "lazarus.trainer.sdk.checkpoint",
     "lazarus.trainer.gpt.data",
