@@ -1,7 +1,7 @@
 """The chaos matrix: each fault of lazarus/chaos/scenarios.py broken into a real run, one row each.
 
     .venv/bin/python bench/chaos.py [--only NAME[,NAME...]] [--repeat N] [--spec examples/demo.yaml]
-                                    [--kill-at-step N] [--slurm] [--json] [--keep DIR] [--list]
+                                    [--kill-at-step N] [--in-process] [--slurm] [--json] [--keep DIR] [--list]
                                     [--markdown [PATH]]
 
 Every scenario runs on a bed of its own: a Temporal dev server (a process on one SQLite file, so it
@@ -66,6 +66,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--repeat", type=int, default=1, help="run each scenario this many times (default 1)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="with recovery.in_process: survivors of a lost node keep their processes; every other fault, and a "
+        "survivor that does not reach its boundary, takes the restart path",
+    )
     parser.add_argument(
         "--slurm",
         action="store_true",
@@ -137,7 +143,7 @@ def cells(r: dict) -> list[str]:
     ]
 
 
-def print_matrix(rows: list[dict], spec_path: Path, kill_at: int) -> None:
+def print_matrix(rows: list[dict], spec_path: str, kill_at: int) -> None:
     print(f"\nChaos matrix, spec {spec_path}, faults at step {kill_at}")
     print("  ".join(f"{h:>{max(len(h), 4)}}" if i else f"{h:28}" for i, h in enumerate(HEADER)))
     for r in rows:
@@ -151,7 +157,7 @@ def print_matrix(rows: list[dict], spec_path: Path, kill_at: int) -> None:
     print(f"\n{sum(r['passed'] for r in rows)} of {len(rows)} scenario(s) passed; {blame(rows)}")
 
 
-def write_markdown(path: Path, sitting, rows: list[dict], spec_path: Path, kill_at: int) -> None:
+def write_markdown(path: Path, sitting, rows: list[dict], spec_path: str, kill_at: int) -> None:
     table = perf_page.Table(
         HEADER,
         [[r["scenario"], *cells(r)] for r in rows],
@@ -186,6 +192,8 @@ def main() -> None:
         spec = anchor_paths(load_spec(args.spec), Path.cwd(), shares_paths=True)  # local, or one machine's Slurm
     except (SpecError, OSError) as error:
         raise SystemExit(f"bench/chaos.py: {error}") from None
+    if args.in_process:
+        spec = spec.model_copy(update={"recovery": spec.recovery.model_copy(update={"in_process": True})})
     kill_at = args.kill_at_step or default_kill_step(spec)
     started = time.monotonic()
 
@@ -197,12 +205,13 @@ def main() -> None:
             if slurm is not None:
                 spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"backend": "slurm"})})
             rows = asyncio.run(matrix(args, spec, kill_at, Path(root), say, slurm))
+    label = f"{args.spec} with recovery.in_process" if args.in_process else str(args.spec)
     if args.markdown:
-        write_markdown(args.markdown, sitting, rows, args.spec, kill_at)
+        write_markdown(args.markdown, sitting, rows, label, kill_at)
     if args.json:
-        print(json.dumps({"spec": str(args.spec), "kill_at_step": kill_at, "rows": rows}, indent=2))
+        print(json.dumps({"spec": label, "kill_at_step": kill_at, "rows": rows}, indent=2))
     else:
-        print_matrix(rows, args.spec, kill_at)
+        print_matrix(rows, label, kill_at)
     raise SystemExit(0 if all(r["passed"] for r in rows) else 1)
 
 

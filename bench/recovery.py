@@ -211,6 +211,10 @@ async def bench(
                                 f"bench: run {i + 1} ({path}) ended {final.state.value} with "
                                 f"{len(final.incidents)} incident(s): {final.reason}"
                             )
+                        # The killed node repaired, as between the kills of a real sitting: back in the
+                        # pool, so that the quarantine breaker counts no earlier kill against the next.
+                        for node in final.incidents[0].fault.nodes:
+                            await asyncio.to_thread(cluster.return_node, run_id, node)
                         rows, splits = results[path]
                         rows.append(row(final.incidents[0]))
                         parts = await split(env.client, run_id, final.incidents[0], list(metrics.spans))

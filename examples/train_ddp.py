@@ -20,6 +20,15 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, torch.sin(inputs).sum(dim=1, keepdim=True)
 
 
+def wrap(model: nn.Module) -> DDP:
+    """The model under DDP over the default process group.
+
+    DDP rebuilds its gradient buckets after the first step of every process, so the first step
+    after a restart would sum gradients in another order than the uninterrupted run did. With
+    find_unused_parameters it never rebuilds: resumed runs stay bit-identical."""
+    return DDP(model, find_unused_parameters=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     session = TrainingSession.from_environ()
@@ -29,20 +38,18 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
-    # DDP rebuilds its gradient buckets after the first step of every process, so the first
-    # step after a restart would sum gradients in another order than the uninterrupted run
-    # did. With find_unused_parameters it never rebuilds: resumed runs stay bit-identical.
-    ddp = DDP(model, find_unused_parameters=True)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     step = 0
     if session.resume_step:
         # The survivors' state of the step the fault interrupted (trainer.survivor_state: true),
-        # else the checkpoint of resume_step.
+        # else the checkpoint of resume_step. Before DDP: where the survivors kept their processes
+        # (recovery.in_process), this receives it from them, the new group's first collective.
         state = session.load_survivor_state() or torch.load(session.resume_checkpoint / "state.pt")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
+    ddp = wrap(model)
 
     print(f"rank {rank} of {world}: training steps {step + 1}..{session.total_steps}", flush=True)
     while step < session.total_steps:
@@ -58,6 +65,11 @@ def main() -> None:
         except Exception:
             # The process group broke; what this rank holds is the state after `step` steps.
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            if session.keep_process(step, state) is not None:
+                # recovery.in_process: this process goes on in the next incarnation, whose new
+                # ranks received the same state; DDP again, over its process group.
+                ddp = wrap(model)
+                continue
             session.save_survivor_state(step, state)
             raise
         session.step_done(step, mean_loss.item() / world)

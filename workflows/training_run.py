@@ -331,7 +331,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             # A lost node's survivors may keep their processes; every other fault takes the restart path.
             boundary_grace_seconds=(
                 self._policy.boundary_grace_seconds
-                if self._policy.in_process and fault.kind == "node_down" and self._start.spec.trainer.built_in
+                if self._policy.in_process and fault.kind == "node_down" and self._start.spec.trainer.saves_survivors
                 else 0.0
             ),
         )

@@ -16,16 +16,17 @@ from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, load_spec, parse_spec
 from lazarus.schema.files import read_json
 from lazarus.worker import build_worker
-from tests.support.runs import SMALL_SPEC, SPECS, losses
+from tests.support.runs import SMALL_SPEC, SPECS, USER_DDP_SPEC, losses, with_absolute_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-def in_process(spec_path, faults=()):
-    """The spec at `spec_path` with recovery.in_process on (and `faults` planned)."""
-    data = load_spec(spec_path).model_dump(mode="json")
+def in_process(spec_path, faults=(), **trainer):
+    """The spec at `spec_path` with recovery.in_process on (and `faults` planned, `trainer` set)."""
+    data = with_absolute_command(load_spec(spec_path)).model_dump(mode="json")
     data["recovery"]["in_process"] = True
     data["faults"] = list(faults)
+    data["trainer"].update(trainer)
     return parse_spec(data)
 
 
@@ -91,4 +92,19 @@ async def test_a_survivor_that_never_reaches_the_boundary_sends_the_recovery_dow
     assert run.fall_back_file(0).exists()
     assert set(pids(run, 1, range(4)).values()).isdisjoint(pids(run, 0, range(4)).values())
     expected = reference(SMALL_SPEC)
+    assert {step: loss for step, loss in losses(run).items() if loss != expected[step]} == {}
+
+
+async def test_a_ddp_script_of_its_own_keeps_its_survivors_through_the_session(dev_env, home, reference):
+    # examples/train_ddp.py: session.keep_process where a step breaks, load_survivor_state before DDP.
+    spec = in_process(USER_DDP_SPEC, survivor_state=True)
+    status, run = await killed_at_step(dev_env, home, spec, step=60)
+
+    assert status.state == RunState.COMPLETED and status.step == 100, status.reason
+    [incident] = status.incidents
+    assert incident.fault.nodes == ["node-2"] and incident.restored_from == "in_process"
+    assert incident.lost_steps == 0
+    assert pids(run, 1, [0, 1, 3]) == pids(run, 0, [0, 1, 3]) and pids(run, 1, [2]) != pids(run, 0, [2])
+    expected = reference(USER_DDP_SPEC)
+    assert sorted(losses(run, incarnation=1)) == list(range(incident.resumed_from_step + 1, 101))
     assert {step: loss for step, loss in losses(run).items() if loss != expected[step]} == {}

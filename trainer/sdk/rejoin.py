@@ -20,10 +20,12 @@ import contextlib
 import os
 import socket
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from lazarus.schema.contract import LaunchRecord, read_launch
+from lazarus.schema.contract import LaunchRecord, Rejoin, read_launch
 from lazarus.schema.files import process_start_time, take_lock, write_json_atomic
+from lazarus.schema.layout import Layout
 from lazarus.schema.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -134,3 +136,42 @@ def move_rank(run: RunDir, rank: int, node: str, incarnation: int) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         log.symlink_to(run.log_file(incarnation - 1, rank).resolve())
+
+
+def keep_process(session, step: int, state, timeout: float):
+    """A script's survivor (`session`, its TrainingSession: keep_process there): abandon the broken groups, wait at the
+    boundary after `step`, and where this rank rejoins the next incarnation, join its default
+    process group (env://, the new incarnation's environment) and return `state`; None, with this
+    rank still in its incarnation, where the controller starts the next one afresh."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return None  # NCCL's communicators would need aborting: only gloo's groups can be left behind
+    abandon_process_groups()
+    launch = wait_for_rejoin(session, step, timeout)
+    if launch is None or launch.rejoin is None:
+        return None
+    session.move_to(session.incarnation + 1, launch.resume_step)
+    session.wait_for_store()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    return share_state(session.layout, session.rank, launch.rejoin, state)
+
+
+def share_state(layout: Layout, rank: int, rejoin: Rejoin, state):
+    """Every rank of an incarnation the survivors rejoined, on its default group: the source
+    replica's rank at each (pp, dp_shard, tp) place sends its `state` (any picklable object) to
+    that place's other replicas; a survivor goes on with its own, a new rank (`state` None) with
+    what it received. A collective: call it before any other on the new group."""
+    import torch.distributed as dist
+
+    per_replica = layout.replica_ranks
+    source = rejoin.source_replica * per_replica + rank % per_replica
+    group = None  # one rank per replica: the default group is the place's
+    if per_replica > 1:
+        # Every rank creates every place's group, in the same order, as new_group requires.
+        places = [dist.new_group([d * per_replica + p for d in range(layout.dp)]) for p in range(per_replica)]
+        mine = places[rank % per_replica]
+        group = mine if isinstance(mine, dist.ProcessGroup) else None
+    box = [state if rank == source else None]
+    dist.broadcast_object_list(box, src=source, group=group)
+    return state if state is not None else box[0]

@@ -192,12 +192,33 @@ class TrainingSession:
 
         return write_state(self.run, self.incarnation, self.rank, self.coordinates, step, state)
 
+    def keep_process(self, step: int, state):
+        """With recovery.in_process, where a collective broke after `step` steps (a peer's node
+        died) and before anything changed `state` (this rank's share, anything picklable): keep
+        this process. The broken groups are left behind, the rank waits at this step boundary, and
+        where it rejoins the next incarnation, the default process group is the new one (DDP and
+        other wrappers must be built again over it) and the return value is the state every rank
+        goes on from. None where the controller starts the next incarnation afresh (or without
+        in_process, or on NCCL): then save_survivor_state and re-raise, as before."""
+        spec = RunSpec.model_validate_json(self.run.spec_file.read_text())
+        if not spec.recovery.in_process:
+            return None
+        from lazarus.trainer.sdk.rejoin import keep_process
+
+        return keep_process(self, step, state, spec.recovery.rejoin_timeout_seconds)
+
     def load_survivor_state(self):
         """The state to resume from when the controller chose the fault's survivors over the
-        checkpoint: what the survivor at this rank's place passed to save_survivor_state (its
-        step is resume_step); None when the resume is from the checkpoint of resume_step or from
-        scratch. Raises if the file does not match its manifest."""
+        checkpoint: what the survivor at this rank's place passed to save_survivor_state, or, where
+        the survivors kept their processes (keep_process), what the one at this rank's place holds,
+        received over the new group: a collective, to call right after init_process_group, before
+        DDP or any other collective. Its step is resume_step. None when the resume is from the
+        checkpoint of resume_step or from scratch. Raises if a file does not match its manifest."""
         launch = read_launch(self.run, self.incarnation) if self.resume_step else None
+        if launch is not None and launch.rejoin is not None:
+            from lazarus.trainer.sdk.rejoin import share_state
+
+            return share_state(self.layout, self.rank, launch.rejoin, None)
         if launch is None or launch.survivors is None:
             return None
         from lazarus.trainer.sdk.survivors import read_state
