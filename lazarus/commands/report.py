@@ -158,7 +158,24 @@ def _incident_notes(incident: Incident) -> list[str]:
             f"resumed from step {incident.resumed_from_step}{source}, lost {_or_unknown(incident.lost_steps)} "
             f"step(s); outcome: {incident.outcome}"
         )
+    if incident.stalls:
+        notes.append(_stalls_note(incident))
     return notes
+
+
+def _stalls_note(incident: Incident) -> str:
+    """The longest stall of the ranks on the nodes that outlived the fault and of those on the nodes
+    that replaced the lost ones (of any rank, after a reshard renumbered them)."""
+    words = "stalls (fault to each rank's next step): "
+    old, new = incident.old_assignment, incident.new_assignment
+    if new is None or new.layout != old.layout:
+        return f"{words}up to {max(incident.stalls.values()):.2f} s"
+    lost = set(incident.fault.nodes)
+    on_lost = {rank: old.nodes[old.layout.node_of_rank(rank)] in lost for rank in incident.stalls}
+    kept = [s for rank, s in incident.stalls.items() if not on_lost[rank]]
+    fresh = [s for rank, s in incident.stalls.items() if on_lost[rank]]
+    parts = [f"survivors up to {max(kept):.2f} s" if kept else "", f"new ranks {max(fresh):.2f} s" if fresh else ""]
+    return words + ", ".join(filter(None, parts))
 
 
 def incident_view(incident: Incident) -> Group:

@@ -231,6 +231,16 @@ def test_an_incident_says_where_its_state_came_from():
     assert "resumed from step 15 (survivors), lost 0 step(s); outcome: recovered" in render(status_view(status))
 
 
+def test_an_incident_kept_in_process_says_how_long_survivors_and_new_ranks_stalled():
+    status = recovered_run()
+    incident = status.incidents[0]
+    incident.restored_from, incident.resumed_from_step, incident.lost_steps = "in_process", 15, 0
+    incident.stalls = {0: 0.21, 1: 0.23, 2: 0.25, 3: 0.22}  # rank 2 was on node-2, the lost node
+    text = render(status_view(status))
+    assert "resumed from step 15 (in_process), lost 0 step(s)" in text
+    assert "stalls (fault to each rank's next step): survivors up to 0.23 s, new ranks 0.25 s" in text
+
+
 def test_report_shows_ettr_and_where_the_time_went():
     status = recovered_run()
     summary = summarize(status)

@@ -59,6 +59,21 @@ async def test_a_hung_node_is_stopped_first_so_its_peers_save_as_for_a_death(tim
     assert died.survivor_grace_seconds == hung.survivor_grace_seconds > 0  # both give the survivors their grace
 
 
+async def test_with_in_process_only_a_lost_node_s_survivors_are_waited_for_at_their_boundary(time_skipping_env):
+    hang = fault(nodes=("node-1",), step=27).model_copy(update={"kind": "hang"})
+    stages = FakeStages(watch=[5, fault(step=15), 25, hang, 30, "done"])
+    status = await run_workflow(time_skipping_env, stages, make_spec(max_incidents=5, in_process=True))
+
+    assert status.state == RunState.COMPLETED
+    died, hung = stages.drains
+    # A lost node's survivors may keep their processes; a hang takes the restart path.
+    assert died.boundary_grace_seconds == 2.0 and hung.boundary_grace_seconds == 0.0
+    # Without in_process, no fault waits for a boundary.
+    stages = FakeStages(watch=[5, fault(step=15), "done"])
+    await run_workflow(time_skipping_env, stages, make_spec())
+    assert [drain.boundary_grace_seconds for drain in stages.drains] == [0.0]
+
+
 async def test_transient_drain_failure_is_retried_per_policy(time_skipping_env):
     stages = FakeStages(watch=[fault(), "done"], drain_failures=2)
     spec = make_spec(
