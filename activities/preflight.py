@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from lazarus.schema.run import TrainerSettings
+from lazarus.schema.run import RunSpec, TrainerSettings
 
 
 def python_script(command: list[str]) -> str | None:
@@ -42,5 +42,17 @@ def missing_command(trainer: TrainerSettings, work_dir: Path, shares_host: bool)
         return (
             f"trainer.command: no script {script!r}{where}; give its absolute path "
             "(`lazarus run start` and `lazarus launch` do that from the folder they run in)"
+        )
+    return None
+
+
+def unkept_survivors(spec: RunSpec, keeps_survivors: bool) -> str | None:
+    """Why the spec's recovery.in_process cannot hold on the backend (it restarts every rank at a
+    recovery, `keeps_survivors` false), or None. Survivors that wait at their boundary there would
+    only delay the restart, and hide the lost peer their exits would have named."""
+    if spec.recovery.in_process and not keeps_survivors:
+        return (
+            f"recovery.in_process: the {spec.cluster.backend} backend restarts every rank at a recovery "
+            "(survivors keep their processes on the local backend); set it to false"
         )
     return None

@@ -19,7 +19,7 @@ from lazarus.activities.failpoints import Failpoints
 from lazarus.activities.gathering import gathered
 from lazarus.activities.metrics import Metrics
 from lazarus.activities.ownership import acting_for_owner, checked, owned, refused, take_over_run
-from lazarus.activities.preflight import missing_command
+from lazarus.activities.preflight import missing_command, unkept_survivors
 from lazarus.activities.resuming import (
     first_step_done_at,
     restore_and_start,
@@ -92,6 +92,9 @@ class RecoveryActivities:
         missing = missing_command(request.spec.trainer, work_dir, self.cluster.shares_host)
         if missing:
             raise ApplicationError(missing, type="CommandNotFound", non_retryable=True)
+        unkept = unkept_survivors(request.spec, self.cluster.keeps_survivors)
+        if unkept:
+            raise ApplicationError(unkept, type="PolicyNotSupported", non_retryable=True)
         async with acting_for_owner(self.cluster, request):  # after the checks: a refused launch leaves no owner
             return await self._launch(request)
 

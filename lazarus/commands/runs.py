@@ -86,14 +86,17 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
     """Start a TrainingRun workflow from a spec; says how to follow it."""
     from temporalio.service import RPCError
 
-    from lazarus.activities.preflight import missing_command
+    from lazarus.activities.preflight import missing_command, unkept_survivors
     from lazarus.client.runs import start_run
     from lazarus.schema.rundir import RunDir
 
     spec = load_run_spec(args.spec)
     run_id = args.run_id or f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}"
     work_dir = RunDir(settings.home / "runs" / run_id).work_dir
-    missing = missing_command(spec.trainer, work_dir, registered_backend(spec.cluster.backend).shares_host)
+    backend = registered_backend(spec.cluster.backend)
+    missing = missing_command(spec.trainer, work_dir, backend.shares_host) or unkept_survivors(
+        spec, backend.keeps_survivors
+    )
     if missing:
         raise UserError(missing)
     client = await connect_client(settings)

@@ -74,3 +74,23 @@ def test_the_survivors_wait_at_one_boundary_or_not_at_all(tmp_path):
     assert waiting_survivors(run, old) == {}
     for fd in locks:
         os.close(fd)
+
+
+def test_a_backend_that_restarts_every_rank_refuses_in_process_with_a_sentence():
+    from lazarus.activities.preflight import unkept_survivors
+    from lazarus.infra.registry import backend_class
+    from lazarus.schema import parse_spec
+
+    spec = parse_spec({"name": "r", "recovery": {"in_process": True}, "cluster": {"backend": "slurm"}})
+    assert unkept_survivors(spec, backend_class("slurm").keeps_survivors) == (
+        "recovery.in_process: the slurm backend restarts every rank at a recovery (survivors keep their "
+        "processes on the local backend); set it to false"
+    )
+    local = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"backend": "local"})})
+    assert unkept_survivors(local, backend_class("local").keeps_survivors) is None
+    assert (
+        unkept_survivors(
+            spec.model_copy(update={"recovery": local.recovery.model_copy(update={"in_process": False})}), False
+        )
+        is None
+    )
