@@ -260,8 +260,8 @@ async def worker_and_node(trial: Trial, kill_at: int) -> None:
     trial.bed.start_worker()
 
 
-NO_SURVIVORS = {"survivor_grace_seconds": 0}
-"""Recovery without the survivors' state, so that resume must take a checkpoint."""
+NO_SURVIVORS = {"survivor_grace_seconds": 0, "in_process": False}
+"""Recovery without the survivors' state, saved or kept in their processes, so that resume must take a checkpoint."""
 
 SCENARIOS = [
     Scenario("node-killed", "one node SIGKILLed mid-run (the baseline)", node_killed),
