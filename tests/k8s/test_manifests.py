@@ -11,8 +11,9 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from lazarus.infra.backend import ClusterBackend
+from lazarus.infra.backend import ClusterBackend, ClusterError
 from lazarus.schema import load_spec
+from lazarus.schema.contract import Rejoin
 from lazarus.schema.records import FaultReport
 from lazarus.workflows.policy import spare_want
 from tests.support.backends import Harness, every_rank_training
@@ -117,6 +118,8 @@ def drive_every_method(harness: Harness) -> set[str]:
     new = old.model_copy(update={"incarnation": 1, "nodes": [harness.active[0], spare]})
     assert cluster.vet_spare("r1", spare) is None  # no health agent marks it sick
     cluster.commit_assignment("r1", new, claims=[spare])
+    with pytest.raises(ClusterError, match="restarts every rank"):  # survivors keep no process here
+        cluster.rejoin_ranks("r1", 1, 3, Rejoin(incarnation=0, ranks=[0], source_replica=0))
     cluster.log_tail("r1", 0, 0)
     cluster.drop_want("r1")
     cluster.return_node("r1", lost)
