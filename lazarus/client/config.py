@@ -35,6 +35,9 @@ ENV_KUBE_QPS = "LAZARUS_KUBE_QPS"
 """`lazarus worker --kube-qps`'s default: Kubernetes API requests a second, at most (default: 100)."""
 ENV_KUBE_BURST = "LAZARUS_KUBE_BURST"
 """`lazarus worker --kube-burst`'s default: Kubernetes API requests at once before pacing (default: 200)."""
+ENV_QUERY_SECONDS = "LAZARUS_QUERY_SECONDS"
+"""How long a status or a control waits for the run's worker to answer before it reads the history
+instead (seconds; default 3): what a command costs in the minute after a worker died."""
 ENV_SLURM_CONF = "SLURM_CONF"
 """Slurm's own: the slurm.conf of the cluster the Slurm backend drives (default: Slurm's)."""
 

@@ -6,6 +6,8 @@ pending detect's heartbeat details (kept by the server) or the run directory, wh
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -27,6 +29,7 @@ from temporalio.worker import (
     WorkflowInterceptorClassInput,
 )
 
+from lazarus.client.config import ENV_QUERY_SECONDS
 from lazarus.schema.node_reports import read_node_reports
 from lazarus.schema.records import RankProgress, RunStatus
 from lazarus.schema.rundir import RunDir
@@ -39,6 +42,26 @@ QUERY_SECONDS = 3.0
 (seconds). A live worker answers in milliseconds; a worker that died moments ago still counts as
 polling (POLLED_WITHIN_SECONDS), and this wait is what a status or a control costs then, out of the
 10 s an operator is promised an answer in."""
+
+
+def query_seconds(environ=os.environ) -> float:
+    """LAZARUS_QUERY_SECONDS where set to a positive number of seconds, else QUERY_SECONDS (saying so
+    on stderr for a value that is not one)."""
+    value = environ.get(ENV_QUERY_SECONDS)
+    if value is None:
+        return QUERY_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if seconds > 0:
+        return seconds
+    print(
+        f"lazarus: {ENV_QUERY_SECONDS}={value!r} is not a positive number of seconds; waiting {QUERY_SECONDS:g} s",
+        file=sys.stderr,
+    )
+    return QUERY_SECONDS
+
 
 POLLED_WITHIN_SECONDS = 90.0
 """A task queue counts as served when a worker polled it this recently (seconds): a worker's poll
@@ -152,7 +175,7 @@ async def ask_worker(client: Client, run_id: str, task_queue: str) -> tuple[RunS
         return None, f"no worker has polled task queue {task_queue!r} in the last {POLLED_WITHIN_SECONDS:g} s"
     handle = client.get_workflow_handle(run_id)
     try:
-        timeout = timedelta(seconds=QUERY_SECONDS)
+        timeout = timedelta(seconds=query_seconds())
         return await handle.query(TrainingRun.status, rpc_timeout=timeout), ""
     except RPCError as error:
         return None, f"no worker on task queue {task_queue!r} answered its status query ({error.message})"

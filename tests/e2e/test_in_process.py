@@ -21,10 +21,11 @@ from tests.support.runs import SMALL_SPEC, SPECS, USER_DDP_SPEC, losses, with_ab
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-def in_process(spec_path, faults=(), **trainer):
-    """The spec at `spec_path` with recovery.in_process on (and `faults` planned, `trainer` set)."""
+def in_process(spec_path, faults=(), recovery=None, **trainer):
+    """The spec at `spec_path` with recovery.in_process on (and `faults` planned, `recovery` and
+    `trainer` fields set)."""
     data = with_absolute_command(load_spec(spec_path)).model_dump(mode="json")
-    data["recovery"]["in_process"] = True
+    data["recovery"].update(in_process=True, **(recovery or {}))
     data["faults"] = list(faults)
     data["trainer"].update(trainer)
     return parse_spec(data)
@@ -82,7 +83,8 @@ async def test_a_survivor_that_never_reaches_the_boundary_sends_the_recovery_dow
         {"node": "node-2", "step": 12},
         {"node": "node-1", "step": 11, "point": "boundary", "effect": "spin"},
     ]
-    spec = in_process(SMALL_SPEC, faults)
+    # Short graces: the spinning rank holds each of them to its end.
+    spec = in_process(SMALL_SPEC, faults, recovery={"boundary_grace_seconds": 0.5, "survivor_grace_seconds": 1.0})
     status, run = await killed_at_step(dev_env, home, spec, step=None)
 
     assert status.state == RunState.COMPLETED and status.step == 40, status.reason

@@ -109,3 +109,16 @@ def test_the_hint_names_the_task_queue_and_the_backend():
         unserved.start_worker_hint("q1", "slurm")
         == "start one with `LAZARUS_TASK_QUEUE=q1 lazarus worker --backend slurm`"
     )
+
+
+def test_the_status_query_waits_as_long_as_lazarus_query_seconds_says(capsys):
+    from lazarus.client.reading import QUERY_SECONDS, query_seconds
+
+    assert query_seconds({}) == QUERY_SECONDS
+    assert query_seconds({"LAZARUS_QUERY_SECONDS": "0.5"}) == 0.5
+    assert capsys.readouterr().err == ""
+    assert query_seconds({"LAZARUS_QUERY_SECONDS": "soon"}) == QUERY_SECONDS
+    assert query_seconds({"LAZARUS_QUERY_SECONDS": "-1"}) == QUERY_SECONDS
+    said = capsys.readouterr().err.splitlines()
+    assert said[0] == "lazarus: LAZARUS_QUERY_SECONDS='soon' is not a positive number of seconds; waiting 3 s"
+    assert len(said) == 2
