@@ -21,12 +21,14 @@ from lazarus.schema.stages import ResumeInput
 def restore_and_start(cluster: ClusterBackend, request: ResumeInput) -> tuple[LaunchRecord | None, int, dict[int, str]]:
     """Start the new incarnation from what the fault's survivors saved, else from the newest complete
     checkpoint: the launch record in force, the newest checkpoint's step and the newer ones passed
-    over, each with why. No launch (None) when that checkpoint is of the last step: the run is done."""
+    over, each with why. When that checkpoint is of the last step the run is done: no launch (None),
+    unless an earlier attempt launched this incarnation, which trained to the end meanwhile (survivors
+    that kept their processes need no controller to go on): its record."""
     run = cluster.run_dir(request.run_id)
     newest, skipped = run.newest_checkpoint()
     if newest >= request.total_steps:
         cluster.release_standbys(request.run_id)
-        return None, newest, skipped
+        return read_launch(run, request.assignment.incarnation), newest, skipped
     incarnation = request.assignment.incarnation
     if request.survivors_of is not None and cluster.keeps_survivors:
         launch = rejoin_or_release(cluster, request, request.survivors_of, skipped)
