@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, Observation, free_port
+from lazarus.infra.backends.local import chaos
 from lazarus.infra.pool import LocalPool, claim_and_release
 from lazarus.infra.processes import (
     any_exit,
@@ -356,60 +357,16 @@ class LocalCluster(RunFiles):
         self._reap()
 
     def kill_node(self, run_id: str, node: str) -> list[int]:
-        """Chaos: mark a node dead, SIGKILL every process on it, and wait until they are gone.
-
-        Returns the process groups killed (one per incarnation the node ran in). The node is
-        marked dead first, with the time just before the kill, so a detector sees a dead node
-        rather than only its ranks' exits.
-        """
-        run = self._existing(run_id)
-        self.update_nodes(
-            run_id, {node: {"healthy": False, "died_at": datetime.now(UTC), "note": "killed (chaos kill-node)"}}
-        )
-        # The standbys first, so that none can fork another launcher on the dead node; its ranks are
-        # signalled before anyone waits for the standbys to be gone, as they would all die at once.
-        self._kill_standbys_on([node], wait=False)
-        killed = kill_and_wait([g for k in run.incarnations() for g in node_groups(run, k, node)])
-        self._kill_standbys_on([node])
-        self._reap()
-        return [group_id for _, _, group_id in killed if group_id is not None]
+        """Chaos: mark a node dead and SIGKILL every process on it (chaos.kill_node)."""
+        return chaos.kill_node(self, run_id, node)
 
     def kill_domain(self, domain: str) -> dict[str, str | None]:
-        """Chaos: every node of a fault domain dies at once, as with a rack's switch: marked dead in one
-        write, then every process of every run on them SIGKILLed. Returns node -> the run that held it."""
-        held = self._nodes_of_domain(domain)
-        now = datetime.now(UTC)
-        note = f"killed with {domain} (chaos kill-domain)"
-        self.pool.set_health({node: {"healthy": False, "died_at": now, "note": note} for node in held})
-        self._kill_standbys_on(list(held), wait=False)
-        groups = [g for run in self._runs() for k in run.incarnations() for n in held for g in node_groups(run, k, n)]
-        kill_and_wait(groups)
-        self._kill_standbys_on(list(held))
-        self._reap()
-        return held
-
-    def _nodes_of_domain(self, domain: str) -> dict[str, str | None]:
-        """The pool's nodes in `domain` and who holds each; ClusterError names the domains there are."""
-        record = self.pool.read()
-        held = {n.name: n.owner for n in record.nodes if n.domain == domain}
-        if not held:
-            known = ", ".join(sorted({n.domain for n in record.nodes if n.domain})) or "none (`lazarus pool domain`)"
-            raise ClusterError(f"the pool under {self.home} has no node in fault domain {domain!r}; domains: {known}")
-        return held
+        """Chaos: every node of a fault domain dies at once (chaos.kill_domain)."""
+        return chaos.kill_domain(self, domain)
 
     def repair_after(self, run_id: str) -> list[str]:
-        """Chaos clean-up of an ended run: its active nodes go back to the pool, and what it
-        quarantined and every dead free node are returned healthy, so the pool is whole for the
-        next run; returns the nodes repaired."""
-        self.release_nodes(run_id)
-        broken = [
-            n.name
-            for n in self.pool.read().nodes
-            if (n.role == "quarantined" and n.owner == run_id) or (n.role == "free" and not n.healthy)
-        ]
-        for node in broken:
-            self.pool.return_node(node)
-        return broken
+        """Chaos clean-up of an ended run: the pool whole again (chaos.repair_after)."""
+        return chaos.repair_after(self, run_id)
 
     def live_pids(self, run_id: str) -> list[int]:
         """Pids of every live process of the run with a pid record (launchers and ranks, any incarnation)."""

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import Observation
+from lazarus.infra.backends.local import chaos
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.pool import LocalPool
 from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource, read_launch
@@ -273,7 +274,7 @@ class SimulatedCluster(LocalCluster):
 
     def kill_domain(self, domain: str) -> dict[str, str | None]:
         """Every node of the fault domain dies at once: the pool marks them dead, their launchers stop."""
-        held = self._nodes_of_domain(domain)
+        held = chaos.nodes_of_domain(self, domain)
         dead = {"healthy": False, "died_at": datetime.now(UTC), "note": f"killed with {domain}"}
         self.pool.set_health(dict.fromkeys(held, dead))
         return held
