@@ -328,12 +328,8 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             # Detect's own faults carry the step of their look; the others only the last progress report.
             read_step=fault.kind in ("external", "operator"),
             breaker=fault.kind != "operator",  # an operator's own drain is a person's decision
-            # A lost node's survivors may keep their processes; every other fault takes the restart path.
-            boundary_grace_seconds=(
-                self._policy.boundary_grace_seconds
-                if self._policy.in_process and fault.kind == "node_down" and self._start.spec.trainer.saves_survivors
-                else 0.0
-            ),
+            # A lost node's survivors (it died, its ranks were killed) may keep their processes; not others'.
+            boundary_grace_seconds=self._boundary_grace(fault),
         )
         drained = await self._stage("drain", RecoveryActivities.drain, draining, incident)
         if drained.step is not None and (fault.step is None or drained.step > fault.step):
@@ -342,6 +338,11 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         incident.checkpoint_in_flight = drained.in_flight_checkpoint
         incident.discarded_checkpoints = drained.removed_partial_checkpoints
         return drained
+
+    def _boundary_grace(self, fault: FaultReport) -> float:
+        """How long drain waits for the survivors at their step boundary (0: the restart path)."""
+        keeps = self._policy.in_process and self._start.spec.trainer.saves_survivors
+        return self._policy.boundary_grace_seconds if keeps and fault.kind in ("node_down", "rank_exit") else 0.0
 
     async def _replace_and_resume(
         self,

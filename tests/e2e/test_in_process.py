@@ -32,8 +32,8 @@ def in_process(spec_path, faults=(), recovery=None, **trainer):
 
 
 async def killed_at_step(dev_env, home, spec, step: int | None):
-    """Run `spec` with an in-process worker, node-2 killed once the run reaches `step` (None: only
-    the spec's planned faults); its final status and run directory."""
+    """Run `spec` with an in-process worker, its middle node killed once the run reaches `step` (None:
+    only the spec's planned faults); its final status and run directory."""
     settings = Settings(task_queue=f"in-process-{uuid.uuid4().hex[:8]}", home=home)
     cluster = LocalCluster(home)
     run_id = f"{spec.name}-{uuid.uuid4().hex[:6]}"
@@ -52,16 +52,18 @@ def pids(run, incarnation: int, ranks) -> dict[int, int]:
     ids=["dp", "dp_shard", "tp", "pp"],
 )
 async def test_survivors_keep_their_processes_and_the_losses_bit_for_bit(dev_env, home, reference, spec_path):
-    # 20 steps, the kill at step 8: the math does not depend on the run's length (a constant learning rate).
-    spec = in_process(spec_path, steps=20)
-    status, run = await killed_at_step(dev_env, home, spec, step=8)
+    # 20 steps, node-K's ranks killed as they start step 8 (a planned fault: every survivor then breaks in
+    # step 8's collectives and holds step 7; a kill at a random moment can leave one a step ahead, which
+    # takes the restart path, tested below). The math does not depend on the run's length.
+    killed = load_spec(spec_path).layout.nodes // 2
+    spec = in_process(spec_path, [{"node": f"node-{killed}", "step": 8}], steps=20)
+    status, run = await killed_at_step(dev_env, home, spec, step=None)
 
     assert status.state == RunState.COMPLETED and status.step == spec.trainer.steps, status.reason
     [incident] = status.incidents
     layout, world = spec.layout, spec.layout.world_size
-    killed = layout.nodes // 2  # the node drive_run kills
     assert incident.fault.nodes == [f"node-{killed}"] and incident.decision.action == "replace"
-    assert incident.restored_from == "in_process" and incident.lost_steps == 0
+    assert incident.restored_from == "in_process" and incident.resumed_from_step == 7 and incident.lost_steps == 0
     lost = set(range(killed * layout.ranks_per_node, (killed + 1) * layout.ranks_per_node))
     survivors = [rank for rank in range(world) if rank not in lost]
     # The survivors are the same processes in both incarnations; the lost node's ranks are new ones.
@@ -100,8 +102,8 @@ async def test_a_survivor_that_never_reaches_the_boundary_sends_the_recovery_dow
 
 async def test_a_ddp_script_of_its_own_keeps_its_survivors_through_the_session(dev_env, home, reference):
     # examples/train_ddp.py: session.keep_process where a step breaks, load_survivor_state before DDP.
-    spec = in_process(USER_DDP_SPEC, survivor_state=True)
-    status, run = await killed_at_step(dev_env, home, spec, step=60)
+    spec = in_process(USER_DDP_SPEC, [{"node": "node-2", "step": 60}], survivor_state=True)
+    status, run = await killed_at_step(dev_env, home, spec, step=None)
 
     assert status.state == RunState.COMPLETED and status.step == 100, status.reason
     [incident] = status.incidents
