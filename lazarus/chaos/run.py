@@ -85,7 +85,10 @@ def disk_full_checks(trial: Trial, status, lost: int) -> list[str]:
     # The next incarnation trains that step again and commits it: only the first one's counts here.
     if trial.watch.committed.get(lost, (None, None))[1] == 0:
         notes.append(f"FAIL the checkpoint of step {lost}, written to a full disk, was committed")
-    previous = lost - trial.spec.trainer.checkpoint_every
+    # The newest the first incarnation committed: the one before the lost, or (when the write failed
+    # late, under load) the next, written before the node died.
+    kept = [step for step, (_, k) in trial.watch.committed.items() if k == 0 and step != lost]
+    previous = max(kept, default=None)
     if status.incidents and status.incidents[0].resumed_from_step != previous:
         notes.append(f"FAIL resumed from step {status.incidents[0].resumed_from_step}, not the checkpoint {previous}")
     said = f"checkpoint of step {lost} not written"

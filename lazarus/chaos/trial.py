@@ -14,7 +14,7 @@ from temporalio.service import RPCError
 
 from lazarus.chaos.bed import ChaosBed, ChaosError, CheckpointWatch, wait_for
 from lazarus.client.runs import connect, run_status, start_run
-from lazarus.schema.contract import read_metrics
+from lazarus.schema.contract import read_heartbeat, read_metrics
 from lazarus.schema.files import read_json
 from lazarus.schema.records import Assignment, RunStatus
 from lazarus.schema.run import RunSpec
@@ -101,6 +101,14 @@ class Trial:
     async def at_step(self, step: int, timeout: float = 180.0) -> None:
         """Wait until the run has trained `step`."""
         await wait_for(lambda: self.step() >= step, f"step {step} of {self.run_id}", timeout)
+
+    def warned(self, words: str, incarnation: int = 0) -> bool:
+        """Whether a rank of `incarnation` has put a warning with `words` in its heartbeat."""
+        for rank in range(self.spec.layout.world_size):
+            heartbeat = read_heartbeat(self.run, incarnation, rank)
+            if heartbeat is not None and heartbeat.warning and words in heartbeat.warning:
+                return True
+        return False
 
     def incarnation(self) -> int:
         """The newest incarnation with an assignment."""
