@@ -36,12 +36,16 @@ def end_incarnation(cluster: ClusterBackend, request: DrainInput, held_back: str
         kept = keep_survivors(cluster, request)
         if kept:
             stopped = cluster.stop_nodes(run_id, incarnation, request.nodes)
-            quarantined = [] if held_back else sorted(request.nodes)
+            # A survivor waits at its boundary only once it has given up its save in flight, whose
+            # process group it left (trainer/gpt/train.py keep_process): uncommitted now, it never will be.
+            in_flight, committed = cluster.await_checkpoint_in_flight(run_id, incarnation, 0)
             return DrainResult(
-                quarantined=quarantined,
+                quarantined=[] if held_back else sorted(request.nodes),
                 held_back=held_back,
                 stopped_ranks=stopped,
-                removed_partial_checkpoints=[],
+                removed_partial_checkpoints=cluster.remove_partial_checkpoints(run_id),
+                in_flight_checkpoint=in_flight,
+                in_flight_committed=committed,
                 kept_survivors=kept,
                 step=step,
             )

@@ -59,7 +59,11 @@ def rejoin_or_release(
     kept = waiting_survivors(run, old_assignment)
     rejoin = rejoin_of(old_assignment, new, kept) if earlier is None else earlier.rejoin
     if rejoin is not None:
-        return cluster.rejoin_ranks(request.run_id, new.incarnation, kept_step(kept, earlier), rejoin, skipped)
+        launch = cluster.rejoin_ranks(request.run_id, new.incarnation, kept_step(kept, earlier), rejoin, skipped)
+        # The survivors serve the new incarnation now: ended, the old one's late checkpoint commits
+        # (a save it had in flight) never count, as for a stopped incarnation.
+        run.end(old)
+        return launch
     if not run.ended_file(old).exists():  # drain kept them: they save and end now, as on the restart path
         fall_back(run, old)
         cluster.await_survivors(request.run_id, old, request.policy.survivor_grace_seconds)

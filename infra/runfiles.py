@@ -307,7 +307,8 @@ class RunFiles:
     def remove_partial_checkpoints(self, run_id: str) -> list[int]:
         """Delete checkpoint folders that never got their commit marker; returns their steps.
 
-        Called only once no rank of the run is alive, so nothing can still be writing them.
+        Called only once nothing can still be writing them: no rank of the run is alive, or every
+        live one waits at its step boundary, its save in flight given up (RecoveryPolicy.in_process).
         """
         run = self._existing(run_id)
         complete = set(run.checkpoint_steps())

@@ -105,7 +105,7 @@ def waiting_survivors(run: RunDir, assignment: Assignment, ranks=None) -> dict[i
 def wait_at_boundary(run: RunDir, assignment: Assignment, lost: list[str], grace: float) -> dict[int, int]:
     """Wait up to `grace` seconds for every rank not on the `lost` nodes to wait at its step
     boundary (heartbeat phase "waiting", its process alive); returns rank -> the step each holds,
-    all the same, or {} when one did not get there (it hangs, it ended, it holds another step)."""
+    all the same, or {} when one did not get there (it hangs, it holds another step) or ended."""
     per_node = assignment.layout.ranks_per_node
     kept = [
         rank
@@ -114,8 +114,10 @@ def wait_at_boundary(run: RunDir, assignment: Assignment, lost: list[str], grace
         for rank in range(index * per_node, (index + 1) * per_node)
     ]
     deadline = time.monotonic() + grace
+    k = assignment.incarnation
     while not (steps := waiting_survivors(run, assignment, kept)):
-        if time.monotonic() > deadline:
+        # A survivor whose process ended (a second node lost) will never wait: no need to wait for it.
+        if time.monotonic() > deadline or not all(lock_is_held(run.lock_file(k, rank)) for rank in kept):
             return {}
         time.sleep(BOUNDARY_POLL_SECONDS)
     return steps

@@ -149,7 +149,8 @@ class RunDir:
         return self.incarnation(k) / "fall-back"
 
     def ended_file(self, k: int) -> Path:
-        """Written by the backend before it kills an incarnation: a launcher started later must not run."""
+        """Written by the backend before it kills an incarnation (a launcher started later must not
+        run), or by resume once the incarnation's survivors rejoin the next one in their processes."""
         return self.incarnation(k) / "ended"
 
     def end(self, k: int) -> None:

@@ -15,6 +15,7 @@ from lazarus.chaos.judge import Row, judge
 from lazarus.chaos.scenarios import DERIVED_HANG_LIMIT_SECONDS, HANG_FOUND_MARGIN_SECONDS, Scenario
 from lazarus.chaos.trial import Trial
 from lazarus.infra.harness.slurm_daemons import SlurmDaemons
+from lazarus.schema.contract import read_heartbeat, read_launch
 from lazarus.schema.run import RunSpec
 
 
@@ -66,15 +67,33 @@ def scenario_checks(trial: Trial, status) -> list[str]:
 
 def half_saved_checks(trial: Trial, node: str) -> list[str]:
     """The node's ranks of the first incarnation died with their survivor state half written (a
-    partial file, no manifest): otherwise the scenario did not test what it says."""
+    partial file, no manifest), or where survivors keep their processes, at their boundary (they
+    said so, and none rejoined): otherwise the scenario did not test what it says."""
     index = trial.assignment(0).nodes.index(node)
     per_node = trial.spec.layout.ranks_per_node
     ranks = range(index * per_node, (index + 1) * per_node)
+    if trial.spec.recovery.in_process:
+        return at_boundary_checks(trial, node, ranks)
     half = [r for r in ranks if trial.run.survivor_state(0, r).with_suffix(".partial").exists()]
     whole = [r for r in ranks if trial.run.survivor_manifest(0, r).exists()]
     if half != list(ranks) or whole:
         return [f"FAIL {node}'s ranks did not die half-way through their survivor save (partial {half}, whole {whole})"]
     return [f"{node}'s ranks {half} died half-way through their survivor save"]
+
+
+def at_boundary_checks(trial: Trial, node: str, ranks: range) -> list[str]:
+    """The node's ranks of the first incarnation left their broken groups and died at their boundary
+    before they said they wait there, and no rank of the run rejoined the next incarnation in its process."""
+    said = "waiting at the boundary"
+    there = [r for r in ranks if (log := trial.run.log_file(0, r)).exists() and said in log.read_text()]
+    waited = [r for r in ranks if (beat := read_heartbeat(trial.run, 0, r)) is not None and beat.phase == "waiting"]
+    rejoined = [k for k in trial.run.incarnations() if (launch := read_launch(trial.run, k)) and launch.rejoin]
+    if there != list(ranks) or waited or rejoined:
+        return [
+            f"FAIL {node}'s ranks did not die at their boundary (there {there}, waited {waited}, "
+            f"rejoined in {rejoined})"
+        ]
+    return [f"{node}'s ranks {there} died at their boundary; the survivors fell back to the restart path"]
 
 
 def disk_full_checks(trial: Trial, status, lost: int) -> list[str]:

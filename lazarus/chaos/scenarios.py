@@ -245,15 +245,18 @@ def in_async_save(spec: RunSpec, kill_at: int) -> list[dict]:
 
 
 def in_survivor_save(spec: RunSpec, kill_at: int) -> list[dict]:
-    """node-2 dies before step `kill_at`; node-0 dies while it saves the step before as a survivor."""
+    """node-2 dies before step `kill_at`; node-0 dies while it saves the step before as a survivor,
+    or, where survivors keep their processes, at the boundary where it would wait with that step."""
+    point = "boundary" if spec.recovery.in_process else "survivor_save"
     return [
         FaultInjection(node="node-2", step=kill_at).model_dump(mode="json"),
-        FaultInjection(node="node-0", step=kill_at - 1, point="survivor_save").model_dump(mode="json"),
+        FaultInjection(node="node-0", step=kill_at - 1, point=point).model_dump(mode="json"),
     ]
 
 
 async def node_in_survivor_save(trial: Trial, kill_at: int) -> None:
-    """The planned faults do it; the judge checks that node-0 did die half-way through its save."""
+    """The planned faults do it; the judge checks that node-0 did die half-way through its save
+    (or at its boundary)."""
     trial.half_saved = "node-0"
 
 
@@ -364,7 +367,7 @@ SCENARIOS = [
     ),
     Scenario(
         "second-node-in-survivor-save",
-        "a second node dying while the survivors save the interrupted step",
+        "a second node dying while the survivors save the interrupted step (kept in their processes: at its boundary)",
         node_in_survivor_save,
         faults=in_survivor_save,
     ),

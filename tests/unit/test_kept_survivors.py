@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from lazarus.infra.survivors import rejoin_of, waiting_survivors
+from lazarus.infra.survivors import rejoin_of, wait_at_boundary, waiting_survivors
 from lazarus.schema.contract import Heartbeat, Rejoin, write_heartbeat
 from lazarus.schema.files import take_lock
 from lazarus.schema.layout import Layout
@@ -94,3 +94,16 @@ def test_a_backend_that_restarts_every_rank_refuses_in_process_with_a_sentence()
         )
         is None
     )
+
+
+def test_drain_gives_up_on_the_boundary_at_once_when_a_survivor_has_ended(tmp_path):
+    """A second node lost while the first's survivors reach their boundary: no need to wait out the
+    grace (an hour here; the per-test timeout would fail a wait) for a rank that is gone."""
+    run = RunDir(tmp_path)
+    old = assignment(DP4, ["node-0", "node-1", "node-2", "node-3"])
+    locks = [waiting(run, 1, 11), waiting(run, 3, 11)]
+    # Rank 0 trained its step and ended (its lock is free): it will never wait.
+    write_heartbeat(run, 0, Heartbeat(rank=0, step=11, phase="training", time=time.time()))
+    assert wait_at_boundary(run, old, ["node-2"], grace=3600) == {}
+    for fd in locks:
+        os.close(fd)

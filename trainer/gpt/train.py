@@ -102,11 +102,12 @@ def restore(session: TrainingSession, trainer: Trainer) -> tuple[int, int]:
 
 class BrokenStep(Exception):
     """A step whose collective broke before the optimizer touched anything (a peer's node died):
-    what the rank holds is exactly the state after `step` steps, at data position `samples`."""
+    what the rank holds is exactly the state after `step` steps, at data position `samples`;
+    `checkpointer` may have a save in flight over the broken incarnation's groups."""
 
-    def __init__(self, step: int, samples: int):
+    def __init__(self, step: int, samples: int, checkpointer=None):
         super().__init__(f"the collectives of step {step + 1} broke")
-        self.step, self.samples = step, samples
+        self.step, self.samples, self.checkpointer = step, samples, checkpointer
 
 
 def train(session: TrainingSession) -> tuple[int, bool]:
@@ -136,6 +137,11 @@ def train(session: TrainingSession) -> tuple[int, bool]:
             trainer, step, samples = kept
 
 
+SAVE_SETTLE_SECONDS = 1.0
+"""How long a survivor keeping its process waits for its abandoned save's threads to end (seconds):
+with the groups' connections cut its collectives fail at once, so only a write to a stuck disk is slower."""
+
+
 def keeps_process(spec: RunSpec) -> bool:
     """Whether a survivor keeps its process at a broken step: the policy asks for it, and the
     group is gloo's, which can be abandoned (NCCL's would need aborting: not done yet)."""
@@ -156,6 +162,12 @@ def keep_process(session: TrainingSession, spec: RunSpec, trainer: Trainer, brok
     began = time.monotonic()
     held = survivors.snapshot(trainer, broken.step, broken.samples)  # local tensors: no collective
     abandon_process_groups()
+    # A save in flight went over the abandoned groups: it is never committed, and once its threads
+    # end, nothing of this incarnation writes into its folder, which drain then removes.
+    if broken.checkpointer is not None and not broken.checkpointer.abandon(SAVE_SETTLE_SECONDS):
+        print("lazarus trainer: the checkpoint in flight did not settle; saving as on the restart path", flush=True)
+        return None
+    print(f"lazarus trainer: left the broken groups; waiting at the boundary after step {broken.step}", flush=True)
     maybe_fail("boundary", broken.step)
     launch = wait_for_rejoin(session, broken.step, spec.recovery.rejoin_timeout_seconds)
     if launch is None or launch.rejoin is None:
@@ -212,7 +224,7 @@ def train_steps(session: TrainingSession, spec: RunSpec, trainer: Trainer, step:
             # A broken collective (a peer's node died) fails the step before the optimizer
             # touched anything: what this rank holds is exactly the state after `step` steps.
             if not trainer.updating:
-                raise BrokenStep(step, samples) from error
+                raise BrokenStep(step, samples, checkpointer) from error
             raise
         step += 1
         samples += settings.global_batch

@@ -98,6 +98,7 @@ class Checkpointer:
             self.group = group
         self._in_flight: tuple[int, Future, threading.Thread | None] | None = None
         self._commit_error: BaseException | None = None
+        self._abandoned = False  # see abandon()
 
     def save(self, model, optimizer, step: int, samples: int) -> None:
         """Checkpoint the state after `step` steps; returns once the state is staged (async) or written."""
@@ -145,10 +146,30 @@ class Checkpointer:
             error, self._commit_error = self._commit_error, None
             self._failed(step, error)
 
+    def abandon(self, timeout: float) -> bool:
+        """Give up the save in flight without committing it (its process group is abandoned, so it
+        can only have been written already or fail), and wait up to `timeout` seconds for its
+        threads to end; False when they still run, and may still write into its folder."""
+        self._abandoned = True
+        if self._in_flight is None:
+            return True
+        _, future, committer = self._in_flight
+        self._in_flight = None
+        try:
+            future.exception(timeout=timeout)
+        except TimeoutError:
+            return False
+        if committer is not None:
+            committer.join(timeout)
+            return not committer.is_alive()
+        return True
+
     def _commit_when_written(self, step: int, future: Future) -> None:
         try:
             future.result()
         except BaseException:  # noqa: BLE001 - wait() reads the same failure from the future
+            return
+        if self._abandoned:
             return
         try:
             self._commit(step)

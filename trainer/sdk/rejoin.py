@@ -111,13 +111,16 @@ def wait_for_rejoin(session: TrainingSession, step: int, timeout: float) -> Laun
     session.heartbeat(step, "waiting")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if run.fall_back_file(incarnation).exists() or run.ended_file(incarnation).exists():
-            return None
+        # Read before the launch record: the controller ends this incarnation once the next one's
+        # survivors rejoin, and a survivor that saw the end must still find the record written first.
+        told_off = run.fall_back_file(incarnation).exists() or run.ended_file(incarnation).exists()
         launch = read_launch(run, incarnation + 1)
         if launch is not None:
             rejoin = launch.rejoin
             joins = rejoin is not None and rejoin.incarnation == incarnation and session.rank in rejoin.ranks
             return launch if joins else None
+        if told_off:
+            return None
         time.sleep(ORDER_POLL_SECONDS)
     return None
 

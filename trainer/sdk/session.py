@@ -199,7 +199,9 @@ class TrainingSession:
         where it rejoins the next incarnation, the default process group is the new one (DDP and
         other wrappers must be built again over it) and the return value is the state every rank
         goes on from. None where the controller starts the next incarnation afresh (or without
-        in_process, or on NCCL): then save_survivor_state and re-raise, as before."""
+        in_process, or on NCCL): then save_survivor_state and re-raise, as before. A checkpoint
+        save still in flight must have ended, or been given up and never to be committed, before
+        this call: once every survivor waits, the controller removes an uncommitted folder."""
         spec = RunSpec.model_validate_json(self.run.spec_file.read_text())
         if not spec.recovery.in_process:
             return None
