@@ -36,9 +36,9 @@ from tests.support.workers import lazarus_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-LONG_STEPS = 100
+LONG_STEPS = 200
 """The small spec trained longer: long enough to reset or terminate its workflow and act again
-while the ranks train (about 0.1 s a step here)."""
+while the ranks train (about 0.05 s a step here, 10 s in all)."""
 
 SPARE_FOR_NODE_2 = ["node-0", "node-1", "node-4", "node-3"]
 
