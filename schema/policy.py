@@ -209,6 +209,17 @@ class RecoveryPolicy(Strict):
         ),
     )
     min_dp: int = Field(default=1, ge=1, description="Smallest data-parallel degree the run may shrink to (replicas).")
+    workflow_task_timeout_seconds: float = Field(
+        default=10.0,
+        ge=1,
+        le=120,
+        description=(
+            "How long the Temporal server waits for a worker to finish one of the run's workflow tasks before it "
+            "hands the task to another worker (seconds). A controller that dies inside a local stage (drain, "
+            "reschedule, replace_or_reshard) holds the recovery this long; a worker so loaded that one task takes "
+            "longer has its tasks retried. Fixed when the run's workflow starts (set_policy refuses it)."
+        ),
+    )
     burst_gather_seconds: float = Field(
         default=2.0,
         ge=0,

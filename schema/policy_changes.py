@@ -24,6 +24,9 @@ def changed_policy(policy: RecoveryPolicy, changes: dict[str, Any], layout_dp: i
     Raises ValueError with one line naming the first field that is wrong, as the spec's loader
     would (`recovery.<field>: why`); min_dp may not exceed `layout_dp`, the spec's layout.dp.
     """
+    if "workflow_task_timeout_seconds" in changes:
+        # The server holds it per workflow execution, from the start (or a continue-as-new) on.
+        raise ValueError("recovery.workflow_task_timeout_seconds: fixed when the run's workflow starts")
     try:
         changed = RecoveryPolicy.model_validate(_merged(policy.model_dump(mode="json"), changes))
     except ValidationError as error:

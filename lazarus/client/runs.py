@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import NoReturn
 
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
@@ -132,6 +133,7 @@ async def start_run(client: Client, settings: Settings, spec: RunSpec, run_id: s
         search_attributes=attributes,
         # A run id names one run directory; reusing it would resume a finished run's state.
         id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        task_timeout=workflow_task_timeout(spec),
         static_summary=static_summary(spec),
     )
 
@@ -177,9 +179,15 @@ async def adopt_run(client: Client, settings: Settings, run_id: str) -> tuple[Wo
         task_queue=settings.task_queue,
         # Only a closed workflow's id is taken again, and only on purpose: this is that purpose.
         id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+        task_timeout=workflow_task_timeout(start.spec),
         static_summary=static_summary(start.spec),
     )
     return handle, status
+
+
+def workflow_task_timeout(spec: RunSpec) -> timedelta:
+    """The run's workflow task timeout (its policy's); a continue-as-new keeps it."""
+    return timedelta(seconds=spec.recovery.workflow_task_timeout_seconds)
 
 
 def static_summary(spec: RunSpec) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 import uuid
+from datetime import timedelta
 
 import pytest
 
@@ -35,6 +36,9 @@ async def test_pause_resume_then_a_recovery_with_metrics_and_report(dev_env, hom
     try:
         async with build_worker(dev_env.client, queue, cluster, metrics=metrics):
             handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
+            # The server holds the run's own workflow task timeout: a worker killed in drain costs 3 s, not 10.
+            config = (await handle.describe()).raw_description.execution_config
+            assert config.default_workflow_task_timeout.ToTimedelta() == timedelta(seconds=3)
             await asyncio.to_thread(wait_until, lambda: trained_step(run) >= 12, "step 12", 120)
 
             paused = await handle.execute_update(TrainingRun.pause, controls.PauseRequest(reason="test"))

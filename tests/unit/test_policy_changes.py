@@ -29,6 +29,7 @@ def test_nested_changes_keep_the_fields_they_do_not_name():
         ({"stages": 5}, "recovery.stages: Input should be"),
         ({"hang_after_seconds": 0.05}, "recovery.hang_after_seconds: 0.05 must exceed recovery.heartbeat_interval"),
         ({"min_dp": 5}, "recovery.min_dp: 5 exceeds layout.dp 4"),
+        ({"workflow_task_timeout_seconds": 3}, "recovery.workflow_task_timeout_seconds: fixed when the run's"),
     ],
 )
 def test_a_bad_change_is_refused_with_one_line_naming_the_field(changes, message):
