@@ -6,18 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.multiprocessing as mp
 
 from lazarus.infra.backend import free_port
+from tests.support.ranks import start_ranks
 from tests.trainer.reshard_ranks import SETTINGS, STEPS, run_rank
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def spawn(world: int, layout: dict, mode: str, folder) -> None:
-    mp.start_processes(
-        run_rank, args=(world, free_port(), layout, mode, str(folder)), nprocs=world, join=True, start_method="spawn"
-    )
+    start_ranks(run_rank, (world, free_port(), layout, mode, str(folder)), world)
 
 
 def reports(folder, mode: str, world: int) -> list[dict]:

@@ -9,10 +9,10 @@ import json
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
 from lazarus.infra.backend import free_port
 from lazarus.schema.rundir import RunDir
+from tests.support.ranks import start_ranks
 from tests.trainer.fencing_ranks import FIRST, LAST, fenced_rank, replacement_rank
 
 pytestmark = pytest.mark.timeout(180)
@@ -20,9 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_a_fenced_nodes_late_checkpoint_changes_nothing_that_resume_loads(tmp_path):
     run = RunDir(tmp_path)
-    fenced = mp.start_processes(
-        fenced_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
+    fenced = start_ranks(fenced_rank, (free_port(), str(tmp_path)), 2, join=False)
     try:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"saved-{rank}").exists() for rank in range(2)):
@@ -30,9 +28,7 @@ def test_a_fenced_nodes_late_checkpoint_changes_nothing_that_resume_loads(tmp_pa
             assert fenced.join(timeout=0.1) is False, "incarnation 0 ended early"
         run.end(0)  # drain gives up on incarnation 0: its processes live on
         assert run.newest_checkpoint() == (FIRST, {})
-        mp.start_processes(
-            replacement_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
-        )
+        start_ranks(replacement_rank, (free_port(), str(tmp_path)), 2)
         replaced = {p.name: p.read_bytes() for p in run.checkpoint_folder(LAST, 1).iterdir()}
         (tmp_path / "go-late").touch()
         while not fenced.join(timeout=1):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.multiprocessing as mp
 
 from lazarus.infra.backend import free_port
 from lazarus.schema import Layout
 from lazarus.schema.contract import read_survivor
 from lazarus.schema.rundir import RunDir
 from lazarus.trainer.gpt import survivor_state as survivors
+from tests.support.ranks import start_ranks
 from tests.trainer.survivor_ranks import COMPLETED, SETTINGS, run_rank
 
 pytestmark = pytest.mark.timeout(180)
@@ -21,13 +21,7 @@ WORLD = 4
 
 
 def spawn(layout: dict, mode: str, folder, sources: dict | None = None) -> None:
-    mp.start_processes(
-        run_rank,
-        args=(WORLD, free_port(), layout, mode, str(folder), sources or {}),
-        nprocs=WORLD,
-        join=True,
-        start_method="spawn",
-    )
+    start_ranks(run_rank, (WORLD, free_port(), layout, mode, str(folder), sources or {}), WORLD)
 
 
 def read(folder, name: str) -> dict:
