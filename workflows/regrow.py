@@ -14,15 +14,19 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
-    from lazarus.schema.records import Regrowth
+    from lazarus.schema.records import Decision, Regrowth
     from lazarus.schema.stages import RescheduleInput
     from lazarus.workflows.policy import batch_said, plan_regrow, regrow_nodes
 from lazarus.workflows.run_parts import RunParts
+from lazarus.workflows.stage_calls import StageRefused
 
 # Deprecated patches: each id's workflow.deprecate_patch stands where its workflow.patched stood, so
 # that histories with the id's marker replay (the patch policy: docs/concepts/run-as-workflow.md).
 REGROW_PATCH = "regrow"
 """Deprecated patch id: a run below its wanted dp grows back when the pool has the nodes (before: it stayed small)."""
+CLAIM_LOST_PATCH = "regrow-claim-lost"
+"""Patch id: a regrow whose nodes another run claimed after the ranks stopped resumes on the held
+nodes (before: the run failed on the refused claim)."""
 
 
 class Regrowing(RunParts):
@@ -67,8 +71,22 @@ class Regrowing(RunParts):
         regrowth.nodes = [n for n in decision.nodes if n not in status.assignment.nodes]
         stopped = await self._stop_ranks(f"regrow to dp={decision.layout.dp}", timing=regrowth)
         regrowth.stopped_at_step = stopped.step if stopped is not None else None
-        resumed = await self._replace_and_resume(decision, None, "regrow", timing=regrowth)
+        try:
+            resumed = await self._replace_and_resume(decision, None, "regrow", timing=regrowth)
+            regrowth.outcome = "regrown"
+        except StageRefused as refused:
+            lost = (refused.stage, refused.kind) == ("replace_or_reshard", "SpareUnavailable")
+            if not (lost and workflow.patched(CLAIM_LOST_PATCH)):
+                raise
+            # Another run claimed a node between the pool's read and the claim, after the ranks
+            # stopped: they start again on the nodes the run holds, and the watch tries again later.
+            held = status.assignment
+            regrowth.to_dp, regrowth.nodes = held.layout.dp, []
+            regrowth.outcome = "capacity gone"
+            regrowth.reason = f"{decision.reason}; at the claim, {refused}: resumed at dp={held.layout.dp}"
+            # The refused decision's action: the run stays in the state it entered for the claim.
+            stay = Decision(action=decision.action, nodes=held.nodes, layout=held.layout, reason=regrowth.reason)
+            resumed = await self._replace_and_resume(stay, None, "regrow", timing=regrowth)
         regrowth.resumed_from_step, regrowth.first_step_at = resumed.resumed_from_step, resumed.first_step_at
-        regrowth.outcome = "regrown"
         self._next_fault = resumed.fault  # a fault before its first step: the next incident
         return resumed.completed

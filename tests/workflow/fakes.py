@@ -95,6 +95,7 @@ class FakeStages:
         resume_sleep=0.0,
         spare_returns_at_read: int | None = None,
         spare_dies_before_claim: bool = False,
+        claim_lost_at: int | None = None,
         resume_gate: asyncio.Event | None = None,
         resumes: list | None = None,
         return_gate: asyncio.Event | None = None,
@@ -104,6 +105,7 @@ class FakeStages:
         self.return_gate = return_gate
         self.resume_gate = resume_gate
         self.spare_dies_before_claim = spare_dies_before_claim
+        self.claim_lost_at = claim_lost_at  # that replace_or_reshard call finds its new nodes taken by another run
         self.spare_returns_at_read = spare_returns_at_read
         self.spares = list(spares)
         self.drain_failures = drain_failures
@@ -208,12 +210,17 @@ class FakeStages:
     @activity.defn(name="replace_or_reshard")
     async def replace_or_reshard(self, request: ReplaceInput) -> Assignment:
         self._called("replace_or_reshard")
+        decision, old = request.decision, request.old_assignment
+        if self.names().count("replace_or_reshard") == self.claim_lost_at:
+            taken = [node for node in decision.nodes if node not in old.nodes]
+            for node in taken:
+                self.nodes[node] = "taken"  # active in another run: this run's inventory no longer offers it
+            raise ApplicationError(f"{taken} no longer free spares", type="SpareUnavailable", non_retryable=True)
         if self.spare_dies_before_claim:
             self.spare_dies_before_claim = False
             # A spare that dies while free is dead, not this run's quarantine.
             self.dead.update(request.decision.replacements.values())
             raise ApplicationError("node-4 is no longer a free spare", type="SpareUnavailable", non_retryable=True)
-        decision, old = request.decision, request.old_assignment
         for node in decision.nodes:
             self.nodes[node] = "active"
         for node in decision.released_nodes:

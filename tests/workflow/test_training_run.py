@@ -396,6 +396,31 @@ async def test_a_fault_before_a_restarts_first_step_is_the_next_incident(time_sk
     ]
 
 
+async def test_a_regrow_whose_node_another_run_claimed_after_the_stop_resumes_on_the_held_nodes(time_skipping_env):
+    """The pool offered node-9, the ranks stopped for the regrow, and another run claimed node-9
+    first: the run starts again at dp 3 on its own nodes (it failed on the refused claim before)."""
+    stages = FakeStages(watch=[fault(), "capacity", "done"], spares=(), claim_lost_at=2)
+    status = await run_workflow(time_skipping_env, stages, make_spec(min_dp=1))
+
+    assert status.state == RunState.COMPLETED, status.reason
+    [regrowth] = status.regrowths
+    assert (regrowth.from_dp, regrowth.to_dp, regrowth.nodes) == (3, 3, [])
+    assert regrowth.outcome == "capacity gone"
+    assert "at the claim, replace_or_reshard refused (SpareUnavailable)" in regrowth.reason, regrowth.reason
+    assert status.layout.dp == 3 and status.assignment.nodes == ["node-0", "node-1", "node-3"]
+    assert status.assignment.incarnation == 2  # the fault's, then the restart after the lost claim
+    after_fault = stages.names()[stages.names().index("resume") + 1 :]
+    assert after_fault[:7] == [
+        "detect",
+        "reschedule",
+        "stop",
+        "replace_or_reshard",
+        "replace_or_reshard",
+        "resume",
+        "detect",
+    ]
+
+
 @pytest.mark.parametrize("regrow", [True, False], ids=["regrows", "held-by-policy"])
 async def test_a_resharded_run_grows_back_when_the_pool_has_the_nodes_unless_the_policy_holds_it(
     time_skipping_env, regrow
