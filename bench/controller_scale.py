@@ -100,11 +100,14 @@ class Sitting:
     workers: int = 1
     kill_worker: bool = False
     rack: bool = False  # one rack with a node of every run fails at once; spares for half the runs
+    task_timeout: float | None = None  # the runs' recovery.workflow_task_timeout_seconds (None: the policy's)
 
     def caption(self) -> str:
         workers = f"{self.workers} worker{'s' if self.workers > 1 else ''}"
         if self.kill_worker:
             workers += " (one SIGKILLed mid-burst)"
+        if self.task_timeout is not None:
+            workers += f", workflow task timeout {self.task_timeout:g} s"
         if self.rack:
             return (
                 f"{workers}, {self.runs} concurrent runs of priorities 0-2, one rack holding a node of each failing "
@@ -114,7 +117,11 @@ class Sitting:
 
     def spec(self, index: int):
         """The spec of run `index`: with a rack, priorities 0, 1, 2 in turn."""
-        return parse_spec({**SPEC, "cluster": {**SPEC["cluster"], "priority": index % 3 if self.rack else 0}})
+        recovery = dict(SPEC["recovery"])
+        if self.task_timeout is not None:
+            recovery["workflow_task_timeout_seconds"] = self.task_timeout
+        cluster = {**SPEC["cluster"], "priority": index % 3 if self.rack else 0}
+        return parse_spec({**SPEC, "cluster": cluster, "recovery": recovery})
 
     def faults(self, pool: LocalPool, ids: list[str], rng: random.Random) -> list[tuple[float, list[str]]]:
         """When which nodes die, seconds from the burst's start; the spares added first."""
@@ -590,6 +597,14 @@ def main() -> None:
         default=20.0,
         help="how long the watch of healthy runs is measured (default 20)",
     )
+    parser.add_argument(
+        "--workflow-task-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the runs' recovery.workflow_task_timeout_seconds (default: the policy's, 10): what a worker killed "
+        "inside a local stage costs its runs",
+    )
     parser.add_argument("--issue", action="store_true", help="the four sittings of the fleet issue, into one page")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document")
@@ -599,12 +614,18 @@ def main() -> None:
         parser.error(
             "--runs and --workers must be at least 1, --spread-seconds not negative, --healthy-seconds positive"
         )
+    if args.workflow_task_timeout is not None and not 1 <= args.workflow_task_timeout <= 120:
+        parser.error("--workflow-task-timeout must be between 1 and 120 seconds")
     if args.kill_worker and args.workers < 2:
         parser.error("--kill-worker needs --workers 2 or more (someone must take over the runs)")
     sittings = (
         ISSUE_SITTINGS
         if args.issue
-        else [Sitting(args.runs, args.spread_seconds, args.workers, args.kill_worker, args.rack)]
+        else [
+            Sitting(
+                args.runs, args.spread_seconds, args.workers, args.kill_worker, args.rack, args.workflow_task_timeout
+            )
+        ]
     )
     page = perf_page.begin()
     started = time.monotonic()

@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 async def test_pause_resume_then_a_recovery_with_metrics_and_report(dev_env, home, reference_losses, tmp_path):
-    spec = load_spec(SMALL_SPEC)
+    small = load_spec(SMALL_SPEC)
+    spec = small.model_copy(update={"recovery": small.recovery.model_copy(update={"workflow_task_timeout_seconds": 7})})
     cluster = LocalCluster(home)
     metrics = Metrics()
     port = free_port()
@@ -36,9 +37,9 @@ async def test_pause_resume_then_a_recovery_with_metrics_and_report(dev_env, hom
     try:
         async with build_worker(dev_env.client, queue, cluster, metrics=metrics):
             handle = await start_run(dev_env.client, Settings(task_queue=queue), spec, run_id)
-            # The server holds the run's own workflow task timeout: a worker killed in drain costs 3 s, not 10.
+            # The server holds the run's own workflow task timeout, not Temporal's 10 s.
             config = (await handle.describe()).raw_description.execution_config
-            assert config.default_workflow_task_timeout.ToTimedelta() == timedelta(seconds=3)
+            assert config.default_workflow_task_timeout.ToTimedelta() == timedelta(seconds=7)
             await asyncio.to_thread(wait_until, lambda: trained_step(run) >= 12, "step 12", 120)
 
             paused = await handle.execute_update(TrainingRun.pause, controls.PauseRequest(reason="test"))
