@@ -231,6 +231,13 @@ async def disk_full_then_node(trial: Trial, kill_at: int) -> None:
     # the node dies once the trainer has told of the loss, as the scenario's order says.
     said = f"checkpoint of step {lost} not written"
     await wait_for(lambda: trial.warned(said), f"the warning '{said}'", 120)
+    # The controller hears it with the node's next report, which a node lost first never writes:
+    # the node dies once the run's status holds it, the order the scenario is about.
+    deadline = time.monotonic() + 60
+    while not await trial.heard(said):
+        if time.monotonic() > deadline:
+            raise ChaosError(f"gave up after 60 s waiting for the run's status to hold '{said}'")
+        await asyncio.sleep(0.05)
     await trial.kill_nodes(trial.node(2))
 
 

@@ -18,6 +18,7 @@ from lazarus.schema.contract import read_heartbeat, read_metrics
 from lazarus.schema.files import read_json
 from lazarus.schema.records import Assignment, RunStatus
 from lazarus.schema.run import RunSpec
+from lazarus.workflows.training_run import TrainingRun
 
 RPC_RETRY_SECONDS = 0.2
 """Wait between calls to a Temporal server that did not answer (seconds)."""
@@ -109,6 +110,12 @@ class Trial:
             if heartbeat is not None and heartbeat.warning and words in heartbeat.warning:
                 return True
         return False
+
+    async def heard(self, words: str) -> bool:
+        """Whether the run's status holds a warning with `words` (the controller heard it)."""
+        assert self.handle is not None, "start() started the run"
+        status = await self.handle.query(TrainingRun.status)
+        return any(words in warning for warning in status.warnings)
 
     def incarnation(self) -> int:
         """The newest incarnation with an assignment."""
