@@ -23,9 +23,11 @@ from tests.support.runs import SMALL_SPEC, assert_restored_from_survivors, losse
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-def kubernetes_spec(home):
-    """The small end-to-end spec (dp4, 40 steps) on the kubernetes backend, run directories under `home`."""
+def kubernetes_spec(home, **recovery):
+    """The small end-to-end spec (dp4, 40 steps) on the kubernetes backend, run directories under
+    `home`, with these recovery settings changed."""
     data = load_spec(SMALL_SPEC).model_dump(mode="json")
+    data["recovery"] |= recovery
     data["cluster"] = {
         "backend": "kubernetes",
         "active_nodes": 4,
@@ -148,7 +150,8 @@ async def test_worker_killed_during_drain_and_resume_leaves_one_pod_per_node_and
     def armed(name: str) -> dict:
         return {**env, ENV_FAILPOINTS: name, ENV_FAILPOINT_DIR: str(markers)}
 
-    spec = kubernetes_spec(home)
+    # A worker killed inside drain (a local stage) holds the recovery one workflow task timeout: 3 s here.
+    spec = kubernetes_spec(home, workflow_task_timeout_seconds=3)
     run_id = f"kube-crash-{uuid.uuid4().hex[:6]}"
     run = KubernetesCluster(home, admin.api_client).run_dir(run_id)
     first = workers(armed("drain.after_quarantine"), tmp_path / "worker-1.log")
