@@ -1,9 +1,14 @@
 """The kubelets of the emulated nodes, played on this machine, so that rank pods really run.
 
 Each pod bound to a live node runs as local processes: its container's command (`python` is
-this interpreter) with its environment, plus a marker naming the pod. The marker plays the
-container's cgroup: every process the container starts carries it, whatever session it makes
-(a warm standby forks launchers that lead their own), and killing the pod kills them all. The
+this interpreter) with its environment, plus a marker naming the pod. A `python -m` command is
+forked from the session's forkserver, torch already imported (tests/support/forks.py): a real
+cluster's nodes import it on cores of their own, in parallel, where this machine's two cores
+would take 13 s of CPU for a pool's five standby pods. The marker plays the container's cgroup:
+every process the container starts carries it, whatever session it makes (a warm standby forks
+launchers that lead their own), and killing the pod kills them all. A process exec'd in the
+container shows it in its environment; a forked one, whose environment in /proc is the
+forkserver's, carries it as its name (its comm, which forks inherit). The
 kubelet reports the pod's phase to the API; when a pod turns terminating (the emulator's
 graceful deletion), it kills the pod's processes and confirms with a delete of grace 0, as a
 real kubelet does. A node that
@@ -15,6 +20,7 @@ with grace 0.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -26,29 +32,63 @@ from pathlib import Path
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from tests.support import forks
+
 POD_MARKER = "FAKE_KUBELET_POD"
 """The environment variable that names the pod a process belongs to (the module docstring)."""
 
 
+def process_name(pod: str) -> str:
+    """The name (comm, at most 15 bytes) the pod's forked processes carry."""
+    return "pod-" + hashlib.sha1(pod.encode()).hexdigest()[:11]
+
+
 def container_processes(pod: str) -> list[int]:
-    """The live processes started in the pod's container (they carry its marker); zombies are
-    over and not counted."""
-    marker = f"{POD_MARKER}={pod}".encode()
+    """The live processes started in the pod's container (they carry its marker, in their
+    environment or as their name); zombies are over and not counted."""
+    marker, name = f"{POD_MARKER}={pod}".encode(), process_name(pod).encode()
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/environ", "rb") as environ:
-                if marker not in environ.read().split(b"\0"):
-                    continue
             with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
+                head, tail = stat.read().rsplit(b")", 1)
+            if tail.split()[0] == b"Z":
+                continue
+            if head.split(b"(", 1)[1] != name:
+                with open(f"/proc/{entry.name}/environ", "rb") as environ:
+                    if marker not in environ.read().split(b"\0"):
+                        continue
         except OSError:  # gone meanwhile, or another user's
             continue
         found.append(int(entry.name))
     return found
+
+
+class ForkedContainer:
+    """A container whose `python -m` command was forked from the forkserver: Popen's `pid`,
+    `poll`, `returncode` and `wait`, as the kubelet uses them."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log: Path, pod: str):
+        module = command[2:] if command[1:2] == ["-m"] else None
+        assert module, command
+        self._process = forks.context().Process(
+            target=forks.run_module, args=(module, env, os.getcwd(), str(log), process_name(pod)), daemon=False
+        )
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self) -> int | None:
+        self._process.join()
+        return self._process.exitcode
 
 
 class FakeKubelet:
@@ -69,7 +109,7 @@ class FakeKubelet:
         self.namespace = namespace
         self.logs = logs
         self.interval = interval
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.processes: dict[str, subprocess.Popen | ForkedContainer] = {}
         self.started: list[str] = []  # pod names, once per container start
         self.dead: set[str] = set()
         self.errors: list[BaseException] = []
@@ -103,6 +143,8 @@ class FakeKubelet:
         if process is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)  # a fork killed before it made its session
             process.wait()
             # The rest of the container: processes in sessions of their own. Killed until none
             # is left, since one may fork while the scan runs.
@@ -135,10 +177,19 @@ class FakeKubelet:
             1:
         ]
         env = {**os.environ, **{e.name: e.value for e in container.env or []}, POD_MARKER: pod.metadata.name}
-        with open(self.logs / f"{pod.metadata.name}.log", "ab") as log:
-            self.processes[pod.metadata.name] = subprocess.Popen(
-                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        log_path = self.logs / f"{pod.metadata.name}.log"
+        if command[0] == sys.executable and command[1:2] == ["-m"]:
+            self.processes[pod.metadata.name] = ForkedContainer(command, env, log_path, pod.metadata.name)
+        else:
+            with open(log_path, "ab") as log:
+                self.processes[pod.metadata.name] = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         self.started.append(pod.metadata.name)
         self._patch(pod.metadata.name, {"status": {"phase": "Running"}})
 
