@@ -68,6 +68,23 @@ def processes_of(run: RunDir, group: NodeGroup) -> list[tuple[Path, Path]]:
     return [(group.lock, group.pid_file)] + [(lock, run.pid_file(group.incarnation, r)) for r, lock in group.rank_locks]
 
 
+def start_in_session(command: list[str], env: dict, log: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start `command` with `env` in a session of its own (a node outlives a crashed worker, as a
+    real one would), its output appended to `log`, holding the descriptors `pass_fds`: how the
+    local backend starts every process of a node, launcher or standby."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as output:
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            pass_fds=pass_fds,
+            start_new_session=True,
+        )
+
+
 def start_locked(
     command: list[str],
     env: dict,
@@ -85,18 +102,7 @@ def start_locked(
     if fd is None:
         return None
     try:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as output:
-            child = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                pass_fds=(fd,),
-                # Own session: a node outlives a crashed worker, as a real one would.
-                start_new_session=True,
-            )
+        child = start_in_session(command, env, log, (fd,))
         write_json_atomic(
             pid_file,
             {"pid": child.pid, "pgid": child.pid, "start_time": process_start_time(child.pid), **(record or {})},

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from lazarus.infra.processes import KILL_WAIT_SECONDS, kill_group, wait_released
+from lazarus.infra.processes import KILL_WAIT_SECONDS, kill_group, start_in_session, wait_released
 from lazarus.infra.survivors import Place, place_of
 from lazarus.schema.contract import ENV_RUN_DIR, ENV_STANDBY_LOCK_FDS, ENV_STANDBY_NODES
 from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
@@ -64,16 +64,12 @@ def ensure_standbys(run: RunDir, spec: RunSpec, nodes: list[str], python: str) -
     env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher sets it for ranks; read when torch is imported
     try:
         # Until it forks, the interpreter writes to the first node's log (each fork, to its own).
-        with open(run.standby(taken[0][0]) / "log", "ab") as log:
-            child = subprocess.Popen(
-                [python, "-m", "lazarus.trainer.agent.standby"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=tuple(fd for _, fd in taken),
-                start_new_session=True,
-            )
+        child = start_in_session(
+            [python, "-m", "lazarus.trainer.agent.standby"],
+            env,
+            run.standby(taken[0][0]) / "log",
+            tuple(fd for _, fd in taken),
+        )
         record = {"pid": child.pid, "pgid": child.pid, "start_time": process_start_time(child.pid)}
         for node, _ in taken:
             write_json_atomic(run.standby(node) / "pid", record)

@@ -66,31 +66,6 @@ def container_processes(pod: str) -> list[int]:
     return found
 
 
-class ForkedContainer:
-    """A container whose `python -m` command was forked from the forkserver: Popen's `pid`,
-    `poll`, `returncode` and `wait`, as the kubelet uses them."""
-
-    def __init__(self, command: list[str], env: dict[str, str], log: Path, pod: str):
-        module = command[2:] if command[1:2] == ["-m"] else None
-        assert module, command
-        self._process = forks.context().Process(
-            target=forks.run_module, args=(module, env, os.getcwd(), str(log), process_name(pod)), daemon=False
-        )
-        self._process.start()
-        self.pid = self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def poll(self) -> int | None:
-        return self._process.exitcode
-
-    def wait(self) -> int | None:
-        self._process.join()
-        return self._process.exitcode
-
-
 class FakeKubelet:
     """Runs the pods of namespace `namespace` on this machine (see the module docstring)."""
 
@@ -109,7 +84,7 @@ class FakeKubelet:
         self.namespace = namespace
         self.logs = logs
         self.interval = interval
-        self.processes: dict[str, subprocess.Popen | ForkedContainer] = {}
+        self.processes: dict[str, subprocess.Popen | forks.ForkedProcess] = {}
         self.started: list[str] = []  # pod names, once per container start
         self.dead: set[str] = set()
         self.errors: list[BaseException] = []
@@ -179,17 +154,11 @@ class FakeKubelet:
         env = {**os.environ, **{e.name: e.value for e in container.env or []}, POD_MARKER: pod.metadata.name}
         log_path = self.logs / f"{pod.metadata.name}.log"
         if command[0] == sys.executable and command[1:2] == ["-m"]:
-            self.processes[pod.metadata.name] = ForkedContainer(command, env, log_path, pod.metadata.name)
+            self.processes[pod.metadata.name] = forks.ForkedProcess(
+                command, env, log_path, process_name(pod.metadata.name)
+            )
         else:
-            with open(log_path, "ab") as log:
-                self.processes[pod.metadata.name] = subprocess.Popen(
-                    command,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            self.processes[pod.metadata.name] = forks.REAL_START(command, env, log_path)
         self.started.append(pod.metadata.name)
         self._patch(pod.metadata.name, {"status": {"phase": "Running"}})
 

@@ -12,15 +12,27 @@ from pathlib import Path
 import pytest
 from kubernetes import client as k8s
 
+from lazarus.infra import processes, standbys
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.backends.slurm.cluster import SlurmCluster
 from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
 from tests.k8s.kubelet import FakeKubelet
+from tests.support import forks
 from tests.support.backends import Harness
 from tests.support.kubernetes import add_node, api_client
 from tests.support.runs import SMALL_SPEC, kill_rank_processes, train_without_fault
 from tests.support.workers import WorkerProcess
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_nodes():
+    """The local backend's launchers and standbys started in the test's own process are forked
+    from the session's forkserver, torch already imported (tests/support/forks.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(processes, "start_in_session", forks.start_in_session)
+        patch.setattr(standbys, "start_in_session", forks.start_in_session)
+        yield
 
 
 @pytest.fixture
