@@ -75,8 +75,7 @@ class Regrowing(RunParts):
             resumed = await self._replace_and_resume(decision, None, "regrow", timing=regrowth)
             regrowth.outcome = "regrown"
         except StageRefused as refused:
-            lost = (refused.stage, refused.kind) == ("replace_or_reshard", "SpareUnavailable")
-            if not (lost and workflow.patched(CLAIM_LOST_PATCH)):
+            if not (refused.spare_lost and workflow.patched(CLAIM_LOST_PATCH)):
                 raise
             # Another run claimed a node between the pool's read and the claim, after the ranks
             # stopped: they start again on the nodes the run holds, and the watch tries again later.

@@ -52,6 +52,12 @@ class StageRefused(RunFailed):
         self.stage = stage
         self.kind = kind
 
+    @property
+    def spare_lost(self) -> bool:
+        """Whether a node the decision counted on died or was claimed by another run before its
+        claim: the decision is stale, not wrong, and deciding again may succeed."""
+        return (self.stage, self.kind) == ("replace_or_reshard", "SpareUnavailable")
+
 
 class OwnerChanged(RunFailed):
     """A stage refused the request: another execution owns the run (`record`)."""

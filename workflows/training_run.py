@@ -297,7 +297,7 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
                 break
             except StageRefused as refused:
                 # A spare that died or was taken since the inventory was read: decide again.
-                if (refused.stage, refused.kind) != ("replace_or_reshard", "SpareUnavailable"):
+                if not refused.spare_lost:
                     raise
                 workflow.logger.warning("%s; rescheduling", refused)
         take_recovery(incident, resumed)

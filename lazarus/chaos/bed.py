@@ -5,6 +5,7 @@ checkpoints (so that a checkpoint committed before a fault and lost after it is 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
@@ -33,9 +34,10 @@ class ChaosError(RuntimeError):
 
 
 async def wait_for(condition, what: str, timeout: float = 120.0):
-    """Poll `condition()` until it returns something true, and return that; ChaosError after `timeout` s."""
+    """Poll `condition()` (a function, or a coroutine function such as a query of the run) until
+    it returns something true, and return that; ChaosError after `timeout` s."""
     deadline = time.monotonic() + timeout
-    while not (value := condition()):
+    while not (value := await condition() if inspect.iscoroutinefunction(condition) else condition()):
         if time.monotonic() > deadline:
             raise ChaosError(f"gave up after {timeout:.0f} s waiting for {what}")
         await asyncio.sleep(POLL_SECONDS)
@@ -102,12 +104,13 @@ class WorkerProcess:
     log: Path
     cwd: Path | None = None
     args: tuple[str, ...] = ()  # `lazarus worker`'s flags (`--backend slurm`)
+    entry: str = "lazarus.cli"  # the module run as `python -m ENTRY worker`: the CLI, or a test's wrapper of it
     process: subprocess.Popen = field(init=False)
 
     def __post_init__(self) -> None:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "lazarus.cli", "worker", *self.args],
+                [sys.executable, "-m", self.entry, "worker", *self.args],
                 env=self.env,
                 cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
@@ -164,8 +167,9 @@ class CheckpointWatch:
 class ChaosBed:
     """A server, the run's home, and the workers of one scenario; `close()` ends everything started."""
 
-    def __init__(self, folder: Path, slurm: SlurmDaemons | None = None):
+    def __init__(self, folder: Path, slurm: SlurmDaemons | None = None, worker_entry: str = "lazarus.cli"):
         self.folder = folder
+        self.worker_entry = worker_entry  # what its workers run (WorkerProcess.entry)
         self.home = folder / "home"
         self.home.mkdir(parents=True, exist_ok=True)
         self.server = ServerProcess(folder)
@@ -193,7 +197,8 @@ class ChaosBed:
         args = ("--backend", "slurm") if self.slurm else ()
         if self.slurm:
             env |= self.slurm.env
-        self.workers.append(WorkerProcess(env, self.folder / f"worker-{len(self.workers) + 1}.log", args=args))
+        log = self.folder / f"worker-{len(self.workers) + 1}.log"
+        self.workers.append(WorkerProcess(env, log, args=args, entry=self.worker_entry))
         return self.workers[-1]
 
     def kill_node(self, run_id: str, node: str) -> None:

@@ -20,9 +20,10 @@ from lazarus.schema.run import RunSpec
 
 
 @contextlib.contextmanager
-def shared_bed(folder: Path):
-    """A bed with its server and one plain worker up, for the scenarios that kill neither."""
-    bed = ChaosBed(folder)
+def shared_bed(folder: Path, worker_entry: str = "lazarus.cli"):
+    """A bed with its server and one plain worker up, for the scenarios that kill neither (the
+    worker runs `python -m WORKER_ENTRY worker`)."""
+    bed = ChaosBed(folder, worker_entry=worker_entry)
     try:
         bed.server.start()
         bed.start_worker()

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -233,11 +234,7 @@ async def disk_full_then_node(trial: Trial, kill_at: int) -> None:
     await wait_for(lambda: trial.warned(said), f"the warning '{said}'", 120)
     # The controller hears it with the node's next report, which a node lost first never writes:
     # the node dies once the run's status holds it, the order the scenario is about.
-    deadline = time.monotonic() + 60
-    while not await trial.heard(said):
-        if time.monotonic() > deadline:
-            raise ChaosError(f"gave up after 60 s waiting for the run's status to hold '{said}'")
-        await asyncio.sleep(0.05)
+    await wait_for(partial(trial.heard, said), f"the run's status to hold '{said}'", 60)
     await trial.kill_nodes(trial.node(2))
 
 

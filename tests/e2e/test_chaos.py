@@ -49,8 +49,10 @@ second node lost in the survivors' save. The suite stays within CI's budget so."
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
-    """One server and worker for the scenarios that kill neither; stopped at the end, pass or fail."""
-    with shared_bed(tmp_path_factory.mktemp("shared-bed")) as shared:
+    """One server and worker for the scenarios that kill neither; stopped at the end, pass or fail.
+    The worker serves them all: its nodes are forked from a forkserver of its own
+    (tests/support/forked_worker.py); the scenarios with a bed of their own run `lazarus worker`."""
+    with shared_bed(tmp_path_factory.mktemp("shared-bed"), "tests.support.forked_worker") as shared:
         yield shared
 
 
