@@ -5,6 +5,7 @@ Every one that starts something stops it at teardown, pass or fail.
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,6 +34,9 @@ def forked_nodes():
         patch.setattr(processes, "start_in_session", forks.start_in_session)
         patch.setattr(standbys, "start_in_session", forks.start_in_session)
         yield
+    # Multiprocessing joins its live children at exit: a process a failed test left must not hold it.
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 @pytest.fixture
