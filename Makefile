@@ -1,7 +1,7 @@
 # Two commands work on a fresh clone; both set up .venv/ first (once).
 #   make demo       the demo: local Temporal server + UI, 4 nodes + 1 spare, a node killed, recovery, its cost
 #   make test       the test suite (CI runs this, after make lint)
-#   make test-fast  unit and workflow tests only (under a minute)
+#   make test-fast  unit and workflow tests only (about two and a half minutes)
 #   make lint       ruff: lint and format check
 #   make typecheck  pyright (standard mode) on the controller and the trainer: 0 errors (CI runs it after make lint)
 #   make docs       the docs site into .site/ with mkdocs --strict (a broken link or an orphan page fails)
