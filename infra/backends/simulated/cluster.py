@@ -1,7 +1,7 @@
 """A backend whose nodes are records: the controller at sizes and fleets this machine cannot run.
 
-SimulatedCluster is LocalCluster (run directories, the home's pool, claims, assignments,
-quarantine) with every node's launcher and ranks replaced by the record they would write: a
+SimulatedCluster has the local backend's run state (infra/pooled.py: run directories, the home's
+pool, claims, assignments, quarantine) and, for every node's launcher and ranks, the record they would write: a
 process of its own, the simulated launchers, rewrites each live incarnation's node reports
 (schema/node_reports.py, the file a launcher keeps) every `report_seconds`, and observe reads them
 as the local backend does. So a look at a simulated run of 2,048 nodes reads and parses 2,048
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from lazarus.infra.backend import Observation
 from lazarus.infra.backends.local import chaos
-from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.pool import LocalPool
+from lazarus.infra.pooled import PooledRunFiles
 from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource, read_launch
 from lazarus.schema.node_reports import NodeReading, read_node_reports
 from lazarus.schema.policy import RecoveryPolicy
@@ -175,10 +175,14 @@ def _replace(path: str, text: str) -> None:
     os.replace(temporary, path)
 
 
-class SimulatedCluster(LocalCluster):
-    """LocalCluster with rank processes replaced by node reports that a process of simulated
-    launchers keeps current."""
+class SimulatedCluster(PooledRunFiles):
+    """The pool's run state with node reports, which a process of simulated launchers keeps
+    current, in place of rank processes."""
 
+    backend = "local"  # it serves the local backend's specs, at sizes this machine cannot run
+    quick_observe = True  # the run directory's files and the pool's record, as the local backend
+    shares_host = True  # a run's command and paths are checked as the local backend's would be
+    shares_paths = True
     keeps_survivors = False  # its nodes only report: no rank keeps anything
 
     def __init__(
@@ -293,10 +297,14 @@ class SimulatedCluster(LocalCluster):
         return ""
 
     def release_standbys(self, run_id: str) -> None:
-        pass
+        pass  # simulated nodes have no standbys
 
-    def _kill_standbys_on(self, nodes: list[str], wait: bool = True) -> None:
-        pass  # simulated nodes have no standbys (and the local backend's search goes through every run)
+    def stop_run(self, run_id: str) -> None:
+        """End every incarnation of the run: its launchers stop reporting."""
+        run = self.run_dir(run_id)
+        for incarnation in run.incarnations():
+            run.end(incarnation)
 
-    def ensure_standbys(self, run_id: str) -> None:
-        pass
+    def repair_after(self, run_id: str) -> list[str]:
+        """Clean-up of an ended run: the pool whole again (chaos.repair_after)."""
+        return chaos.repair_after(self, run_id)
