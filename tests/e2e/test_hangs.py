@@ -23,6 +23,8 @@ async def test_a_rank_stuck_in_a_collective_of_a_script_without_step_reports_is_
         tmp_path,
         args=["--steps", "30", "--stuck-at", "2:12"],
         pattern=None,  # no step reports: only the processes tell
+        # Shortened here (the default is 10 s): what is tested is how the hang is found and blamed.
+        recovery={"quiet_hang_seconds": 4.0},
     )
     quiet = spec.recovery.quiet_hang_seconds
     status, run = await run_to_end(dev_env, home, spec)
