@@ -30,6 +30,7 @@ from pathlib import Path
 
 from lazarus.infra.backend import ClusterError
 from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.processes import start_in_session
 from lazarus.infra.rate import fan_out
 from lazarus.infra.standby_orders import CONNECT_SECONDS, order_standby, write_standby_secret
 from lazarus.schema.contract import (
@@ -252,17 +253,9 @@ class SlurmCluster(LocalCluster):
 
     def _step(self, srun: list[str], module: str, env: dict, log: Path) -> subprocess.Popen:
         """Start `srun ... python -m MODULE` (its srun flags given) with `env`, its output appended
-        to `log`; srun stays this machine's handle on the step."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as output:
-            return subprocess.Popen(
-                [*srun, "--export=ALL", self.python, "-m", module],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # the step outlives a crashed worker, as a node would
-            )
+        to `log`; srun stays this machine's handle on the step, in a session of its own: the step
+        outlives a crashed worker, as a node would."""
+        return start_in_session([*srun, "--export=ALL", self.python, "-m", module], env, log)
 
     # --- warm standbys as job steps ------------------------------------------------------
 
