@@ -9,6 +9,7 @@ method but wait_for_exit blocks, so the activities call them in a thread.
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,13 @@ class Observation:
         return max((step for step in steps if step is not None), default=None)
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""The kernel's range for ports it picks itself: for bind to port 0 and for outgoing connections."""
+
+LISTENER_FLOOR = 10000
+"""The lowest port free_ports offers: below are the well-known and the commonly configured ones."""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     return free_ports(1)[0]
@@ -75,16 +83,43 @@ def free_port() -> int:
 
 def free_ports(count: int) -> list[int]:
     """`count` distinct TCP ports on 127.0.0.1 that nothing listens on right now (all held while
-    they are chosen: ports asked for one after another may come back the same)."""
-    probes = []
+    they are chosen: ports asked for one after another may come back the same), for listeners that
+    another process opens later (a rank 0's store, a dev server).
+
+    Chosen below the kernel's ephemeral range where it leaves room: a port from that range (what a
+    bind to port 0 returns) can be taken, before its listener opens it, by any outgoing connection
+    on this machine. gloo opens one per pair of ranks, so a run beside another run met it: its
+    rank 0 failed with EADDRINUSE at step 0 and cost a recovery."""
+    first, last = _listener_range()
+    probes: list[socket.socket] = []
     try:
-        for _ in range(count):
-            probes.append(socket.socket())
-            probes[-1].bind(("127.0.0.1", 0))
+        for attempt in range(count + 200):
+            if len(probes) == count:
+                break
+            probe = socket.socket()
+            try:
+                # The kernel's own pick once the range below seems full.
+                probe.bind(("127.0.0.1", random.randrange(first, last) if first < last and attempt < 100 else 0))
+            except OSError:
+                probe.close()
+                continue
+            probes.append(probe)
+        if len(probes) < count:
+            raise OSError(f"no {count} free TCP ports on 127.0.0.1")
         return [probe.getsockname()[1] for probe in probes]
     finally:
         for probe in probes:
             probe.close()
+
+
+def _listener_range() -> tuple[int, int]:
+    """[first, last) of the ports free_ports picks from; empty where the ephemeral range is unknown
+    or leaves fewer than 1,000 ports below it."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return (LISTENER_FLOOR, ephemeral_low) if ephemeral_low - LISTENER_FLOOR >= 1000 else (0, 0)
 
 
 class ClusterBackend(Protocol):
