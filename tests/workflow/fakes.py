@@ -123,9 +123,12 @@ class FakeStages:
         self.regrow_asks: list[int | None] = []  # regrow_nodes of each "capacity" watch
 
     async def _after_the_watch(self) -> None:
-        # What the workflow runs after cancelling a watch starts once that watch has ended. The
-        # time-skipping server, shared by the session, never skips time again after a workflow
-        # completed with a cancelled activity still running (its late cancellation is refused).
+        # The next activity (not local) after a cancelled watch starts once that watch has ended:
+        # the time-skipping server, shared by the session, never skips time again after a
+        # workflow completed with a cancelled activity still running (its late cancellation is
+        # refused). The local stages cannot wait for it: the cancellation goes to the server with
+        # the workflow task, which a running local activity holds open (until 80 % of the task
+        # timeout, 8 s by default), and waiting there cost each such test those 8 s.
         await self.watch_over.wait()
 
     def _called(self, name: str) -> int:
@@ -181,7 +184,6 @@ class FakeStages:
 
     @activity.defn(name="drain")
     async def drain(self, request: DrainInput) -> DrainResult:
-        await self._after_the_watch()
         attempt = self._called("drain")
         self.drains.append(request)
         if attempt <= self.drain_failures:
@@ -199,7 +201,6 @@ class FakeStages:
 
     @activity.defn(name="reschedule")
     async def reschedule(self, request: RescheduleInput) -> Inventory:
-        await self._after_the_watch()
         self._called("reschedule")
         if self.names().count("reschedule") == self.spare_returns_at_read:
             self.nodes["node-9"] = "spare"  # a repaired node comes back while the run waits
@@ -231,6 +232,7 @@ class FakeStages:
 
     @activity.defn(name="resume")
     async def resume(self, request: ResumeInput) -> ResumeResult:
+        await self._after_the_watch()
         attempt = self._called("resume")
         if self.resume_gate is not None:
             # The test holds this resume open. Not a drain: drain is a local activity, and while one
@@ -266,6 +268,7 @@ class FakeStages:
 
     @activity.defn(name="release")
     async def release(self, request: ReleaseInput) -> list[str]:
+        await self._after_the_watch()
         self._called("release")
         held = sorted(n for n, role in self.nodes.items() if role == "active")
         for node in held:
