@@ -1,7 +1,7 @@
 # Two commands work on a fresh clone; both set up .venv/ first (once).
 #   make demo       the demo: local Temporal server + UI, 4 nodes + 1 spare, a node killed, recovery, its cost
 #   make test       the test suite (CI runs this, after make lint)
-#   make test-fast  unit and workflow tests only (about two and a half minutes)
+#   make test-fast  unit and workflow tests only (about a minute and a half)
 #   make lint       ruff: lint and format check
 #   make typecheck  pyright (standard mode) on the controller and the trainer: 0 errors (CI runs it after make lint)
 #   make docs       the docs site into .site/ with mkdocs --strict (a broken link or an orphan page fails)
@@ -75,11 +75,18 @@ slurm-down: $(STAMP)
 demo: $(STAMP)
 	.venv/bin/lazarus demo $(ARGS)
 
+# Two pytest processes (pytest-xdist), each with a file at a time: the suite waits on timers,
+# servers and processes for about a third of its run, which the other process fills. A file stays
+# in one process, so a module's shared fixture (the chaos bed, the TLS frontend) starts once.
+# `make test ARGS="-n 0"` runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP) tls-proxy browser slurm-packages
-	$(PY) -m pytest -q $(ARGS)
+	$(PYTEST) $(ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit tests/workflow $(ARGS)
+	$(PYTEST) tests/unit tests/workflow $(ARGS)
 
 lint: $(STAMP)
 	.venv/bin/ruff check .

@@ -103,10 +103,13 @@ def test_a_script_that_fails_on_every_rank_gives_its_exit_status_and_log(dev_env
     assert "Traceback" not in said
 
 
+# The mark appears whole (a rename): a test that sees the file reads the pid.
 RUNS_UNTIL_STOPPED = """import os, time
 os.makedirs("out", exist_ok=True)
-with open(f"out/rank{os.environ['RANK']}.txt", "w") as mark:
-    mark.write(str(os.getpid()))
+mark = f"out/rank{os.environ['RANK']}.txt"
+with open(mark + ".tmp", "w") as partial:
+    partial.write(str(os.getpid()))
+os.replace(mark + ".tmp", mark)
 print("up", flush=True)
 while True:
     time.sleep(0.1)

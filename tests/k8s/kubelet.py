@@ -1,7 +1,7 @@
 """The kubelets of the emulated nodes, played on this machine, so that rank pods really run.
 
 Each pod bound to a live node runs as local processes: its container's command (`python` is
-this interpreter) with its environment, plus a marker naming the pod. A `python -m` command is
+this interpreter) with its environment, plus a marker naming the kubelet and the pod. A `python -m` command is
 forked from the session's forkserver, torch already imported (tests/support/forks.py): a real
 cluster's nodes import it on cores of their own, in parallel, where this machine's two cores
 would take 13 s of CPU for a pool's five standby pods. The marker plays the container's cgroup:
@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -38,15 +39,16 @@ POD_MARKER = "FAKE_KUBELET_POD"
 """The environment variable that names the pod a process belongs to (the module docstring)."""
 
 
-def process_name(pod: str) -> str:
-    """The name (comm, at most 15 bytes) the pod's forked processes carry."""
-    return "pod-" + hashlib.sha1(pod.encode()).hexdigest()[:11]
+def process_name(marker: str) -> str:
+    """The name (comm, at most 15 bytes) the forked processes of the container marked `marker` carry."""
+    return "pod-" + hashlib.sha1(marker.encode()).hexdigest()[:11]
 
 
-def container_processes(pod: str) -> list[int]:
-    """The live processes started in the pod's container (they carry its marker, in their
+def container_processes(marker: str) -> list[int]:
+    """The live processes started in the container marked `marker` (they carry it, in their
     environment or as their name); zombies are over and not counted."""
-    marker, name = f"{POD_MARKER}={pod}".encode(), process_name(pod).encode()
+    name = process_name(marker).encode()
+    marker_entry = f"{POD_MARKER}={marker}".encode()
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -58,7 +60,7 @@ def container_processes(pod: str) -> list[int]:
                 continue
             if head.split(b"(", 1)[1] != name:
                 with open(f"/proc/{entry.name}/environ", "rb") as environ:
-                    if marker not in environ.read().split(b"\0"):
+                    if marker_entry not in environ.read().split(b"\0"):
                         continue
         except OSError:  # gone meanwhile, or another user's
             continue
@@ -90,6 +92,9 @@ class FakeKubelet:
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Pods of two kubelets (two test processes, as pytest-xdist runs them) may share a name:
+        # a container's marker names its kubelet too, so that a kill ends only this one's.
+        self._marker_prefix = f"{uuid.uuid4().hex[:8]}/"
         self._thread = threading.Thread(target=self._loop, name="fake-kubelet", daemon=True)
 
     def start(self) -> FakeKubelet:
@@ -123,7 +128,7 @@ class FakeKubelet:
             process.wait()
             # The rest of the container: processes in sessions of their own. Killed until none
             # is left, since one may fork while the scan runs.
-            while pids := container_processes(name):
+            while pids := container_processes(self._marker_prefix + name):
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
@@ -151,12 +156,11 @@ class FakeKubelet:
         command = [sys.executable if part == "python" else part for part in container.command[:1]] + container.command[
             1:
         ]
-        env = {**os.environ, **{e.name: e.value for e in container.env or []}, POD_MARKER: pod.metadata.name}
+        marker = self._marker_prefix + pod.metadata.name
+        env = {**os.environ, **{e.name: e.value for e in container.env or []}, POD_MARKER: marker}
         log_path = self.logs / f"{pod.metadata.name}.log"
         if command[0] == sys.executable and command[1:2] == ["-m"]:
-            self.processes[pod.metadata.name] = forks.ForkedProcess(
-                command, env, log_path, process_name(pod.metadata.name)
-            )
+            self.processes[pod.metadata.name] = forks.ForkedProcess(command, env, log_path, process_name(marker))
         else:
             self.processes[pod.metadata.name] = forks.REAL_START(command, env, log_path)
         self.started.append(pod.metadata.name)
