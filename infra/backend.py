@@ -91,15 +91,16 @@ def free_ports(count: int) -> list[int]:
     on this machine. gloo opens one per pair of ranks, so a run beside another run met it: its
     rank 0 failed with EADDRINUSE at step 0 and cost a recovery."""
     first, last = _listener_range()
+    # A hundred picks below the range, then the kernel's own, should the range below seem full.
+    picks = [random.randrange(first, last) for _ in range(100)] if first < last else []
     probes: list[socket.socket] = []
     try:
-        for attempt in range(count + 200):
+        for port in [*picks, *[0] * count]:
             if len(probes) == count:
                 break
             probe = socket.socket()
             try:
-                # The kernel's own pick once the range below seems full.
-                probe.bind(("127.0.0.1", random.randrange(first, last) if first < last and attempt < 100 else 0))
+                probe.bind(("127.0.0.1", port))
             except OSError:
                 probe.close()
                 continue

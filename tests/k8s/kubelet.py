@@ -1,20 +1,18 @@
 """The kubelets of the emulated nodes, played on this machine, so that rank pods really run.
 
-Each pod bound to a live node runs as local processes: its container's command (`python` is
-this interpreter) with its environment, plus a marker naming the kubelet and the pod. A `python -m` command is
-forked from the session's forkserver, torch already imported (tests/support/forks.py): a real
-cluster's nodes import it on cores of their own, in parallel, where this machine's two cores
+Each pod bound to a live node runs as local processes: its container's command (`python` is this
+interpreter) with its environment, plus a marker naming the kubelet and the pod. A `python -m`
+command is forked from the session's forkserver, torch already imported (tests/support/forks.py): a
+real cluster's nodes import it on cores of their own, in parallel, where this machine's two cores
 would take 13 s of CPU for a pool's five standby pods. The marker plays the container's cgroup:
 every process the container starts carries it, whatever session it makes (a warm standby forks
 launchers that lead their own), and killing the pod kills them all. A process exec'd in the
-container shows it in its environment; a forked one, whose environment in /proc is the
-forkserver's, carries it as its name (its comm, which forks inherit). The
-kubelet reports the pod's phase to the API; when a pod turns terminating (the emulator's
-graceful deletion), it kills the pod's processes and confirms with a delete of grace 0, as a
-real kubelet does. A node that
-dies takes its processes with it; a dead node's kubelet confirms nothing, so its pods stay
-until the API server learns of the death (their phase turns Failed) or they are deleted
-with grace 0.
+container shows it in its environment; a forked one, whose environment in /proc is the forkserver's,
+carries it as its name (its comm, which forks inherit). The kubelet reports the pod's phase to the
+API; when a pod turns terminating (the emulator's graceful deletion), it kills the pod's processes
+and confirms with a delete of grace 0, as a real kubelet does. A node that dies takes its processes
+with it; a dead node's kubelet confirms nothing, so its pods stay until the API server learns of the
+death (their phase turns Failed) or they are deleted with grace 0.
 """
 
 from __future__ import annotations
