@@ -4,11 +4,12 @@
 #   make test-fast  unit and workflow tests only (about a minute and a half)
 #   make lint       ruff: lint and format check
 #   make typecheck  pyright (standard mode) on the controller and the trainer: 0 errors (CI runs it after make lint)
+#   make postgres   a PostgreSQL server for a store shared by several workers (prints its LAZARUS_STORE)
 #   make docs       the docs site into .site/ with mkdocs --strict (a broken link or an orphan page fails)
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test test-fast lint typecheck format docs docs-serve setup tls-proxy browser slurm-packages slurm slurm-down bench clean-state
+.PHONY: demo test test-fast lint typecheck format docs docs-serve setup tls-proxy browser slurm-packages slurm slurm-down postgres-packages postgres postgres-down bench clean-state
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP) tls-proxy browser slurm-packages
+setup: $(STAMP) tls-proxy browser slurm-packages postgres-packages
 
 # haproxy terminates TLS in front of the test dev server (tests/e2e/test_tls.py). Checked on each
 # `make setup` and `make test`, not only when .venv is made, so an existing .venv gets it too; it
@@ -72,6 +73,29 @@ slurm: $(STAMP) slurm-packages
 slurm-down: $(STAMP)
 	$(PY) -m lazarus.infra.harness.slurm_daemons down --folder .lazarus/slurm
 
+# Debian's PostgreSQL serves the store that workers on several machines share (lazarus.infra.harness.postgres;
+# the tests start their own). Like haproxy: installed only as root with apt-get, never failing the set-up;
+# without it the PostgreSQL tests skip, as this line says.
+postgres-packages:
+	@test -x "$$(ls -d /usr/lib/postgresql/*/bin/initdb 2>/dev/null | tail -1)" || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends postgresql >/dev/null 2>&1 \
+	      || { apt-get update -qq >/dev/null 2>&1 \
+	           && apt-get install -y -qq --no-install-recommends postgresql >/dev/null 2>&1; }; \
+	  fi; \
+	  test -x "$$(ls -d /usr/lib/postgresql/*/bin/initdb 2>/dev/null | tail -1)" \
+	    || echo "PostgreSQL not installed (needs root and apt-get): the PostgreSQL tests will skip; install it with: apt-get install postgresql"; \
+	}
+
+# A PostgreSQL server in .lazarus/postgres on a free port of 127.0.0.1; it prints the LAZARUS_STORE to export.
+# `make postgres-down` stops it and deletes its data.
+postgres: $(STAMP) postgres-packages
+	$(PY) -m lazarus.infra.harness.postgres up --folder .lazarus/postgres
+
+postgres-down: $(STAMP)
+	$(PY) -m lazarus.infra.harness.postgres down --folder .lazarus/postgres
+
 demo: $(STAMP)
 	.venv/bin/lazarus demo $(ARGS)
 
@@ -82,7 +106,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test: $(STAMP) tls-proxy browser slurm-packages
+test: $(STAMP) tls-proxy browser slurm-packages postgres-packages
 	$(PYTEST) $(ARGS)
 
 test-fast: $(STAMP)

@@ -55,7 +55,8 @@ from lazarus.client.history import chain_histories, incident_spans
 from lazarus.client.runs import run_status, start_run
 from lazarus.infra.backend import free_ports
 from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
-from lazarus.infra.pool import LocalPool
+from lazarus.infra.pool import NodePool
+from lazarus.infra.store import default_url, open_store
 from lazarus.schema import RunState, parse_spec
 from lazarus.schema.rundir import RunDir
 
@@ -123,12 +124,12 @@ class Sitting:
         cluster = {**SPEC["cluster"], "priority": index % 3 if self.rack else 0}
         return parse_spec({**SPEC, "cluster": cluster, "recovery": recovery})
 
-    def faults(self, pool: LocalPool, ids: list[str], rng: random.Random) -> list[tuple[float, list[str]]]:
+    def faults(self, pool: NodePool, ids: list[str], rng: random.Random) -> list[tuple[float, list[str]]]:
         """When which nodes die, seconds from the burst's start; the spares added first."""
         if not self.rack:
-            pool.add(self.runs - len(pool.read().free()), "a hot spare per run")
+            pool.add(self.runs - len(pool.free_spares()), "a hot spare per run")
             return plan_faults(pool, ids, self.spread, rng)
-        pool.add(self.runs // 2 - len(pool.read().free()), "a hot spare for every other run")
+        pool.add(self.runs // 2 - len(pool.free_spares()), "a hot spare for every other run")
         rack = [pool.read().held_by(run_id)[0].name for run_id in ids]
         pool.set_domain(rack, "rack-0")
         return [(0.0, rack)]
@@ -274,14 +275,14 @@ async def wait_for(client, query: str, wanted: int, say, what: str, timeout: flo
     return found
 
 
-def plan_faults(pool: LocalPool, ids: list[str], spread: float, rng: random.Random) -> list[tuple[float, list[str]]]:
+def plan_faults(pool: NodePool, ids: list[str], spread: float, rng: random.Random) -> list[tuple[float, list[str]]]:
     """When each node dies (seconds from the burst's start): a random active node of each run."""
     record = pool.read()
     held = {run_id: [n.name for n in record.held_by(run_id)] for run_id in ids}
     return sorted((rng.uniform(0, spread), [rng.choice(held[run_id])]) for run_id in ids)
 
 
-async def burst(pool: LocalPool, faults: list[tuple[float, list[str]]], workers: Workers, kill: bool, say) -> None:
+async def burst(pool: NodePool, faults: list[tuple[float, list[str]]], workers: Workers, kill: bool, say) -> None:
     started = time.monotonic()
     for index, (at, nodes) in enumerate(faults):
         await asyncio.sleep(max(0.0, at - (time.monotonic() - started)))
@@ -326,7 +327,7 @@ def check_exactly_once(home: Path, ids: list[str], statuses) -> list[str]:
     node not the run whose assignment has it (a run that ended since gave its nodes back)."""
     problems = []
     holders: dict[str, str] = {}
-    record = LocalPool(home).read()
+    record = NodePool(open_store(default_url(home))).read()
     for run_id, status in zip(ids, statuses, strict=True):
         outcomes = [i.outcome for i in status.incidents]
         if outcomes != ["recovered"]:
@@ -365,7 +366,7 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
     ids = [f"scale-{i:04d}" for i in range(sitting.runs)]
     with tempfile.TemporaryDirectory() as folder:
         home = Path(folder)
-        pool = LocalPool(home)
+        pool = NodePool(open_store(default_url(home)))
         workers = Workers(sitting.workers, home, address, settings.task_queue)
         try:
             await workers.ready()

@@ -1,70 +1,74 @@
-"""The local backend's node pool under LAZARUS_HOME, shared by every run of that home (and every
-worker that serves them), as a Kubernetes pool is shared by its label.
+"""The node pool every run of a fleet takes its nodes from (the local, simulated and Slurm backends),
+a row per node in the store (infra/store: SQLite on one machine, PostgreSQL across machines).
 
-Every change is an edit of the pool's record under its lock (infra/pool_file.py): a claim sees every
-claim before it, two runs can never both take one spare. What changes a run's assignment and the
-pool together (LocalCluster.commit_assignment) holds the lock across both. The quarantine breaker
-and the fault domains live in the record too (schema/pool.py).
+Every change is one transaction that reads and writes only the rows it concerns, so its cost does not
+grow with the pool: a claim locks the nodes it takes (two runs can never both take one spare) and
+writes the incarnation's assignment with them, so a claim retried after a crash finds what it took.
+Changes to the pool as a whole (adding nodes, the quarantine breaker's count) lock the pool's own
+row first, then nodes. The breaker and the fault domains live in the store too (schema/pool.py).
+
+Where the pool has a folder of markers (`unusable`), a node that dies or is quarantined gets one
+before anyone ends its processes, and loses it when it is returned: the local backend's standbys
+read them (trainer/agent/standby) rather than the database.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, QuarantineRefused
-from lazarus.infra.pool_file import PoolFile
-from lazarus.schema.pool import (
-    TOGETHER_SECONDS,
-    PoolNode,
-    PoolRecord,
-    QuarantineBreaker,
-    SharedFault,
-    SpareWant,
-    node_number,
-)
-from lazarus.schema.records import Inventory, NodeRecord
+from lazarus.infra.store import Store, Transaction
+from lazarus.schema.pool import TOGETHER_SECONDS, PoolNode, PoolRecord, QuarantineBreaker, SharedFault, SpareWant
+from lazarus.schema.records import Assignment, Inventory, NodeRecord
+
+COLUMNS = "name, role, owner, healthy, died_at, since, note, domain"
+"""A node's columns, in the order _node reads them."""
 
 
-class LocalPool(PoolFile):
-    """The nodes of one home: who holds which, and which are free hot spares."""
+class NodePool:
+    """The nodes of a fleet: who holds which, and which are free hot spares."""
 
-    # --- changes, each under the lock --------------------------------------------------------
+    def __init__(self, store: Store, unusable: Path | None = None):
+        self.store = store
+        self.unusable = unusable  # markers of nodes a standby must not start ranks on (None: none kept)
+
+    # --- changes, each one transaction -------------------------------------------------------
 
     def add(self, count: int, note: str = "added") -> list[str]:
         """Add `count` free healthy nodes; returns their names."""
-        return self.change(lambda record: [node.name for node in _add(record, count, note)])
+        with self.store.write() as tx:
+            return _add(tx, count, note, datetime.now(UTC))
 
     def provision(self, run_id: str, active: int, spares: int) -> list[str]:
         """Give a new run `active` nodes of its own and leave `spares` free nodes as the pool's hot
         spares: free nodes beyond those spares first, then nodes added (a local node costs nothing
         until it runs). A repeated call finds the nodes the run holds. Returns its active nodes."""
-
-        def edit(record: PoolRecord) -> list[str]:
-            mine = [node.name for node in record.held_by(run_id)]
+        now = datetime.now(UTC)
+        with self.store.write() as tx:
+            _pool_row(tx)  # provisions and adds take turns
+            mine = [row[0] for row in tx.all(_HELD, (run_id,))]
             if not mine:
-                now = datetime.now(UTC)
-                free = record.free()
-                wanted = [node.name for node in free[: max(0, min(active, len(free) - spares))]]
-                wanted += [node.name for node in _add(record, active - len(wanted), "added for a run")]
-                _hold(record, wanted, run_id, now, "launch")
-                mine = wanted
-            _add(record, spares - len(record.free()), "added as a hot spare")
+                free = _free_count(tx)
+                take = max(0, min(active, free - spares))
+                mine = [row[0] for row in tx.all(_FREE + " LIMIT ?" + tx.lock, (take,))]
+                mine += _add(tx, active - len(mine), "added for a run", now)
+                _set(tx, mine, role="active", owner=run_id, since=_iso(now), note=f"{run_id}: launch")
+            _add(tx, spares - _free_count(tx), "added as a hot spare", now)
             return mine
 
-        return self.change(edit)
-
-    def set_health(self, changes: dict[str, dict]) -> PoolRecord:
+    def set_health(self, changes: dict[str, dict]) -> None:
         """Apply field changes (healthy, died_at, note) to named nodes; ClusterError names an unknown one."""
-
-        def edit(record: PoolRecord) -> PoolRecord:
-            _known(record, changes)
-            record.nodes[:] = [
-                PoolNode.model_validate({**n.model_dump(), **changes[n.name]}) if n.name in changes else n
-                for n in record.nodes
-            ]
-            return record
-
-        return self.change(edit)
+        with self.store.write() as tx:
+            nodes = _known(tx, changes)
+            changed = [PoolNode.model_validate({**nodes[n].model_dump(), **changes[n]}) for n in sorted(changes)]
+            tx.many(
+                "UPDATE pool_nodes SET healthy = ?, died_at = ?, note = ? WHERE name = ?",
+                [(int(n.healthy), _iso(n.died_at), n.note, n.name) for n in changed],
+            )
+        self._mark(changed)
 
     def quarantine(self, run_id: str, names: list[str], reason: str, counted: bool = True) -> None:
         """Hold the nodes out of every run until they are returned (the run that holds them drains them).
@@ -72,147 +76,404 @@ class LocalPool(PoolFile):
         Unless not `counted` (an operator's own drain), the quarantine breaker counts them:
         QuarantineRefused, quarantining nothing, while it is open or when these would take the
         window past its cap (which trips it, for a person to reset)."""
-
-        def edit(record: PoolRecord) -> str | None:
-            nodes = _known(record, dict.fromkeys(names))
+        now = datetime.now(UTC)
+        with self.store.write() as tx:
+            state = _pool_row(tx) if counted else None
+            nodes = _known(tx, dict.fromkeys(names))
             others = [n for n in names if nodes[n].owner not in (None, run_id)]
             if others:
                 raise ClusterError(f"{', '.join(others)} belongs to another run ({nodes[others[0]].owner})")
-            now = datetime.now(UTC)
             new = [n for n in names if nodes[n].role != "quarantined"]  # a retried drain counts once
-            if counted and new:
-                refusal = _breaker_refusal(record, run_id, new, now)
-                if refusal is not None:
-                    return refusal
-                record.breaker = record.breaker.counting(new, now, record.out())
-            _replace(record, names, role="quarantined", owner=run_id, since=now, note=reason)
-            return None
-
-        refusal = self.change(edit)
-        if refusal is not None:
+            refusal = _breaker_refusal(tx, state, run_id, new, now) if state is not None and new else None
+            if refusal is None:
+                if state is not None and new:
+                    _count_quarantines(tx, new, now, state)
+                _set(tx, names, role="quarantined", owner=run_id, since=_iso(now), note=reason)
+        if refusal is not None:  # the breaker's trip is written: raised after the commit
             raise QuarantineRefused(refusal)
+        self._mark_out(names)
 
     def reject_spare(self, name: str, reason: str) -> None:
         """A free node failed a run's health check before the run claimed it: out of the pool, held by
         no run (it was none's loss), until returned. The quarantine breaker counts it, as any: a check
         that fails everywhere must not empty the pool. QuarantineRefused when the breaker refuses."""
-
-        def edit(record: PoolRecord) -> str | None:
-            node = _known(record, {name: None})[name]
+        now = datetime.now(UTC)
+        with self.store.write() as tx:
+            state = _pool_row(tx)
+            node = _known(tx, {name: None})[name]
             if node.role != "free":
                 raise ClusterError(f"{name} is no longer a free spare ({name} {_held(node)})")
-            now = datetime.now(UTC)
-            refusal = _breaker_refusal(record, "(a spare's health check)", [name], now)
-            if refusal is not None:
-                return refusal
-            record.breaker = record.breaker.counting([name], now, record.out())
-            _replace(record, [name], role="quarantined", owner=None, since=now, note=reason)
-            return None
-
-        refusal = self.change(edit)
+            refusal = _breaker_refusal(tx, state, "(a spare's health check)", [name], now)
+            if refusal is None:
+                _count_quarantines(tx, [name], now, state)
+                _set(tx, [name], role="quarantined", owner=None, since=_iso(now), note=reason)
         if refusal is not None:
             raise QuarantineRefused(refusal)
+        self._mark_out([name])
 
     def set_breaker(self, max_fraction: float | None = None, window_seconds: float | None = None) -> QuarantineBreaker:
         """Change the breaker's cap or window (None: as it is); returns it."""
-
-        def edit(record: PoolRecord) -> QuarantineBreaker:
+        with self.store.write() as tx:
+            state = _pool_row(tx)
             changes = {"max_fraction": max_fraction, "window_seconds": window_seconds}
-            fields = record.breaker.model_dump() | {k: v for k, v in changes.items() if v is not None}
-            record.breaker = QuarantineBreaker.model_validate(fields)
-            return record.breaker
-
-        return self.change(edit)
+            fields = state.breaker.model_dump() | {k: v for k, v in changes.items() if v is not None}
+            breaker = QuarantineBreaker.model_validate(fields)
+            _write_breaker(tx, breaker)
+            return breaker.model_copy(update={"quarantined": _window(tx)})
 
     def reset_breaker(self) -> QuarantineBreaker:
         """A person closes the breaker: the window starts empty. Returns it."""
-
-        def edit(record: PoolRecord) -> QuarantineBreaker:
-            record.breaker = record.breaker.model_copy(
-                update={"tripped_at": None, "tripped_reason": "", "quarantined": {}}
-            )
-            return record.breaker
-
-        return self.change(edit)
+        with self.store.write() as tx:
+            state = _pool_row(tx)
+            breaker = state.breaker.model_copy(update={"tripped_at": None, "tripped_reason": "", "quarantined": {}})
+            _write_breaker(tx, breaker)
+            tx.run("DELETE FROM pool_quarantines")
+            return breaker
 
     def return_node(self, name: str) -> PoolNode:
         """A repaired node rejoins the pool as a free healthy spare; returns it as recorded."""
-
-        def edit(record: PoolRecord) -> PoolNode:
-            node = _known(record, {name: None})[name]
+        now = datetime.now(UTC)
+        with self.store.write() as tx:
+            node = _known(tx, {name: None})[name]
             if node.role == "active":
                 raise ClusterError(f"{name} is active in run {node.owner}; only a quarantined or dead node is returned")
-            fields = {"healthy": True, "died_at": None}
-            return _free(record, [name], datetime.now(UTC), "returned", **fields)[0]
-
-        return self.change(edit)
+            returned = node.model_copy(
+                update={
+                    "role": "free",
+                    "owner": None,
+                    "healthy": True,
+                    "died_at": None,
+                    "since": now,
+                    "note": "returned",
+                }
+            )
+            tx.run(
+                "UPDATE pool_nodes SET role = 'free', owner = NULL, healthy = 1, died_at = NULL, since = ?, note = ? "
+                "WHERE name = ?",
+                (_iso(now), returned.note, name),
+            )
+        self._mark([returned])
+        return returned
 
     def release(self, run_id: str) -> list[str]:
         """The run ended: its active nodes go back to the pool as free spares (what it quarantined
         stays quarantined) and its want goes; returns the nodes."""
-
-        def edit(record: PoolRecord) -> list[str]:
-            mine = [node.name for node in record.held_by(run_id)]
-            _free(record, mine, datetime.now(UTC), f"released by {run_id}")
-            record.wants[:] = [w for w in record.wants if w.run_id != run_id]
+        now = datetime.now(UTC)
+        with self.store.write() as tx:
+            mine = [row[0] for row in tx.all(_HELD + tx.lock, (run_id,))]
+            _set(tx, mine, role="free", owner=None, since=_iso(now), note=f"released by {run_id}")
+            tx.run("DELETE FROM pool_wants WHERE run_id = ?", (run_id,))
             return mine
-
-        return self.change(edit)
 
     def want(self, want: SpareWant) -> None:
         """Lodge a run's need of spares, in place of its earlier one."""
-
-        def edit(record: PoolRecord) -> None:
-            record.wants[:] = [w for w in record.wants if w.run_id != want.run_id] + [want]
-
-        self.change(edit)
+        with self.store.write() as tx:
+            tx.run(
+                "INSERT INTO pool_wants (run_id, want, needed, placed) VALUES (?, ?, ?, ?) ON CONFLICT (run_id) "
+                "DO UPDATE SET want = excluded.want, needed = excluded.needed, placed = excluded.placed",
+                (want.run_id, want.model_dump_json(), want.needed, int(want.placed)),
+            )
 
     def drop_want(self, run_id: str) -> None:
         """The run's recovery is over: its want goes."""
-
-        def edit(record: PoolRecord) -> None:
-            record.wants[:] = [w for w in record.wants if w.run_id != run_id]
-
-        self.change(edit)
-
-    # --- what one run sees -------------------------------------------------------------------
-
-    def inventory(self, run_id: str, record: PoolRecord | None = None, allowance: int | None = None) -> Inventory:
-        """The run's view: its active nodes, what it quarantined, and the free nodes as spares: all
-        of them, or, given the run's `allowance` (the most nodes it may hold), as many as it could
-        ever take, past the other runs' needs that may come first (a fleet's pool has thousands)."""
-        record = record or self.read()
-        views, listed = [], None
-        if allowance is not None:
-            listed = sum(w.needed for w in record.wants if w.run_id != run_id and not w.placed) + allowance
-        for node in record.nodes:
-            if node.role == "free":
-                if listed is not None and (listed := listed - 1) < 0:
-                    continue
-                role, note = "spare", node.note or "hot spare of the pool"
-            elif node.owner == run_id:
-                role, note = node.role, node.note
-            else:
-                continue
-            views.append(NodeRecord(name=node.name, role=role, healthy=node.healthy, died_at=node.died_at, note=note))
-        wants = [w for w in record.wants if w.run_id != run_id]
-        return Inventory(nodes=views, wants=wants, shared=shared_fault(record, run_id))
+        with self.store.write() as tx:
+            tx.run("DELETE FROM pool_wants WHERE run_id = ?", (run_id,))
 
     def set_domain(self, names: list[str], domain: str | None) -> list[str]:
         """Place the named nodes in fault domain `domain` (None: in none); returns them."""
-
-        def edit(record: PoolRecord) -> list[str]:
-            _known(record, dict.fromkeys(names))
-            _replace(record, names, domain=domain)
+        with self.store.write() as tx:
+            _known(tx, dict.fromkeys(names))
+            tx.many("UPDATE pool_nodes SET domain = ? WHERE name = ?", [(domain, name) for name in names])
             return names
 
-        return self.change(edit)
+    def claim(self, run_id: str, assignment: Assignment, releases: Sequence[str] = ()) -> Assignment:
+        """Make the assignment's nodes the run's active nodes and free those of `releases` it held
+        (but not the assignment's), recording the assignment with the claim: exactly once. The
+        incarnation's assignment claimed before (an earlier attempt) is returned, its claim
+        completed. ClusterError, changing nothing, when one of the nodes is neither free and
+        healthy nor already the run's (a retry of a claim that succeeded succeeds)."""
+        with self.store.write() as tx:
+            row = tx.one(
+                "SELECT assignment FROM run_claims WHERE run_id = ? AND incarnation = ?",
+                (run_id, assignment.incarnation),
+            )
+            recorded = Assignment.model_validate_json(row[0]) if row else assignment
+            _claim_and_release(tx, run_id, recorded.nodes, releases, f"incarnation {recorded.incarnation}")
+            if row is None:
+                tx.run(
+                    "INSERT INTO run_claims (run_id, incarnation, assignment) VALUES (?, ?, ?)",
+                    (run_id, recorded.incarnation, recorded.model_dump_json()),
+                )
+            return recorded
+
+    def forget_claims(self, run_id: str) -> None:
+        """The run's directory is gone for good: its claims' records go too."""
+        with self.store.write() as tx:
+            tx.run("DELETE FROM run_claims WHERE run_id = ?", (run_id,))
+
+    # --- what one run sees -------------------------------------------------------------------
+
+    def inventory(self, run_id: str, allowance: int | None = None) -> Inventory:
+        """The run's view: its active nodes, what it quarantined, and the free nodes as spares: all
+        of them, or, given the run's `allowance` (the most nodes it may hold), as many as it could
+        ever take, past the other runs' needs that may come first (a fleet's pool has thousands)."""
+        with self.store.read() as tx:
+            wants = sorted(_wants(tx), key=SpareWant.sort_key)
+            others = [w for w in wants if w.run_id != run_id]
+            free_sql, params = f"SELECT seq, {COLUMNS} FROM pool_nodes WHERE role = 'free' ORDER BY seq", ()
+            if allowance is not None:  # dead free nodes are listed too (as spares that are not healthy)
+                free_sql += " LIMIT ?"
+                params = (sum(w.needed for w in others if not w.placed) + allowance,)
+            free = tx.all(free_sql, params)
+            mine = tx.all(f"SELECT seq, {COLUMNS} FROM pool_nodes WHERE owner = ? ORDER BY seq", (run_id,))
+            shared = _shared_fault(tx, run_id) if any(not row[4] and row[5] for row in mine) else None
+        views = []
+        for row in sorted([*free, *mine]):
+            node = _node(row[1:])
+            role, note = (
+                ("spare", node.note or "hot spare of the pool") if node.role == "free" else (node.role, node.note)
+            )
+            views.append(NodeRecord(name=node.name, role=role, healthy=node.healthy, died_at=node.died_at, note=note))
+        return Inventory(nodes=views, wants=others, shared=shared)
+
+    def unhealthy(self, names: Iterable[str] | None = None) -> dict[str, datetime | None]:
+        """The pool's dead nodes (of `names`, where given) and when each died: what every look asks."""
+        with self.store.read() as tx:
+            rows = tx.all("SELECT name, died_at FROM pool_nodes WHERE healthy = 0")
+        wanted = None if names is None else set(names)
+        return {name: _time(died) for name, died in rows if wanted is None or name in wanted}
+
+    def node(self, name: str) -> PoolNode | None:
+        """One node as recorded; None when the pool has no such node."""
+        with self.store.read() as tx:
+            row = tx.one(f"SELECT {COLUMNS} FROM pool_nodes WHERE name = ?", (name,))
+        return None if row is None else _node(row)
+
+    def nodes(self, names: Iterable[str]) -> dict[str, PoolNode]:
+        """The named nodes as recorded (a name the pool lacks is left out)."""
+        wanted = sorted(set(names))
+        if not wanted:
+            return {}
+        with self.store.read() as tx:
+            rows = tx.all(f"SELECT {COLUMNS} FROM pool_nodes WHERE name IN {_in(wanted)}", wanted)
+        return {row[0]: _node(row) for row in rows}
+
+    def held(self, run_id: str) -> list[str]:
+        """The run's active nodes, in the order they were added."""
+        with self.store.read() as tx:
+            return [row[0] for row in tx.all(_HELD, (run_id,))]
+
+    def free_spares(self) -> list[str]:
+        """The healthy free nodes, in the order they were added."""
+        with self.store.read() as tx:
+            return [row[0] for row in tx.all(_FREE)]
+
+    def read(self) -> PoolRecord:
+        """The whole pool: every node, want and the breaker (for listings and checks; a run's stages
+        ask for what they need instead)."""
+        with self.store.read() as tx:
+            nodes = [_node(row) for row in tx.all(f"SELECT {COLUMNS} FROM pool_nodes ORDER BY seq")]
+            wants = sorted(_wants(tx), key=SpareWant.sort_key)
+            breaker = _pool_row(tx, lock=False).breaker.model_copy(update={"quarantined": _window(tx)})
+        return PoolRecord(nodes=nodes, wants=wants, breaker=breaker)
+
+    # --- the standbys' markers -------------------------------------------------------------
+
+    def _mark(self, nodes: Iterable[PoolNode]) -> None:
+        """Give each node that may not run ranks (dead, quarantined) its marker; take it from the others."""
+        for node in nodes:
+            if not node.healthy or node.role == "quarantined":
+                self._mark_out([node.name])
+            elif self.unusable is not None:
+                (self.unusable / node.name).unlink(missing_ok=True)
+
+    def _mark_out(self, names: Iterable[str]) -> None:
+        if self.unusable is None:
+            return
+        self.unusable.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (self.unusable / name).touch()
 
 
-def shared_fault(record: PoolRecord, run_id: str) -> SharedFault | None:
+def open_pool(store: Store, home: str | Path) -> NodePool:
+    """The pool of a store, with the markers of a home's standbys (`<home>/pool/unusable`)."""
+    return NodePool(store, Path(home) / "pool" / "unusable")
+
+
+# --- SQL and rows -----------------------------------------------------------------------------
+
+_HELD = "SELECT name FROM pool_nodes WHERE owner = ? AND role = 'active' ORDER BY seq"
+_FREE = "SELECT name FROM pool_nodes WHERE role = 'free' AND healthy = 1 ORDER BY seq"
+
+
+class _PoolRow:
+    """The pool's own row: its size and the breaker (without its window)."""
+
+    def __init__(self, nodes: int, breaker: QuarantineBreaker):
+        self.nodes, self.breaker = nodes, breaker
+
+
+def _pool_row(tx: Transaction, lock: bool = True) -> _PoolRow:
+    nodes, breaker = tx.one("SELECT nodes, breaker FROM pool_state WHERE id = 1" + (tx.lock if lock else "")) or (
+        0,
+        "{}",
+    )
+    return _PoolRow(nodes, QuarantineBreaker.model_validate_json(breaker))
+
+
+def _write_breaker(tx: Transaction, breaker: QuarantineBreaker) -> None:
+    tx.run("UPDATE pool_state SET breaker = ? WHERE id = 1", (breaker.model_dump_json(exclude={"quarantined"}),))
+
+
+def _window(tx: Transaction) -> dict[str, datetime]:
+    rows = tx.all("SELECT node, at FROM pool_quarantines ORDER BY at, node")
+    return {node: datetime.fromisoformat(at) for node, at in rows}
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.astimezone(UTC).isoformat()
+
+
+def _time(text: str | None) -> datetime | None:
+    return None if text is None else datetime.fromisoformat(text)
+
+
+def _node(row: Sequence) -> PoolNode:
+    name, role, owner, healthy, died_at, since, note, domain = row
+    return PoolNode.model_construct(
+        name=name,
+        role=role,
+        owner=owner,
+        healthy=bool(healthy),
+        died_at=_time(died_at),
+        since=_time(since),
+        note=note,
+        domain=domain,
+    )
+
+
+def _wants(tx: Transaction) -> list[SpareWant]:
+    return [SpareWant.model_validate_json(row[0]) for row in tx.all("SELECT want FROM pool_wants")]
+
+
+def _in(names: Sequence[str]) -> str:
+    return f"({', '.join('?' * len(names))})"
+
+
+def _known(tx: Transaction, names: dict) -> dict[str, PoolNode]:
+    """The named nodes, locked for this transaction, in name order; ClusterError names unknown ones."""
+    wanted = sorted(names)
+    rows = tx.all(f"SELECT {COLUMNS} FROM pool_nodes WHERE name IN {_in(wanted)} ORDER BY name{tx.lock}", wanted)
+    nodes = {row[0]: _node(row) for row in rows}
+    unknown = [n for n in wanted if n not in nodes]
+    if unknown:
+        count = _pool_row(tx, lock=False).nodes
+        first = [row[0] for row in tx.all("SELECT name FROM pool_nodes ORDER BY seq LIMIT 8")]
+        listed = _listed(first, total=count)
+        raise ClusterError(f"the pool has no node {', '.join(unknown)}; nodes: {listed}")
+    return nodes
+
+
+def _set(tx: Transaction, names: Sequence[str], **fields) -> None:
+    if not names:
+        return
+    assignments = ", ".join(f"{column} = ?" for column in fields)
+    tx.run(f"UPDATE pool_nodes SET {assignments} WHERE name IN {_in(names)}", [*fields.values(), *names])
+
+
+def _free_count(tx: Transaction) -> int:
+    return tx.one("SELECT count(*) FROM pool_nodes WHERE role = 'free' AND healthy = 1")[0]  # type: ignore[index]
+
+
+def _add(tx: Transaction, count: int, note: str, now: datetime) -> list[str]:
+    if count <= 0:
+        return []
+    row = tx.one("SELECT next_seq FROM pool_state WHERE id = 1" + tx.lock)
+    first = row[0] if row else 0
+    names = [f"node-{first + i}" for i in range(count)]
+    tx.many(
+        "INSERT INTO pool_nodes (name, seq, role, owner, healthy, died_at, since, note, domain) "
+        "VALUES (?, ?, 'free', NULL, 1, NULL, ?, ?, NULL)",
+        [(name, first + i, _iso(now), note) for i, name in enumerate(names)],
+    )
+    tx.run("UPDATE pool_state SET nodes = nodes + ?, next_seq = next_seq + ? WHERE id = 1", (count, count))
+    return names
+
+
+def _claim_and_release(tx: Transaction, run_id: str, nodes: list[str], releases: Sequence[str], why: str) -> None:
+    """Make `nodes` the run's active nodes and free `releases` it held (but not `nodes`); ClusterError,
+    changing nothing, when one of `nodes` is neither free and healthy nor already the run's."""
+    known = _known(tx, dict.fromkeys([*nodes, *releases]))
+    taken = [n for n in nodes if not _claimable(known[n], run_id)]
+    if taken:
+        free = [row[0] for row in tx.all(_FREE + " LIMIT 9")]
+        held = "; ".join(f"{n} {_held(known[n])}" for n in taken)
+        raise ClusterError(f"node {', '.join(taken)} is no longer a free spare ({held}; free: {_listed(free)})")
+    now = _iso(datetime.now(UTC))
+    claimed = [name for name in nodes if known[name].owner != run_id or known[name].role != "active"]
+    _set(tx, claimed, role="active", owner=run_id, since=now, note=f"{run_id}: {why}")
+    row = tx.one("SELECT want FROM pool_wants WHERE run_id = ?" + tx.lock, (run_id,))
+    if row is not None and not (want := SpareWant.model_validate_json(row[0])).placed:
+        placed = want.model_copy(update={"placed": True, "got": len(claimed)})
+        tx.run(
+            "UPDATE pool_wants SET want = ?, placed = 1 WHERE run_id = ?",
+            (placed.model_dump_json(), run_id),
+        )
+    leftover = [n for n in releases if n not in nodes and known[n].owner == run_id and known[n].role == "active"]
+    _set(tx, leftover, role="free", owner=None, since=now, note=f"released by {run_id} at {why}")
+
+
+def _breaker_refusal(tx: Transaction, state: _PoolRow, run_id: str, new: list[str], now: datetime) -> str | None:
+    """Why the breaker refuses to quarantine `new` for `run_id` (tripping it when they would take the
+    window past its cap); None when it lets them through."""
+    breaker, pool_nodes = state.breaker, state.nodes
+    reset = "a person resets it with `lazarus pool breaker --reset`"
+    if breaker.tripped_at is None:
+        held, cap = len(_recent(tx, breaker, now)), breaker.cap(pool_nodes)
+        if held + len(new) <= cap:
+            return None
+        why = (
+            f"{held + len(new)} nodes quarantined within {breaker.window_seconds:g} s would pass its cap of {cap} "
+            f"({breaker.max_fraction:.0%} of the pool's {pool_nodes}); run {run_id} asked for {_listed(new)}"
+        )
+        breaker = breaker.model_copy(update={"tripped_at": now, "tripped_reason": why})
+        _write_breaker(tx, breaker)
+    return (
+        f"the pool's quarantine breaker is open ({breaker.tripped_reason}): nothing more is quarantined until {reset}"
+    )
+
+
+def _recent(tx: Transaction, breaker: QuarantineBreaker, now: datetime) -> dict[str, datetime]:
+    """The breaker's window at `now`: nodes faults quarantined within it that are still out."""
+    rows = tx.all(
+        "SELECT q.node, q.at FROM pool_quarantines q JOIN pool_nodes n ON n.name = q.node WHERE n.role = 'quarantined'"
+    )
+    out = {node for node, _ in rows}
+    return breaker.model_copy(update={"quarantined": {n: _time(at) for n, at in rows}}).recent(now, out)
+
+
+def _count_quarantines(tx: Transaction, nodes: list[str], now: datetime, state: _PoolRow) -> None:
+    """Count `nodes` in the breaker's window, and drop what left it."""
+    kept = _recent(tx, state.breaker, now)
+    tx.run("DELETE FROM pool_quarantines")
+    tx.many(
+        "INSERT INTO pool_quarantines (node, at) VALUES (?, ?)",
+        [(node, _iso(at)) for node, at in {**kept, **dict.fromkeys(nodes, now)}.items()],
+    )
+
+
+def _shared_fault(tx: Transaction, run_id: str) -> SharedFault | None:
     """The nodes of the pool that died within TOGETHER_SECONDS of the run's latest dead node, when
     they are more than the run's own; None otherwise."""
-    dead = [n for n in record.nodes if not n.healthy and n.died_at is not None]
+    rows = tx.all(f"SELECT {COLUMNS} FROM pool_nodes WHERE healthy = 0 AND died_at IS NOT NULL")
+    dead = [_node(row) for row in rows]
+    return shared_fault(dead, run_id)
+
+
+def shared_fault(dead: list[PoolNode], run_id: str) -> SharedFault | None:
+    """Of the pool's `dead` nodes, those that died within TOGETHER_SECONDS of the run's latest, when
+    they are more than the run's own; None otherwise."""
+    dead = [n for n in dead if not n.healthy and n.died_at is not None]
     mine = [n for n in dead if n.owner == run_id]
     if not mine:
         return None
@@ -232,49 +493,10 @@ def shared_fault(record: PoolRecord, run_id: str) -> SharedFault | None:
     )
 
 
-def claim_and_release(record: PoolRecord, run_id: str, nodes: list[str], releases: list[str], why: str) -> None:
-    """In `record` (a working copy): make `nodes` the run's active nodes and free `releases` it held
-    (but not `nodes`). ClusterError, changing nothing, when one of `nodes` is neither free and
-    healthy nor already the run's (a retry of a claim that succeeded succeeds)."""
-    known = _known(record, dict.fromkeys(nodes))
-    taken = [n for n in nodes if not _claimable(known[n], run_id)]
-    if taken:
-        free = _listed([n.name for n in record.free()])
-        held = "; ".join(f"{n} {_held(known[n])}" for n in taken)
-        raise ClusterError(f"node {', '.join(taken)} is no longer a free spare ({held}; free: {free})")
-    now = datetime.now(UTC)
-    claimed = [name for name in nodes if known[name].owner != run_id or known[name].role != "active"]
-    _hold(record, claimed, run_id, now, why)
-    record.wants[:] = [
-        w.model_copy(update={"placed": True, "got": len(claimed)}) if w.run_id == run_id and not w.placed else w
-        for w in record.wants
-    ]
-    leftover = [n.name for n in record.held_by(run_id) if n.name in releases and n.name not in nodes]
-    _free(record, leftover, now, f"released by {run_id} at {why}")
-
-
-def _breaker_refusal(record: PoolRecord, run_id: str, new: list[str], now: datetime) -> str | None:
-    """Why the breaker refuses to quarantine `new` for `run_id` (tripping it, in `record`, when they
-    would take the window past its cap); None when it lets them through."""
-    breaker, pool_nodes = record.breaker, len(record.nodes)
-    reset = "a person resets it with `lazarus pool breaker --reset`"
-    if breaker.tripped_at is None:
-        held, cap = len(breaker.recent(now, record.out())), breaker.cap(pool_nodes)
-        if held + len(new) <= cap:
-            return None
-        why = (
-            f"{held + len(new)} nodes quarantined within {breaker.window_seconds:g} s would pass its cap of {cap} "
-            f"({breaker.max_fraction:.0%} of the pool's {pool_nodes}); run {run_id} asked for {_listed(new)}"
-        )
-        record.breaker = breaker = breaker.model_copy(update={"tripped_at": now, "tripped_reason": why})
-    return (
-        f"the pool's quarantine breaker is open ({breaker.tripped_reason}): nothing more is quarantined until {reset}"
-    )
-
-
-def _listed(names: list[str], shown: int = 8) -> str:
+def _listed(names: list[str], shown: int = 8, total: int | None = None) -> str:
     """Names for a message: the first few and how many more (a pool may have thousands free)."""
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    total = len(names) if total is None else total
+    more = f" and {total - shown} more" if total > shown else ""
     return (", ".join(names[:shown]) + more) or "none"
 
 
@@ -290,37 +512,76 @@ def _held(node: PoolNode) -> str:
     return f"is quarantined by {node.owner}" if node.owner else f"is quarantined ({node.note})"
 
 
-def _known(record: PoolRecord, names: dict) -> dict[str, PoolNode]:
-    nodes = {n.name: n for n in record.nodes}
-    unknown = sorted(set(names) - set(nodes), key=node_number)
-    if unknown:
-        listed = ", ".join(n.name for n in record.nodes) or "none"
-        raise ClusterError(f"the pool has no node {', '.join(unknown)}; nodes: {listed}")
-    return nodes
+def import_record(tx: Transaction, record: PoolRecord) -> int:
+    """Write an old pool file's record (schema/pool.py PoolRecord) into an empty pool; returns the
+    nodes imported (0, writing nothing, where the pool has nodes already)."""
+    if tx.one("SELECT count(*) FROM pool_nodes")[0]:  # type: ignore[index]
+        return 0
+    numbered = [(n, _number(n.name, i)) for i, n in enumerate(record.nodes)]
+    tx.many(
+        f"INSERT INTO pool_nodes (seq, {COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (seq, n.name, n.role, n.owner, int(n.healthy), _iso(n.died_at), _iso(n.since), n.note, n.domain)
+            for n, seq in numbered
+        ],
+    )
+    next_seq = max((seq for _, seq in numbered), default=-1) + 1
+    tx.run("UPDATE pool_state SET nodes = ?, next_seq = ? WHERE id = 1", (len(numbered), next_seq))
+    _write_breaker(tx, record.breaker)
+    tx.many(
+        "INSERT INTO pool_quarantines (node, at) VALUES (?, ?)",
+        [(node, _iso(at)) for node, at in record.breaker.quarantined.items()],
+    )
+    tx.many(
+        "INSERT INTO pool_wants (run_id, want, needed, placed) VALUES (?, ?, ?, ?)",
+        [(w.run_id, w.model_dump_json(), w.needed, int(w.placed)) for w in record.wants],
+    )
+    return len(numbered)
 
 
-def _add(record: PoolRecord, count: int, note: str) -> list[PoolNode]:
-    first = max((node_number(n.name) for n in record.nodes), default=-1) + 1
-    now = datetime.now(UTC)
-    added = [PoolNode(name=f"node-{first + i}", role="free", since=now, note=note) for i in range(max(0, count))]
-    record.nodes.extend(added)
-    return added
+def _number(name: str, index: int) -> int:
+    """The order of an imported node: its number where it is named node-N (as the pool names them)."""
+    from lazarus.schema.pool import node_number
+
+    number = node_number(name)
+    return number if number >= 0 else 1_000_000_000 + index
 
 
-def _replace(record: PoolRecord, names: list[str], **fields) -> list[PoolNode]:
-    """Put a copy with `fields` in the place of each named node of the working record; returns the copies."""
-    wanted = set(names)
-    copies = []
-    for index, node in enumerate(record.nodes):
-        if node.name in wanted:
-            record.nodes[index] = node.model_copy(update=fields)
-            copies.append(record.nodes[index])
-    return copies
+def read_pool_file(text: str) -> PoolRecord:
+    """An old pool file's record (`pool/nodes.json`, before the pool moved into the store)."""
+    data = json.loads(text)
+    data.pop("generation", None)
+    return PoolRecord.model_validate(data)
 
 
-def _hold(record: PoolRecord, names: list[str], run_id: str, now: datetime, why: str) -> None:
-    _replace(record, names, role="active", owner=run_id, since=now, note=f"{run_id}: {why}")
+def import_old_pool(store: Store, home: str | Path) -> int:
+    """Bring a home's pool file from before the store (`pool/nodes.json`) into an empty pool, once:
+    the file is kept beside as `nodes.json.imported`, and a line says so. Returns the nodes imported."""
+    import contextlib
+    import logging
 
+    from lazarus.schema.pool import old_pool_file
 
-def _free(record: PoolRecord, names: list[str], now: datetime, note: str, **fields) -> list[PoolNode]:
-    return _replace(record, names, role="free", owner=None, since=now, note=note, **fields)
+    path = old_pool_file(Path(home))
+    try:
+        record = read_pool_file(path.read_text())
+    except FileNotFoundError:
+        return 0
+    with store.write() as tx:
+        imported = import_record(tx, record)
+    with contextlib.suppress(FileNotFoundError):  # another process of the home moved it first
+        path.rename(path.with_name("nodes.json.imported"))
+        if imported:
+            logging.getLogger(__name__).warning(
+                "imported the pool's %d node(s) from %s into the store %s; the file is kept as nodes.json.imported",
+                imported,
+                path,
+                store.url,
+            )
+        else:
+            logging.getLogger(__name__).warning(
+                "%s not imported: the store %s has a pool already; the file is kept as nodes.json.imported",
+                path,
+                store.url,
+            )
+    return imported

@@ -1,34 +1,58 @@
-"""The run state of the backends whose nodes come from one pool per home (infra/pool.py): the local
+"""The run state of the backends whose nodes come from the store's pool (infra/pool.py): the local
 backend's processes and the simulated backend's records. A run holds its active nodes, quarantines
-what failed, and claims free nodes as spares, whatever the other runs of the home do at the same
+what failed, and claims free nodes as spares, whatever the other runs of the pool do at the same
 time. What a node runs is the backend's: the hooks here (a node's warm standbys) do nothing."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, free_port
-from lazarus.infra.pool import LocalPool, claim_and_release
+from lazarus.infra.pool import NodePool, import_old_pool, open_pool
 from lazarus.infra.runfiles import RunFiles
+from lazarus.infra.store import Store, default_url, open_store
 from lazarus.schema.contract import ENV_NODE, ENV_RUN_DIR
 from lazarus.schema.health_checks import run_check
-from lazarus.schema.pool import PoolRecord, SpareWant
+from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import Assignment, Inventory
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
 
 
 class PooledRunFiles(RunFiles):
-    """Runs under `home/runs/<run_id>` whose nodes come from the home's pool."""
+    """Runs under `home/runs/<run_id>` whose nodes come from the pool of the store at `store` (a URL,
+    infra/store; None: the home's own SQLite file)."""
 
     vets_spares = True  # a spare's health check runs on this machine, where its ranks would
 
-    def __init__(self, home: str | Path):
+    @classmethod
+    def open(cls, options):
+        """The backend on options.home and options.store (a BackendOptions, infra/registry.py), its
+        store reached: StoreError or StoreURLError, one line, where it cannot be."""
+        cluster = cls(options.home, store=options.store)
+        cluster.pool  # noqa: B018 - opened now, so that a worker with a wrong store says so as it starts
+        return cluster
+
+    def __init__(self, home: str | Path, store: str | None = None):
         super().__init__(home)
-        self.pool = LocalPool(self.home)
+        self.store_url = store or default_url(self.home)
+
+    @functools.cached_property
+    def store(self) -> Store:
+        """The store of the pool, opened (its tables made, a home's old pool file imported) when first
+        needed: a backend made and not used writes nothing."""
+        store = open_store(self.store_url)
+        import_old_pool(store, self.home)
+        return store
+
+    @functools.cached_property
+    def pool(self) -> NodePool:
+        """The pool of the runs' nodes, in the store."""
+        return open_pool(self.store, self.home)
 
     def create(self, run_id: str, spec: RunSpec) -> RunDir:
         """Create the run's directory and spec, and give it its active nodes from the pool (adding
@@ -39,13 +63,12 @@ class PooledRunFiles(RunFiles):
             return self.write_spec(run_id, spec)  # checks that it is the same spec
         run.root.mkdir(parents=True, exist_ok=True)
         self.pool.provision(run_id, spec.cluster.active_nodes, spec.cluster.spare_nodes)
-        pool = self.pool.read()
-        unknown = sorted({f.node for f in spec.faults if pool.node(f.node) is None})
+        unknown = sorted({f.node for f in spec.faults if self.pool.node(f.node) is None})
         if unknown:
             self.pool.release(run_id)
             raise ClusterError(
-                f"faults.node: {', '.join(unknown)} is not a node of the pool under {self.home} "
-                f"(it has {pool.nodes[0].name} .. {pool.nodes[-1].name}; `lazarus pool` lists them)"
+                f"faults.node: {', '.join(unknown)} is not a node of the pool of {self.store.url} "
+                "(`lazarus pool` lists them)"
             )
         # The spec is written last: its presence means the run directory is complete.
         return self.write_spec(run_id, spec)
@@ -58,13 +81,13 @@ class PooledRunFiles(RunFiles):
 
     def dead_nodes(self, assignment: Assignment) -> dict[str, datetime]:
         """The assignment's nodes the pool has seen die, and when."""
-        mine = set(assignment.nodes)
-        return {name: died or datetime.now(UTC) for name, died in self.pool.unhealthy().items() if name in mine}
+        return {name: died or datetime.now(UTC) for name, died in self.pool.unhealthy(assignment.nodes).items()}
 
     def update_nodes(self, run_id: str, changes: dict[str, dict]) -> Inventory:
         """Apply health changes (healthy, died_at, note) to named nodes of the pool; returns the run's inventory."""
         self._existing(run_id)
-        return self.pool.inventory(run_id, self.pool.set_health(changes))
+        self.pool.set_health(changes)
+        return self.pool.inventory(run_id)
 
     def rendezvous_port(self, run_id: str) -> int:
         """A free port of this machine: every incarnation's ranks run here."""
@@ -76,31 +99,19 @@ class PooledRunFiles(RunFiles):
         """Record an incarnation's assignment, claim the nodes it uses and release leftover nodes to
         the pool, exactly once, whatever other runs of the home do at the same time.
 
-        Under the pool's lock: if the incarnation already has an assignment (an earlier attempt
-        wrote it), that one is returned and its claims completed; otherwise every node must be
-        free and healthy or already the run's. The claim is written before the assignment, so
-        an attempt killed between the two leaves nodes the run's retry finds its own.
+        In one transaction of the store: if the incarnation already claimed its nodes (an earlier
+        attempt did), that assignment is returned and its claims completed; otherwise every node
+        must be free and healthy or already the run's. The claim is recorded with the assignment,
+        and the assignment's file written after: an attempt killed between the two leaves a claim
+        the run's retry finds and completes.
         """
         run = self._existing(run_id)
-        key, why = (run_id, assignment.incarnation), f"incarnation {assignment.incarnation}"
-        assigning = self.pool.assigning
-
-        def claim(pool: PoolRecord) -> Assignment:
-            # An attempt whose claim went into this same commit has not written its assignment yet.
-            recorded = self.assignment(run_id, assignment.incarnation) or assigning.get(key)
-            if recorded is not None:
-                claim_and_release(pool, run_id, recorded.nodes, list(releases), f"incarnation {recorded.incarnation}")
-                return recorded
-            claim_and_release(pool, run_id, assignment.nodes, list(releases), why)
-            assigning[key] = assignment
-            return assignment
-
-        def write(claimed: Assignment) -> Assignment:
-            return claimed if claimed is not assignment else self.record_assignment(run_id, assignment)
-
-        recorded = self.pool.change(claim, then=write)
-        self._drop_standbys_off(run, {n.name for n in self.pool.inventory(run_id).nodes})
-        return recorded
+        recorded = self.assignment(run_id, assignment.incarnation)  # a run claimed before the store kept claims
+        claimed = self.pool.claim(run_id, recorded or assignment, list(releases))
+        if recorded is None:
+            claimed = self.record_assignment(run_id, claimed)
+        self._drop_standbys_off(run)
+        return claimed
 
     def quarantine(self, run_id: str, nodes: list[str], reason: str, counted: bool = True) -> None:
         """Hold the nodes out of every run of the pool (drain, after a fault), and end their
@@ -113,10 +124,10 @@ class PooledRunFiles(RunFiles):
     def vet_spare(self, run_id: str, node: str) -> str | None:
         """Run the run's health check (spec health.command) for a free node before the run claims it,
         as the node's launcher would run it (this machine, the node's name in LAZARUS_NODE); a node
-        that fails it leaves the pool (LocalPool.reject_spare). Returns why it failed; None when it
+        that fails it leaves the pool (NodePool.reject_spare). Returns why it failed; None when it
         passed or the run has no check."""
         run, checks = self._existing(run_id), self.spec(run_id).health
-        held = self.pool.read().node(node)
+        held = self.pool.node(node)
         if not self.vets_spares or not checks.command or held is None or held.role != "free":
             return None  # no check; or not a spare (a retried claim's own node): the claim tells
         env = {**os.environ, ENV_RUN_DIR: str(run.root), ENV_NODE: node}
@@ -156,8 +167,8 @@ class PooledRunFiles(RunFiles):
     def _kill_standbys_on(self, nodes: list[str], wait: bool = True) -> None:
         """End every run's standby on these nodes."""
 
-    def _drop_standbys_off(self, run: RunDir, held: set[str]) -> None:
-        """End the run's standbys on nodes it no longer holds (another run may have claimed them)."""
+    def _drop_standbys_off(self, run: RunDir) -> None:
+        """End the run's standbys on nodes another run holds now (it may have claimed them)."""
 
     def _warm_returned(self) -> None:
         """A node came back to the pool: the live runs that keep standbys warm it."""

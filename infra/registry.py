@@ -24,7 +24,8 @@ DEFAULT_BACKEND = "local"
 class BackendOptions:
     """What opening a backend may need; each backend reads the fields it knows."""
 
-    home: Path  # LAZARUS_HOME: where run directories (and the local pool) live
+    home: Path  # LAZARUS_HOME: where run directories live
+    store: str | None = None  # LAZARUS_STORE: the store's URL (infra/store); None: SQLite in the home
     kube_qps: float = 100.0  # Kubernetes API requests a second the backend makes at most
     kube_burst: int = 200  # Kubernetes API requests made at once before kube_qps paces them
 

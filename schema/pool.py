@@ -1,8 +1,9 @@
-"""The local backend's node pool: every run of one LAZARUS_HOME takes its nodes from it.
+"""The node pool of the local, simulated and Slurm backends: every run of a fleet takes its nodes from it.
 
-One record (`<home>/pool/nodes.json`) says of every node whether it is free (a hot spare any
-run may claim), active in a run, or quarantined by one; the controller rewrites it under the
-pool's lock (infra/pool.py) and the trainer's standbys read it to refuse a dead node.
+The pool says of every node whether it is free (a hot spare any run may claim), active in a run, or
+quarantined by one; it lives in the store (infra/pool.py: a row per node), and these are its
+records as the controller reads them. The local backend's standbys learn that a node is dead or
+quarantined from a marker file (`unusable_marker`), not from the store.
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ NODE_NAME = re.compile(r"node-(0|[1-9][0-9]*)")
 """How the local pool names its nodes: node-0, node-1, ... in the order they were added."""
 
 
-def pool_file(home: Path) -> Path:
-    """Where the pool's record of a home lives."""
+def old_pool_file(home: Path) -> Path:
+    """Where a home kept its pool's record before the pool moved into the store: imported once."""
     return Path(home) / "pool" / "nodes.json"
+
+
+def unusable_marker(home: Path, node: str) -> Path:
+    """Present while the node is dead or quarantined (written by the pool before any of its processes
+    is ended): a warm standby on it starts no ranks."""
+    return Path(home) / "pool" / "unusable" / node
 
 
 def node_number(name: str) -> int:
@@ -34,8 +41,8 @@ def node_number(name: str) -> int:
 
 class SpareWant(Record):
     """One run's need of the pool's spares in one recovery, lodged as its drain starts, so that
-    runs recovering at once share the spares by policy rather than by who claims first. Frozen: the
-    pool's record is shared by readers (infra/pool.py), and a change replaces a want."""
+    runs recovering at once share the spares by policy rather than by who claims first. Frozen: a
+    change replaces a want."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,12 +68,15 @@ class SpareWant(Record):
         return "same priority and loss, its fault came first"
 
     def _order(self) -> tuple:
+        return self.sort_key()
+
+    def sort_key(self) -> tuple:
+        """Needs sorted by this come in the order they are served: the first outranks the rest."""
         return (-self.priority, -self.lost_ranks, self.fault_at, self.run_id)
 
 
 class PoolNode(Record):
-    """One node of the pool and who holds it. Frozen: the pool's record is shared by readers
-    (infra/pool.py), and a change replaces a node."""
+    """One node of the pool and who holds it. Frozen: a change replaces a node."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -168,10 +178,8 @@ class SharedFault(Record):
 
 
 class PoolRecord(Record):
-    """Every node of the pool. `generation` grows by one with each write, so a reader can tell
-    whether the pool changed between two reads."""
+    """Every node of the pool, the runs' needs of spares and the quarantine breaker, as read at once."""
 
-    generation: int = Field(default=0, ge=0, description="Writes of the record so far.")
     nodes: list[PoolNode] = Field(default_factory=list, description="Every node, in the order they were added.")
     wants: list[SpareWant] = Field(
         default_factory=list, description="Runs' needs of spares, from their drain to the end of their resume."

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lazarus.schema.files import file_sha256, read_json, read_text, write_json_atomic
 from lazarus.schema.names import check_node_name
-from lazarus.schema.pool import pool_file
+from lazarus.schema.pool import unusable_marker
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step-(\d+)(?:\.incarnation-(\d+))?$")
@@ -38,10 +38,9 @@ class RunDir:
         while it is read and changed."""
         return self.root / "owner.json"
 
-    @property
-    def pool_file(self) -> Path:
-        """The record of the local pool this run's nodes come from (its home's)."""
-        return pool_file(self.root.parent.parent)
+    def unusable_marker(self, node: str) -> Path:
+        """Present while `node` of the pool this run's nodes come from (its home's) is dead or quarantined."""
+        return unusable_marker(self.root.parent.parent, node)
 
     @property
     def metrics_file(self) -> Path:

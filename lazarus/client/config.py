@@ -38,6 +38,10 @@ ENV_KUBE_BURST = "LAZARUS_KUBE_BURST"
 ENV_QUERY_SECONDS = "LAZARUS_QUERY_SECONDS"
 """How long a status or a control waits for the run's worker to answer before it reads the history
 instead (seconds; default 3): what a command costs in the minute after a worker died."""
+ENV_STORE = "LAZARUS_STORE"
+"""Where the state runs and controllers share lives (the node pool, runs' owners): a sqlite:///PATH or
+postgresql://USER@HOST:PORT/DATABASE URL (default: sqlite:///<LAZARUS_HOME>/lazarus.db). Workers on
+several machines share one PostgreSQL database."""
 ENV_SLURM_CONF = "SLURM_CONF"
 """Slurm's own: the slurm.conf of the cluster the Slurm backend drives (default: Slurm's)."""
 
@@ -46,6 +50,8 @@ HELP = f"""environment:
   {ENV_NAMESPACE}          Temporal namespace (default: default)
   {ENV_TASK_QUEUE}         task queue of the Lazarus worker (default: lazarus)
   {ENV_HOME}               state folder: runs, dev server database (default: ./.lazarus)
+  {ENV_STORE}              the shared state's database: sqlite:///PATH.db (one machine) or
+                             postgresql://USER@HOST:PORT/DB (several) (default: LAZARUS_HOME/lazarus.db)
   {ENV_UI_URL}             web UI base URL for links (default: http://<host>:<port+1000>)
   {ENV_TLS_CA}, {ENV_TLS_CERT}, {ENV_TLS_KEY}
                              server CA, and for mutual TLS client certificate and key (PEM files):
@@ -63,6 +69,7 @@ class Settings:
     namespace: str = "default"
     task_queue: str = "lazarus"
     home: Path = Path(".lazarus")
+    store: str | None = None  # the store's URL (LAZARUS_STORE); None: SQLite in the home
     ui_url: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -76,6 +83,7 @@ class Settings:
             namespace=environ.get(ENV_NAMESPACE, cls.namespace),
             task_queue=environ.get(ENV_TASK_QUEUE, cls.task_queue),
             home=Path(environ.get(ENV_HOME, cls.home)),
+            store=environ.get(ENV_STORE) or None,
             ui_url=environ.get(ENV_UI_URL),
             # An empty value means unset: `VAR= lazarus ...` turns TLS off rather than naming file ''.
             tls_cert=environ.get(ENV_TLS_CERT) or None,

@@ -74,11 +74,14 @@ def open_cluster(name: str, settings: Settings, **options):
     are BackendOptions' other fields."""
     from lazarus.infra.backend import ClusterError
     from lazarus.infra.registry import BackendOptions, open_backend
+    from lazarus.infra.store import StoreError, StoreURLError
 
     try:
-        return open_backend(name, BackendOptions(settings.home, **options))
+        return open_backend(name, BackendOptions(settings.home, store=settings.store, **options))
     except ClusterError as error:
         raise UserError(f"--backend {name}: {error}") from None
+    except (StoreError, StoreURLError) as error:
+        raise UserError(str(error)) from None
 
 
 def registered_backend(name: str, named_by: str = "cluster.backend"):

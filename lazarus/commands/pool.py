@@ -1,5 +1,6 @@
-"""`lazarus pool [list|add|return|domain|breaker]`: the local backend's node pool, shared by every run
-of LAZARUS_HOME (and by every worker that serves them).
+"""`lazarus pool [list|add|return|domain|breaker]`: the node pool of the local, simulated and Slurm
+backends, kept in the store (LAZARUS_STORE, by default SQLite in LAZARUS_HOME) and shared by every
+run of it (and by every worker that serves them).
 
 A run takes its active nodes from the pool at launch and claims free nodes as spares when it
 loses one; what a fault quarantined stays out of every run until it is returned here (or with
@@ -15,7 +16,9 @@ is quarantined, the runs that would need it pause, and a person resets it here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from lazarus.client.config import Settings
 from lazarus.commands.common import (
@@ -70,18 +73,38 @@ def register(commands: argparse._SubParsersAction) -> None:
     breaker.set_defaults(handler=set_breaker)
 
 
+@contextlib.contextmanager
+def _pool(settings: Settings) -> Iterator:
+    """The pool of the settings' store (NodePool) for the length of a command; a store that cannot be
+    opened or answers with an error is one line (UserError)."""
+    from lazarus.infra.pool import import_old_pool, open_pool
+    from lazarus.infra.store import StoreError, StoreURLError, default_url, open_store
+
+    try:
+        store = open_store(settings.store or default_url(settings.home))
+    except (StoreError, StoreURLError) as error:
+        raise UserError(str(error)) from None
+    try:
+        import_old_pool(store, settings.home)
+        yield open_pool(store, settings.home)
+    except StoreError as error:
+        raise UserError(str(error)) from None
+    finally:
+        store.close()
+
+
 def list_pool(args: argparse.Namespace, settings: Settings) -> int:
     """Print every node of the pool: role, owner, health, since when, and why."""
     from lazarus.console import stdout, stdout_reserved_for_json, table
-    from lazarus.infra.pool import LocalPool
 
-    record = LocalPool(settings.home).read()
+    with _pool(settings) as pool:
+        record, where = pool.read(), pool.store.url
     if args.json:
         with stdout_reserved_for_json() as emit:
             emit(record.model_dump(mode="json"))
         return 0
     if not record.nodes:
-        print(f"the pool under {settings.home} has no node yet: a run's launch adds what it needs")
+        print(f"the pool of {where} has no node yet: a run's launch adds what it needs")
         return 0
     grid = table("NODE", "ROLE", "RUN", "HEALTH", "DOMAIN", "SINCE", "NOTE")
     for node in record.nodes:
@@ -90,7 +113,7 @@ def list_pool(args: argparse.Namespace, settings: Settings) -> int:
         grid.add_row(node.name, node.role, node.owner or "", health, node.domain or "", since, node.note)
     stdout.print(grid)
     free = len(record.free())
-    print(f"{len(record.nodes)} node(s), {free} free hot spare(s); pool generation {record.generation}")
+    print(f"{len(record.nodes)} node(s), {free} free hot spare(s) in {where}")
     print(_breaker_line(record))
     return 0
 
@@ -106,11 +129,11 @@ def _breaker_line(record) -> str:
 def place_nodes(args: argparse.Namespace, settings: Settings) -> int:
     """Place nodes of the pool in a fault domain."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.pool import LocalPool
 
     domain = None if args.domain == "-" else args.domain
     try:
-        LocalPool(settings.home).set_domain(args.nodes, domain)
+        with _pool(settings) as pool:
+            pool.set_domain(args.nodes, domain)
     except ClusterError as error:
         raise UserError(str(error)) from None
     print(f"{', '.join(args.nodes)} {'in fault domain ' + domain if domain else 'in no fault domain'}")
@@ -121,27 +144,25 @@ def set_breaker(args: argparse.Namespace, settings: Settings) -> int:
     """Show the quarantine breaker; change its cap or window; reset it."""
     from pydantic import ValidationError
 
-    from lazarus.infra.pool import LocalPool
-
-    pool = LocalPool(settings.home)
-    try:
-        if args.max_fraction is not None or args.window_seconds is not None:
-            pool.set_breaker(args.max_fraction, args.window_seconds)
-    except ValidationError as error:
-        problem = error.errors()[0]
-        raise UserError(f"--{str(problem['loc'][0]).replace('_', '-')}: {problem['msg']}") from None
-    if args.reset:
-        pool.reset_breaker()
-    print(_breaker_line(pool.read()))
+    with _pool(settings) as pool:
+        try:
+            if args.max_fraction is not None or args.window_seconds is not None:
+                pool.set_breaker(args.max_fraction, args.window_seconds)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            raise UserError(f"--{str(problem['loc'][0]).replace('_', '-')}: {problem['msg']}") from None
+        if args.reset:
+            pool.reset_breaker()
+        print(_breaker_line(pool.read()))
     return 0
 
 
 def add_nodes(args: argparse.Namespace, settings: Settings) -> int:
     """Add free healthy nodes to the pool."""
-    from lazarus.infra.pool import LocalPool
-
-    names = LocalPool(settings.home).add(args.count, "added by `lazarus pool add`")
-    print(f"added {', '.join(names)}: free hot spares of every run under {settings.home}")
+    with _pool(settings) as pool:
+        names = pool.add(args.count, "added by `lazarus pool add`")
+        where = pool.store.url
+    print(f"added {', '.join(names)}: free hot spares of every run of {where}")
     return 0
 
 
@@ -150,12 +171,12 @@ async def return_node(args: argparse.Namespace, settings: Settings) -> int:
     (so its status shows the node back), else straight to the pool (a Slurm run's node is resumed
     in Slurm first)."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.pool import LocalPool
 
-    pool = LocalPool(settings.home)
-    node = pool.read().node(args.node)
+    with _pool(settings) as pool:
+        node = pool.node(args.node)
+        where = pool.store.url
     if node is None:
-        raise UserError(f"the pool under {settings.home} has no node {args.node} (`lazarus pool` lists them)")
+        raise UserError(f"the pool of {where} has no node {args.node} (`lazarus pool` lists them)")
     quarantined_by = node.owner if node.role == "quarantined" else None
     if quarantined_by and await _told_the_run(quarantined_by, node.name, settings):
         print(f"{node.name} is a free spare again (returned through run {quarantined_by})")
@@ -168,7 +189,8 @@ async def return_node(args: argparse.Namespace, settings: Settings) -> int:
             open_cluster(backend, settings).return_node(quarantined_by, node.name)
             print(f"{node.name} is a free spare again (returned in its {backend} cluster)")
             return 0
-        pool.return_node(node.name)
+        with _pool(settings) as pool:
+            pool.return_node(node.name)
     except ClusterError as error:
         raise UserError(str(error)) from None
     print(f"{node.name} is a free spare again")

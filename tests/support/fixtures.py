@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from kubernetes import client as k8s
 from lazarus.infra import processes, standbys
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.backends.slurm.cluster import SlurmCluster
+from lazarus.infra.harness import postgres
 from lazarus.infra.harness.slurm_daemons import SlurmDaemons, why_not_startable
 from tests.k8s.emulator import BACKEND_USER_AGENT, EmulatorThread
 from tests.k8s.kubelet import FakeKubelet
@@ -239,3 +241,46 @@ def slurm_backend(slurm_daemons, tmp_path):
 def backend(request):
     """Each backend in turn, as a Harness: tests that take it run once per backend."""
     return request.getfixturevalue(f"{request.param}_backend")
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for the session (infra/harness/postgres.py), in a folder of its own,
+    stopped and deleted at the end; the tests that take it skip, with the reason, where it cannot start."""
+    reason = postgres.why_not_startable()
+    if reason is not None:
+        pytest.skip(reason)
+    folder = Path(tempfile.mkdtemp(prefix="lazarus-postgres-"))
+    server = postgres.PostgresServer(folder, durable=False)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def schema_of_its_own(server: postgres.PostgresServer) -> tuple[str, str]:
+    """A new, empty schema of the server's database: (its name, the store URL whose connections use it)."""
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(server.url, autocommit=True) as connection:
+        connection.execute(f"CREATE SCHEMA {name}")
+    return name, f"{server.url}?options=-csearch_path%3D{name}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """The URL of an empty store of the test's own, on each engine in turn: a SQLite file in tmp_path,
+    a schema of the session's PostgreSQL server (dropped at teardown)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{(tmp_path / 'lazarus.db').as_posix().lstrip('/')}"
+        return
+    import psycopg
+
+    server = request.getfixturevalue("postgres_server")
+    name, url = schema_of_its_own(server)
+    yield url
+    with psycopg.connect(server.url, autocommit=True) as connection:
+        connection.execute(f"DROP SCHEMA {name} CASCADE")

@@ -1,9 +1,10 @@
-"""The local pool shared by every run of a home: spares claimed exactly once across runs and
-processes, quarantine that holds for every run, release at the end, and a claimer killed at any
-point leaving the pool consistent."""
+"""The pool every run of a store shares, on SQLite and on PostgreSQL: spares claimed exactly once
+across runs and processes, quarantine that holds for every run, release at the end, and a claimer
+killed at any point, or the database restarted under a claim, leaving the pool consistent."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -11,10 +12,13 @@ from datetime import UTC, datetime
 
 import pytest
 
+from lazarus.infra import pool as pool_module
 from lazarus.infra.backend import ClusterError, QuarantineRefused
 from lazarus.infra.backends.local.cluster import LocalCluster
-from lazarus.infra.pool import LocalPool
+from lazarus.infra.pool import NodePool
+from lazarus.infra.store import StoreError, open_store
 from lazarus.schema import Assignment, parse_spec
+from lazarus.schema.pool import PoolNode, PoolRecord, QuarantineBreaker, SpareWant
 
 SLEEPER = ["python", "-c", "import time; time.sleep(600)"]
 FORK = multiprocessing.get_context("fork")
@@ -50,15 +54,15 @@ def launched(cluster: LocalCluster, run_id: str) -> None:
 
 
 @pytest.fixture
-def two_runs(tmp_path) -> LocalCluster:
-    """Runs a and b of one home, two active nodes each; node-2 is the one spare both see."""
-    cluster = LocalCluster(tmp_path)
+def two_runs(tmp_path, store_url) -> LocalCluster:
+    """Runs a and b of one store, two active nodes each; node-2 is the one spare both see."""
+    cluster = LocalCluster(tmp_path, store=store_url)
     launched(cluster, "a")
     launched(cluster, "b")
     return cluster
 
 
-def test_two_runs_of_a_home_hold_their_own_nodes_and_share_the_spare(two_runs):
+def test_two_runs_of_a_store_hold_their_own_nodes_and_share_the_spare(two_runs):
     assert active(two_runs, "a") == ["node-0", "node-1"]
     assert active(two_runs, "b") == ["node-3", "node-4"]  # b's launch found node-2 free and left it as the spare
     assert two_runs.inventory("a").free_spares() == two_runs.inventory("b").free_spares() == ["node-2"]
@@ -67,9 +71,9 @@ def test_two_runs_of_a_home_hold_their_own_nodes_and_share_the_spare(two_runs):
     assert active(two_runs, "b") == ["node-3", "node-4"] and len(two_runs.pool.read().nodes) == 5
 
 
-def _claim_every_spare(home, run_id: str, spares: list[str], go, results) -> None:
+def _claim_every_spare(home, store_url, run_id: str, spares: list[str], go, results) -> None:
     """Try to claim each of `spares` for `run_id`, one incarnation each; report the ones won."""
-    cluster = LocalCluster(home)
+    cluster = LocalCluster(home, store=store_url)
     layout = cluster.spec(run_id).layout
     won = []
     go.wait()
@@ -83,20 +87,29 @@ def _claim_every_spare(home, run_id: str, spares: list[str], go, results) -> Non
     results.put((run_id, won))
 
 
-def test_runs_racing_from_many_processes_claim_every_spare_exactly_once(tmp_path):
-    cluster = LocalCluster(tmp_path)
+def _race(tmp_path, store_url, runs: list[str], spares: list[str]) -> dict[str, list[str]]:
+    """Each run, in a process of its own, claims every one of `spares` as soon as all may start."""
+    go, results = FORK.Event(), FORK.Queue()
+    racers = [FORK.Process(target=_claim_every_spare, args=(tmp_path, store_url, r, spares, go, results)) for r in runs]
+    for racer in racers:
+        racer.start()
+    try:
+        go.set()
+        return dict(results.get(timeout=120) for _ in racers)
+    finally:
+        for racer in racers:
+            racer.join(timeout=30)
+            if racer.is_alive():
+                racer.kill()
+
+
+def test_runs_racing_from_many_processes_claim_every_spare_exactly_once(tmp_path, store_url):
+    cluster = LocalCluster(tmp_path, store=store_url)
     runs = ["a", "b", "c", "d"]
     for run_id in runs:
         cluster.create(run_id, spec(active=1, spares=0))
     spares = cluster.pool.add(30)
-    go, results = FORK.Event(), FORK.Queue()
-    racers = [FORK.Process(target=_claim_every_spare, args=(tmp_path, r, spares, go, results)) for r in runs]
-    for racer in racers:
-        racer.start()
-    go.set()
-    won = dict(results.get(timeout=60) for _ in racers)
-    for racer in racers:
-        racer.join(timeout=30)
+    won = _race(tmp_path, store_url, runs, spares)
     claims = sorted(node for nodes in won.values() for node in nodes)
     assert claims == sorted(spares)  # each spare won once, by one run: none lost, none twice
     record = cluster.pool.read()
@@ -107,10 +120,26 @@ def test_runs_racing_from_many_processes_claim_every_spare_exactly_once(tmp_path
         assert assigned == nodes
 
 
+def test_two_processes_racing_for_the_last_spare_one_wins_and_the_other_is_told_who_holds_it(tmp_path, store_url):
+    cluster = LocalCluster(tmp_path, store=store_url)
+    for run_id in ("a", "b"):
+        cluster.create(run_id, spec(active=1, spares=0))
+    [last] = cluster.pool.add(1)
+    won = _race(tmp_path, store_url, ["a", "b"], [last])
+    [winner] = [run_id for run_id, nodes in won.items() if nodes == [last]]
+    [loser] = {"a", "b"} - {winner}
+    assert won[loser] == [] and cluster.pool.node(last).owner == winner
+    assert cluster.assignment(loser, 1) is None
+    with pytest.raises(ClusterError, match=f"{last} is no longer a free spare .{last} is active in run {winner}"):
+        proposal = Assignment(incarnation=1, nodes=[last], layout=spec(active=1).layout, master_port=1)
+        cluster.commit_assignment(loser, proposal, claims=[last])
+
+
 def test_a_quarantined_node_stays_out_of_every_run_until_returned(two_runs):
     two_runs.quarantine("a", ["node-1"], "incident 1: node_down")
     assert two_runs.inventory("a").node("node-1").role == "quarantined"
     assert "node-1" not in {n.name for n in two_runs.inventory("b").nodes}
+    assert two_runs.run_dir("a").unusable_marker("node-1").exists()  # the standbys' word for it
     with pytest.raises(ClusterError, match="node-1 is no longer a free spare .node-1 is quarantined by a"):
         two_runs.commit_assignment("b", replacing(two_runs, "b", "node-3", "node-1"), claims=["node-1"])
     # b cannot quarantine what a holds either.
@@ -118,6 +147,7 @@ def test_a_quarantined_node_stays_out_of_every_run_until_returned(two_runs):
         two_runs.quarantine("b", ["node-0"], "wrong run")
     two_runs.pool.return_node("node-1")
     assert two_runs.inventory("b").free_spares() == ["node-1", "node-2"]
+    assert not two_runs.run_dir("a").unusable_marker("node-1").exists()
 
 
 def test_an_ended_run_gives_its_active_nodes_back_and_keeps_what_it_quarantined_out(two_runs):
@@ -125,131 +155,93 @@ def test_an_ended_run_gives_its_active_nodes_back_and_keeps_what_it_quarantined_
     assert two_runs.release_nodes("a") == ["node-0"]
     assert two_runs.release_nodes("a") == []  # a second release finds nothing
     assert two_runs.inventory("b").free_spares() == ["node-0", "node-2"]
-    assert two_runs.pool.read().node("node-1").role == "quarantined"
+    assert two_runs.pool.node("node-1").role == "quarantined"
 
 
-def _killed_at(home, point: str) -> None:
+def _killed_at(home, store_url, point: str) -> None:
     """Claim node-2 for run a and die by SIGKILL at `point` of the commit."""
-    cluster = LocalCluster(home)
+    cluster = LocalCluster(home, store=store_url)
 
     def die(*_args, **_kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if point == "before the claim is written":
-        cluster.pool.save = die
+    if point == "inside the claim's transaction":
+        claim = pool_module._claim_and_release
+
+        def claim_then_die(*args, **kwargs):
+            claim(*args, **kwargs)  # the rows are changed, not committed
+            die()
+
+        pool_module._claim_and_release = claim_then_die
     else:
         cluster.record_assignment = die
     cluster.commit_assignment("a", replacing(cluster, "a", "node-1", "node-2"), claims=["node-2"])
 
 
-@pytest.mark.parametrize("point", ["before the claim is written", "between the claim and the assignment"])
-def test_a_claimer_killed_mid_claim_leaves_the_pool_consistent(two_runs, point):
+@pytest.mark.parametrize("point", ["inside the claim's transaction", "between the claim and the assignment"])
+def test_a_claimer_killed_mid_claim_leaves_the_pool_consistent(two_runs, store_url, point):
     home = two_runs.home
     two_runs.quarantine("a", ["node-1"], "incident 1")  # as drain does before the claim
     before = two_runs.pool.read()
-    claimer = FORK.Process(target=_killed_at, args=(home, point))
+    claimer = FORK.Process(target=_killed_at, args=(home, store_url, point))
     claimer.start()
-    claimer.join(timeout=30)
+    claimer.join(timeout=60)
     assert claimer.exitcode == -signal.SIGKILL
     record = two_runs.pool.read()
-    owners = {n.name: n.owner for n in record.nodes}
-    # The lock died with its holder: another run's change goes through at once.
-    LocalPool(home).add(1)
+    # What the dead process held of the database went with it: another change goes through at once.
+    NodePool(open_store(store_url)).add(1)
     assert two_runs.assignment("a", 1) is None
-    if point == "before the claim is written":
+    if point == "inside the claim's transaction":
         assert record == before  # nothing of the claim reached the pool: the spare is free for b
         assert two_runs.commit_assignment("b", replacing(two_runs, "b", "node-3", "node-2"), claims=["node-2"])
         return
-    # The claim is on record though its assignment is not: no other run can take the node, and
-    # a's retry of the same commit completes it.
-    assert owners["node-2"] == "a" and record.generation == before.generation + 1
+    # The claim is on record though the assignment's file is not: no other run can take the node,
+    # and a's retry of the same commit completes it.
+    assert record.node("node-2").owner == "a" and record.node("node-2").role == "active"
     with pytest.raises(ClusterError, match="node-2 is no longer a free spare .node-2 is active in run a"):
         two_runs.commit_assignment("b", replacing(two_runs, "b", "node-3", "node-2"), claims=["node-2"])
     retry = two_runs.commit_assignment("a", replacing(two_runs, "a", "node-1", "node-2"), claims=["node-2"])
     assert retry.nodes == ["node-0", "node-2"] and active(two_runs, "a") == ["node-0", "node-2"]
+    assert two_runs.assignment("a", 1) == retry
     assert active(two_runs, "b") == ["node-3", "node-4"]
 
 
-def test_claims_asked_for_together_are_written_together_and_a_refused_one_alone_fails(tmp_path):
-    """Group commit: while the pool's lock is held elsewhere, the claims that threads of one process
-    ask for queue up; they go in one write, and the one refused (its spare taken) changes nothing."""
-    import fcntl
-    import threading
-    import time
-
-    cluster = LocalCluster(tmp_path)
-    runs = [f"r{i}" for i in range(6)]
-    for run_id in runs:
-        launched(cluster, run_id)
-    spares = cluster.pool.add(5)
-    before = cluster.pool.read().generation
-    wanted = {run_id: spares[min(i, 4)] for i, run_id in enumerate(runs)}  # r4 and r5 both want the last
-    outcomes: dict[str, object] = {}
-
-    def claim(run_id: str) -> None:
-        old = cluster.assignment(run_id, 0)
-        proposal = Assignment(incarnation=1, nodes=[wanted[run_id], old.nodes[1]], layout=old.layout, master_port=1)
-        try:
-            outcomes[run_id] = cluster.commit_assignment(run_id, proposal, claims=[wanted[run_id]])
-        except ClusterError as error:
-            outcomes[run_id] = error
-
-    with open(cluster.pool.file.parent / "lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # another process's commit, as far as the threads can tell
-        threads = [threading.Thread(target=claim, args=(run_id,)) for run_id in runs]
-        threads[0].start()
-        deadline = time.monotonic() + 10
-        while not cluster.pool._combining.locked():  # the first took its own change and waits for the lock
-            assert time.monotonic() < deadline
-        for thread in threads[1:]:
-            thread.start()
-        while len(cluster.pool._queue) < len(runs) - 1:  # the rest wait behind it
-            assert time.monotonic() < deadline, "the claims did not queue"
-        fcntl.flock(held, fcntl.LOCK_UN)
-        for thread in threads:
-            thread.join(timeout=30)
-    refused = [run_id for run_id, outcome in outcomes.items() if isinstance(outcome, ClusterError)]
-    assert len(refused) == 1 and refused[0] in ("r4", "r5")  # whichever queued second for the last spare
-    assert f"{spares[4]} is no longer a free spare" in str(outcomes[refused[0]])
-    record = cluster.pool.read()
-    assert record.generation == before + 2  # two writes: the first claim's, then the five queued behind it
-    for run_id in set(runs) - set(refused):
-        assert record.node(wanted[run_id]).owner == run_id
-        assert cluster.assignment(run_id, 1).nodes[0] == wanted[run_id]
-    assert cluster.assignment(refused[0], 1) is None
+def test_a_claim_retried_with_another_proposal_gets_the_assignment_its_first_attempt_claimed(two_runs):
+    """An attempt that claimed node-2 died before it wrote the file; the retry, deciding again, proposes
+    another spare: the incarnation keeps what it claimed, and the other spare stays free."""
+    extra = two_runs.pool.add(1)[0]
+    first = replacing(two_runs, "a", "node-1", "node-2")
+    assert two_runs.pool.claim("a", first) == first  # the claim and its record, as the dead attempt left them
+    retry = two_runs.commit_assignment("a", replacing(two_runs, "a", "node-1", extra), claims=[extra])
+    assert retry == first == two_runs.assignment("a", 1)
+    assert two_runs.pool.node(extra).role == "free" and two_runs.pool.node("node-2").owner == "a"
 
 
-def test_a_write_by_another_process_is_read_once_and_what_it_left_alone_is_kept(tmp_path):
-    """Another process's write is parsed once, and only the nodes it changed are validated anew: the
-    others are the very objects this process had (a look at a fleet reads the pool each time)."""
-    mine, theirs = LocalPool(tmp_path), LocalPool(tmp_path)
-    mine.add(50)
-    before = mine.read()
-    theirs.set_health({"node-7": {"healthy": False, "note": "killed"}})
-    after = mine.read()
-    assert after is mine.read()  # parsed once, then the same snapshot
-    assert after.generation == before.generation + 1 and after == theirs.read()
-    assert not after.node("node-7").healthy and mine.unhealthy() == {"node-7": None}
-    assert all(after.node(n.name) is n for n in before.nodes if n.name != "node-7")
-    assert after.node("node-7") is not before.node("node-7")
-    mine.file.write_text('{"generation": 99, "nodes": [{"name": "node-0"}]}')  # not a pool's record
-    with pytest.raises(ValueError, match="role"):
-        mine.read()
+def test_a_database_restarted_under_a_claim_fails_it_whole_and_its_retry_claims_once(tmp_path, postgres_server):
+    from tests.support.fixtures import schema_of_its_own
 
+    _, url = schema_of_its_own(postgres_server)
+    cluster = LocalCluster(tmp_path, store=url)
+    launched(cluster, "a")
+    cluster.quarantine("a", ["node-1"], "incident 1")
+    claim = pool_module._claim_and_release
+    restarted = []
 
-def test_a_change_that_changes_nothing_writes_nothing(tmp_path):
-    """Dropping a want that is gone already (every recovery's last step) leaves the file alone: at a
-    fleet's size each write costs thousands of nodes' text, and a parse in every other process."""
-    pool, other = LocalPool(tmp_path), LocalPool(tmp_path)
-    pool.add(3)
-    written = pool.read()
-    mtime = pool.file.stat().st_mtime_ns
-    pool.drop_want("a")
-    assert pool.read() is written and pool.file.stat().st_mtime_ns == mtime
-    other.drop_want("a")
-    assert other.read().generation == written.generation and pool.read() is written
-    pool.set_health({"node-1": {"healthy": False, "note": "killed"}})  # a change is still written
-    assert other.read().generation == written.generation + 1 and not other.read().node("node-1").healthy
+    def claim_then_restart(*args, **kwargs):
+        claim(*args, **kwargs)
+        if not restarted:  # the rows are changed and locked, the commit not sent: the server goes down
+            postgres_server.restart()
+            restarted.append(True)
+
+    proposal = replacing(cluster, "a", "node-1", "node-2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pool_module, "_claim_and_release", claim_then_restart)
+        with pytest.raises(StoreError, match="the store postgresql://lazarus@127.0.0.1"):
+            cluster.commit_assignment("a", proposal, claims=["node-2"])
+        assert cluster.pool.node("node-2").role == "free" and cluster.assignment("a", 1) is None
+        # The activity's retry: a new connection, the claim made once.
+        assert cluster.commit_assignment("a", proposal, claims=["node-2"]) == proposal
+    assert active(cluster, "a") == ["node-0", "node-2"] and cluster.assignment("a", 1) == proposal
 
 
 def test_the_breaker_trips_at_its_cap_counts_a_node_once_and_lets_an_operator_s_drain_through(two_runs):
@@ -263,6 +255,7 @@ def test_the_breaker_trips_at_its_cap_counts_a_node_once_and_lets_an_operator_s_
         two_runs.quarantine("b", ["node-3"], "incident 2: external")
     record = pool.read()
     assert record.node("node-3").role == "active" and record.breaker.tripped_at is not None
+    assert not two_runs.run_dir("b").unusable_marker("node-3").exists()  # refused: nothing of it happened
     with pytest.raises(QuarantineRefused, match="the pool's quarantine breaker is open"):
         two_runs.quarantine("a", ["node-0"], "incident 2: node_down")  # open: refused, whatever the count
     two_runs.quarantine("b", ["node-3"], "operator: drain node-3", counted=False)  # a person's own drain
@@ -276,16 +269,53 @@ def test_the_breaker_trips_at_its_cap_counts_a_node_once_and_lets_an_operator_s_
     assert sorted(pool.read().breaker.recent(datetime.now(UTC), pool.read().out())) == []
 
 
-def test_a_spare_that_fails_the_run_s_health_check_leaves_the_pool_unclaimed(tmp_path):
-    cluster = LocalCluster(tmp_path)
+def test_a_spare_that_fails_the_run_s_health_check_leaves_the_pool_unclaimed(tmp_path, store_url):
+    cluster = LocalCluster(tmp_path, store=store_url)
     checked = spec().model_copy(
         update={"health": spec().health.model_copy(update={"command": ["sh", "-c", 'test "$LAZARUS_NODE" != node-2']})}
     )
     cluster.create("a", checked)
     assert cluster.vet_spare("a", "node-2").startswith("health check `sh -c")
     assert cluster.vet_spare("a", "node-2") is None  # no longer a spare: nothing to vet
-    node = cluster.pool.read().node("node-2")
+    node = cluster.pool.node("node-2")
     assert node.role == "quarantined" and node.owner is None and "before it was handed out" in node.note
     assert "node-2" not in cluster.inventory("a").free_spares()
     cluster.pool.add(1)
-    assert cluster.vet_spare("a", "node-3") is None and cluster.pool.read().node("node-3").role == "free"
+    assert cluster.vet_spare("a", "node-3") is None and cluster.pool.node("node-3").role == "free"
+
+
+def test_a_run_sees_as_many_spares_as_it_could_take_past_the_needs_that_come_first(tmp_path, store_url):
+    pool = NodePool(open_store(store_url))
+    pool.add(100)
+    now = datetime.now(UTC)
+    pool.want(SpareWant(run_id="x", incarnation=0, needed=3, lost_ranks=1, fault_at=now))
+    pool.want(SpareWant(run_id="y", incarnation=0, needed=2, lost_ranks=1, fault_at=now, placed=True))
+    seen = pool.inventory("a", allowance=5)
+    assert seen.free_spares() == [f"node-{i}" for i in range(8)]  # x's 3 unplaced, then the run's 5
+    assert [w.run_id for w in seen.wants] == ["x", "y"]
+    pool.drop_want("x")
+    assert len(pool.inventory("a", allowance=5).free_spares()) == 5
+
+
+def test_an_old_pool_file_is_imported_once_with_a_line_that_says_so(tmp_path, caplog):
+    old = PoolRecord(
+        nodes=[
+            PoolNode(name="node-0", role="active", owner="a", since=datetime.now(UTC), note="a: launch"),
+            PoolNode(name="node-3", role="quarantined", owner="a", since=datetime.now(UTC), healthy=False),
+            PoolNode(name="node-4", role="free", since=datetime.now(UTC), domain="rack-1"),
+        ],
+        breaker=QuarantineBreaker(max_fraction=0.25),
+    )
+    (tmp_path / "pool").mkdir()
+    (tmp_path / "pool" / "nodes.json").write_text('{"generation": 7, ' + old.model_dump_json()[1:])
+    cluster = LocalCluster(tmp_path)
+    assert (tmp_path / "pool" / "nodes.json").exists()  # a backend made and not used touches nothing
+    with caplog.at_level(logging.WARNING):
+        cluster.pool.read()
+    assert "imported the pool's 3 node(s)" in caplog.text and "nodes.json.imported" in caplog.text
+    assert cluster.pool.read() == old
+    assert not (tmp_path / "pool" / "nodes.json").exists() and (tmp_path / "pool" / "nodes.json.imported").exists()
+    assert cluster.pool.add(1) == ["node-5"]  # numbered after the imported ones
+    caplog.clear()
+    LocalCluster(tmp_path).pool.read()  # nothing to import the second time
+    assert "imported" not in caplog.text

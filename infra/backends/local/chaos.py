@@ -51,7 +51,7 @@ def nodes_of_domain(cluster, domain: str) -> dict[str, str | None]:
     held = {n.name: n.owner for n in record.nodes if n.domain == domain}
     if not held:
         known = ", ".join(sorted({n.domain for n in record.nodes if n.domain})) or "none (`lazarus pool domain`)"
-        raise ClusterError(f"the pool under {cluster.home} has no node in fault domain {domain!r}; domains: {known}")
+        raise ClusterError(f"the pool of {cluster.store.url} has no node in fault domain {domain!r}; domains: {known}")
     return held
 
 

@@ -50,8 +50,8 @@ class LocalCluster(PooledRunFiles):
     keeps_survivors = True  # a survivor node's launcher follows its ranks (trainer/agent/follow.py)
     shares_paths = True
 
-    def __init__(self, home: str | Path, python: str = sys.executable):
-        super().__init__(home)
+    def __init__(self, home: str | Path, python: str = sys.executable, store: str | None = None):
+        super().__init__(home, store)
         self.python = python  # the interpreter that runs the node launchers and standbys
         # Processes this object started, reaped as they end so they do not linger as zombies;
         # after a restart the lock files tell liveness.
@@ -62,9 +62,13 @@ class LocalCluster(PooledRunFiles):
         for run in self._runs():
             kill_standbys(run, [n for n in nodes if run.standby(n).is_dir()], wait=wait)
 
-    def _drop_standbys_off(self, run: RunDir, held: set[str]) -> None:
+    def _drop_standbys_off(self, run: RunDir) -> None:
         """Standbys the run keeps on nodes another run now holds would only idle."""
-        kill_standbys(run, [d.name for d in run.standbys() if d.name not in held], wait=False)
+        kept = self.pool.nodes([d.name for d in run.standbys()])
+        taken = [
+            name for name, node in kept.items() if node.owner not in (None, run.root.name) and node.role == "active"
+        ]
+        kill_standbys(run, taken, wait=False)
 
     def _warm_returned(self) -> None:
         """Every live run of the pool may take the returned spare: each warms it now, not when it claims it."""

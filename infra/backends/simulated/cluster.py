@@ -30,8 +30,9 @@ from pathlib import Path
 
 from lazarus.infra.backend import Observation
 from lazarus.infra.backends.local import chaos
-from lazarus.infra.pool import LocalPool
+from lazarus.infra.pool import NodePool
 from lazarus.infra.pooled import PooledRunFiles
+from lazarus.infra.store import open_store
 from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource, read_launch
 from lazarus.schema.node_reports import NodeReading, read_node_reports
 from lazarus.schema.policy import RecoveryPolicy
@@ -133,7 +134,7 @@ class _Live:
         return _Incarnation(run, incarnation, assignment.nodes, per_node, launch.resume_step, launch.launched_at)
 
 
-def _launchers(home: Path, pace: _Pace, parent: int) -> None:
+def _launchers(home: Path, store: str, pace: _Pace, parent: int) -> None:
     """The simulated launchers, in a process of their own (as real ones run on other machines, so
     their work shares neither the controller's interpreter lock nor its timing): every
     `report_seconds`, a report from every live node. One process per home writes (the holder of
@@ -150,7 +151,7 @@ def _launchers(home: Path, pace: _Pace, parent: int) -> None:
                 break
             except BlockingIOError:
                 time.sleep(pace.report_seconds)
-        live, pool = _Live(home), LocalPool(home)
+        live, pool = _Live(home), NodePool(open_store(store))
         while os.getppid() == parent:
             started = time.monotonic()
             now, dead = time.time(), pool.unhealthy()
@@ -191,13 +192,17 @@ class SimulatedCluster(PooledRunFiles):
         steps_per_second: float = STEPS_PER_SECOND,
         startup_seconds: float = STARTUP_SECONDS,
         report_seconds: float = REPORT_SECONDS,
+        store: str | None = None,
     ):
-        super().__init__(home)
+        super().__init__(home, store)
         self.launches_done: dict[tuple[str, int], float] = {}  # (run, incarnation) -> when start_ranks returned
         context = multiprocessing.get_context("spawn")  # not a fork of a process with threads
         pace = _Pace(steps_per_second, startup_seconds, report_seconds)
         self._writer = context.Process(
-            target=_launchers, args=(self.home, pace, os.getpid()), name="simulated-launchers", daemon=True
+            target=_launchers,
+            args=(self.home, self.store_url, pace, os.getpid()),
+            name="simulated-launchers",
+            daemon=True,
         )
         self._writer.start()
 

@@ -84,11 +84,12 @@ class SlurmCluster(LocalCluster):
         if conf and not Path(conf).is_file():
             # Slurm's clients would retry reading it for a minute before they say so.
             raise ClusterError(f"SLURM_CONF names {conf}, which is not a file")
-        cluster = cls(options.home)
+        cluster = cls(options.home, store=options.store)
         try:
             cluster.node_states()
         except ClusterError as error:
             raise ClusterError(f"cannot reach a Slurm controller ({error}); is SLURM_CONF set?") from None
+        cluster.pool  # noqa: B018 - opened now, so that a worker with a wrong store says so as it starts
         return cluster
 
     @classmethod
@@ -97,8 +98,10 @@ class SlurmCluster(LocalCluster):
         partition = f" (partition {cluster.slurm.partition})" if cluster.slurm.partition else ""
         return f" on the Slurm cluster SLURM_CONF names{partition}"
 
-    def __init__(self, home: str | Path, python: str = sys.executable, environ: dict | None = None):
-        super().__init__(home, python)
+    def __init__(
+        self, home: str | Path, python: str = sys.executable, environ: dict | None = None, store: str | None = None
+    ):
+        super().__init__(home, python, store)
         self.environ = dict(os.environ if environ is None else environ)  # SLURM_CONF, for every Slurm command
         self._states: dict[str, str] = {}
         self._states_read = float("-inf")
@@ -415,7 +418,7 @@ class SlurmCluster(LocalCluster):
             states = self.node_states(fresh=False)
         except ClusterError:
             return dead  # slurmctld not answering says nothing of the nodes
-        quarantined = {n.name for n in self.pool.read().nodes if n.role == "quarantined"}
+        quarantined = {n for n, node in self.pool.nodes(assignment.nodes).items() if node.role == "quarantined"}
         for node in assignment.nodes:
             state = states.get(node, "")
             drained = state.startswith("drain") and node not in quarantined

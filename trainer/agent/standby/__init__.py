@@ -37,7 +37,7 @@ import time
 import traceback
 
 from lazarus.schema.contract import launcher_env
-from lazarus.schema.files import lock_is_held, process_start_time, read_json, take_lock, write_json_atomic
+from lazarus.schema.files import lock_is_held, process_start_time, take_lock, write_json_atomic
 from lazarus.schema.run import BUILT_IN_TRAINER, RunSpec
 from lazarus.schema.rundir import RunDir
 from lazarus.trainer.agent import stack_dump
@@ -195,8 +195,8 @@ def fork_starter(private_fds: list[int]):
 
 def launch_order(run: RunDir, node: str, order: dict, private_fds: list[int], checks_pool: bool = True) -> int:
     """Fork a launcher (own session) that starts this node's ranks of the ordered incarnation;
-    returns its pid. `checks_pool`: refuse where the local backend's pool file says the node is
-    dead (a Kubernetes standby has none: its pod is deleted with its node)."""
+    returns its pid. `checks_pool`: refuse where the local backend's pool marks the node dead or
+    quarantined (a Kubernetes standby has no such mark: its pod is deleted with its node)."""
     # Everything the standby holds (torch's modules, the prepared model, prefetched states)
     # moves to the permanent generation: a collection in a rank would otherwise touch every
     # inherited object and copy its page (copy-on-write) on the rank's critical path.
@@ -237,9 +237,8 @@ def _forked_launcher(run: RunDir, node: str, order: dict, private_fds: list[int]
     # The backend marks an incarnation ended, or the node dead, before it kills their
     # processes; this launcher took its lock first, so either it sees the mark here or the
     # backend sees the lock and kills it.
-    pool = (read_json(run.pool_file) or {}) if checks_pool else {"nodes": [{"name": node}]}
-    usable = {n["name"]: n.get("healthy", True) and n.get("role") != "quarantined" for n in pool.get("nodes", [])}
-    if run.ended_file(incarnation).exists() or not usable.get(node, False):
+    unusable = checks_pool and run.unusable_marker(node).exists()
+    if run.ended_file(incarnation).exists() or unusable:
         print(f"lazarus standby: incarnation {incarnation} ended or {node} is dead; not starting it", flush=True)
         return 0
     order_env = launcher_env(str(run.root), incarnation, node, index, int(order["resume_step"]))
