@@ -68,5 +68,13 @@ class Metrics:
             buckets=LAG_BUCKETS,
             registry=self.registry,
         )
+        self.start_lag = Histogram(
+            "lazarus_activity_start_lag_seconds",
+            "From the worker taking an activity task (its heartbeat and start-to-close timers start then) to the "
+            "activity's code starting, by stage (seconds): time a busy worker holds a task before it runs it.",
+            ["stage"],
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
         # The newest attempts, for benchmarks that split a recovery into work and orchestration.
         self.spans: deque[Span] = deque(maxlen=10_000)

@@ -27,7 +27,7 @@ from lazarus.activities.resuming import (
     shows_restored_count,
     up_when,
 )
-from lazarus.activities.running import in_thread, timed
+from lazarus.activities.running import in_thread, observe_start_lag, timed
 from lazarus.activities.watching import progress_of, watch, watch_until_reported
 from lazarus.infra import registry
 from lazarus.infra.backend import ClusterBackend, ClusterError, QuarantineRefused
@@ -132,6 +132,7 @@ class RecoveryActivities:
     async def detect(self, request: DetectInput) -> DetectResult:
         """Watch an incarnation; return a fault, completion, a new warning, spares for a regrow, or
         progress after progress_every_seconds (activities/watching.py)."""
+        observe_start_lag(self.metrics, "detect", time.time())
         verdict, now, capacity, swap = await watch_until_reported(self.cluster, request)
         fault = verdict.fault
         if swap is not None:

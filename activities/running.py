@@ -26,6 +26,7 @@ def timed(stage: str):
         @functools.wraps(method)
         async def run(self, request):
             started, wall = time.monotonic(), time.time()
+            observe_start_lag(self.metrics, stage, wall)
             result = await method(self, request)
             self.metrics.stage_seconds.labels(stage).observe(time.monotonic() - started)
             info = activity.info()
@@ -35,6 +36,14 @@ def timed(stage: str):
         return run
 
     return wrap
+
+
+def observe_start_lag(metrics, stage: str, now: float) -> None:
+    """Record how long after the worker took the running activity's task its code started
+    (lazarus_activity_start_lag_seconds); a local activity has no task taken, and is not counted."""
+    info = activity.info()
+    if not info.is_local:
+        metrics.start_lag.labels(stage).observe(max(0.0, now - info.started_time.timestamp()))
 
 
 THREADS_OF_STAGE: contextvars.ContextVar[list[threading.Event] | None] = contextvars.ContextVar(

@@ -1,7 +1,8 @@
 """The controller under a fleet's load: many concurrent runs on one pool, a burst of faults across them.
 
     .venv/bin/python bench/controller_scale.py [--runs 200] [--spread-seconds 10] [--workers 1]
-                                               [--kill-worker] [--issue] [--json] [--markdown [PATH]]
+                                               [--kill-worker] [--store sqlite|postgresql] [--separate-homes]
+                                               [--issue] [--json] [--markdown [PATH]]
 
 Every run is a real TrainingRun workflow on a private Temporal dev server, served by --workers
 `lazarus worker --backend simulated` processes on one task queue, with the real recovery
@@ -24,13 +25,16 @@ SIGKILLed once half the faults have landed. Printed:
   watch cost         the workers' CPU per healthy run per minute, and all of them as a share of a core
   exactly once       every run recovered from its one incident once, to one new incarnation, and
                      no node is held by two runs
---issue runs the four sittings the fleet issue asks for, one after another, into one page.
+--issue runs the sittings the fleet issue asks for, one after another, into one page: one run alone,
+200 and 1,000 runs on one worker (SQLite), 1,000 on four workers with homes of their own and a
+PostgreSQL store, one SIGKILLed mid-burst, and a rack across 200 runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,10 +55,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
 
 from bench import perf_page
-from lazarus.client.config import ENV_ADDRESS, ENV_HOME, ENV_TASK_QUEUE, Settings
+from lazarus.client.config import ENV_ADDRESS, ENV_HOME, ENV_RUNS, ENV_STORE, ENV_TASK_QUEUE, Settings
 from lazarus.client.history import chain_histories, incident_spans
 from lazarus.client.runs import run_status, start_run
 from lazarus.infra.backend import free_ports
+from lazarus.infra.harness import postgres
 from lazarus.infra.harness.temporal_server import local_environment, quiet_runtime
 from lazarus.infra.pool import NodePool
 from lazarus.infra.store import default_url, open_store
@@ -102,6 +108,8 @@ class Sitting:
     kill_worker: bool = False
     rack: bool = False  # one rack with a node of every run fails at once; spares for half the runs
     task_timeout: float | None = None  # the runs' recovery.workflow_task_timeout_seconds (None: the policy's)
+    store: str = "sqlite"  # the store the workers share: sqlite (a file) or postgresql (a server the bench starts)
+    separate_homes: bool = False  # each worker with a LAZARUS_HOME of its own, the runs' folder shared
 
     def caption(self) -> str:
         workers = f"{self.workers} worker{'s' if self.workers > 1 else ''}"
@@ -109,6 +117,9 @@ class Sitting:
             workers += " (one SIGKILLed mid-burst)"
         if self.task_timeout is not None:
             workers += f", workflow task timeout {self.task_timeout:g} s"
+        if self.separate_homes:
+            workers += ", each with a home of its own"
+        workers += f", {'PostgreSQL' if self.store == 'postgresql' else 'SQLite'} store"
         if self.rack:
             return (
                 f"{workers}, {self.runs} concurrent runs of priorities 0-2, one rack holding a node of each failing "
@@ -136,10 +147,10 @@ class Sitting:
 
 
 ISSUE_SITTINGS = (
+    Sitting(1, 0.0),  # one run alone: what each run of the fleet's figures is set beside
     Sitting(200, 10.0),
-    Sitting(200, 1.0),
     Sitting(1000, 10.0),
-    Sitting(200, 10.0, workers=3, kill_worker=True),
+    Sitting(1000, 10.0, workers=4, kill_worker=True, store="postgresql", separate_homes=True),
     Sitting(200, 0.0, rack=True),
 )
 
@@ -156,20 +167,28 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Workers:
-    """`lazarus worker --backend simulated` processes on one home and task queue, stopped by pid."""
+    """`lazarus worker --backend simulated` processes on one task queue, store and runs' folder, each on
+    `home` or (`separate_homes`) a home of its own, stopped by pid."""
 
-    def __init__(self, count: int, home: Path, address: str, queue: str):
-        env = {**os.environ, ENV_HOME: str(home), ENV_ADDRESS: address, ENV_TASK_QUEUE: queue}
+    def __init__(self, count: int, home: Path, address: str, queue: str, store: str, separate_homes: bool = False):
+        env = {
+            **os.environ,
+            ENV_ADDRESS: address,
+            ENV_TASK_QUEUE: queue,
+            ENV_STORE: store,
+            ENV_RUNS: str(home / "runs"),
+        }
+        homes = [home / f"worker-home-{i}" if separate_homes else home for i in range(count)]
         self.logs = [open(home / f"worker-{i}.log", "w") for i in range(count)]  # noqa: SIM115 - closed in stop
         self.metrics_ports = free_ports(count)
         self.processes = [
             subprocess.Popen(
                 [str(LAZARUS), "worker", "--backend", "simulated", "--metrics-port", str(port)],
-                env=env,
+                env={**env, ENV_HOME: str(own)},
                 stdout=log,
                 stderr=log,
             )
-            for log, port in zip(self.logs, self.metrics_ports, strict=True)
+            for log, port, own in zip(self.logs, self.metrics_ports, homes, strict=True)
         ]
         self.home = home
 
@@ -207,6 +226,28 @@ class Workers:
             for bound, value in re.findall(r'lazarus_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)', text):
                 counts[float(bound)] = counts.get(float(bound), 0.0) + float(value)
         return counts
+
+    def start_lag(self) -> dict[str, dict[str, float]]:
+        """Per stage, the activity attempts the live workers took and how many of them started their code
+        more than 1 s and 5 s after (lazarus_activity_start_lag_seconds): a task a worker holds past its
+        heartbeat timeout before it runs fails."""
+        counts: dict[str, dict[float, float]] = {}
+        for process, port in zip(self.processes, self.metrics_ports, strict=True):
+            if process.poll() is not None:
+                continue
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            pattern = r'lazarus_activity_start_lag_seconds_bucket\{le="([^"]+)",stage="(\w+)"\} (\S+)'
+            for bound, stage, value in re.findall(pattern, text):
+                by_bound = counts.setdefault(stage, {})
+                by_bound[float(bound)] = by_bound.get(float(bound), 0.0) + float(value)
+        return {
+            stage: {
+                "taken": b[float("inf")],
+                "later_than_1s": b[float("inf")] - b[1.0],
+                "later_than_5s": b[float("inf")] - b[5.0],
+            }
+            for stage, b in counts.items()
+        }
 
     def refused_claims(self) -> int:
         """Claims refused because another run took the spare first (each decided again)."""
@@ -275,6 +316,27 @@ async def wait_for(client, query: str, wanted: int, say, what: str, timeout: flo
     return found
 
 
+async def last_activity(client, run_id: str) -> str:
+    """How the run's last activity went, from its history: when it was scheduled, when the worker took
+    each attempt (its timers start then), how the last ended: where a timeout's time went."""
+    from temporalio.api.enums.v1 import EventType
+
+    scheduled, started, ended, kind = None, [], "", ""
+    async for event in client.get_workflow_handle(run_id).fetch_history_events():
+        at = event.event_time.ToDatetime()
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            scheduled, started, ended = at, [], ""
+            kind = event.activity_task_scheduled_event_attributes.activity_type.name
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED and scheduled is not None:
+            attempts = event.activity_task_started_event_attributes.attempt
+            started.append(f"attempt {attempts} taken {(at - scheduled).total_seconds():.1f} s after scheduling")
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT and scheduled is not None:
+            ended = f"timed out {(at - scheduled).total_seconds():.1f} s after scheduling"
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED and scheduled is not None:
+            ended = f"failed {(at - scheduled).total_seconds():.1f} s after scheduling"
+    return f"{kind}: " + "; ".join([*started, ended]) if kind else "none"
+
+
 def plan_faults(pool: NodePool, ids: list[str], spread: float, rng: random.Random) -> list[tuple[float, list[str]]]:
     """When each node dies (seconds from the burst's start): a random active node of each run."""
     record = pool.read()
@@ -321,13 +383,13 @@ def spares_by_priority(statuses) -> dict:
     }
 
 
-def check_exactly_once(home: Path, ids: list[str], statuses) -> list[str]:
+def check_exactly_once(home: Path, store: str, ids: list[str], statuses) -> list[str]:
     """What breaks exactly-once: a run with other than one recovered incident, an incarnation beyond
     those its incident and its regrows made, a node in two runs' assignments, the pool's holder of a
     node not the run whose assignment has it (a run that ended since gave its nodes back)."""
     problems = []
     holders: dict[str, str] = {}
-    record = NodePool(open_store(default_url(home))).read()
+    record = NodePool(open_store(store)).read()
     for run_id, status in zip(ids, statuses, strict=True):
         outcomes = [i.outcome for i in status.incidents]
         if outcomes != ["recovered"]:
@@ -358,16 +420,34 @@ async def statuses_of(client, ids: list[str]):
     return await asyncio.gather(*(one(run_id) for run_id in ids))
 
 
+@contextlib.contextmanager
+def store_of(engine: str, folder: Path) -> Iterator[str]:
+    """The URL of the store the sitting's workers share: a SQLite file in `folder`, or a PostgreSQL server
+    started for the sitting (infra/harness/postgres.py, fsync on), stopped after it."""
+    if engine == "sqlite":
+        yield default_url(folder)
+        return
+    why = postgres.why_not_startable()
+    if why is not None:
+        raise SystemExit(f"controller_scale: --store postgresql: {why}")
+    server = postgres.PostgresServer(folder / "postgres")
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
 async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> dict:
     rng = random.Random(seed)
     env = await local_environment(runtime=quiet_runtime())
     settings = Settings(task_queue="controller-scale")
     address = env.client.service_client.config.target_host
     ids = [f"scale-{i:04d}" for i in range(sitting.runs)]
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, store_of(sitting.store, Path(folder)) as store:
         home = Path(folder)
-        pool = NodePool(open_store(default_url(home)))
-        workers = Workers(sitting.workers, home, address, settings.task_queue)
+        pool = NodePool(open_store(store))
+        workers = Workers(sitting.workers, home, address, settings.task_queue, store, sitting.separate_homes)
         try:
             await workers.ready()
             started = time.monotonic()
@@ -396,10 +476,14 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
             say(f"all recovered after {time.monotonic() - started:.1f} s; reading statuses and histories")
             statuses = await statuses_of(env.client, ids)
             timed = workers.stage_seconds()
+            lagged = workers.start_lag()
+            say(f"  activity tasks started late: {lagged}")
             refused = workers.refused_claims()
             done = [s for s in statuses if s.run_id in hit and s.incidents and s.incidents[0].outcome == "recovered"]
             failed = [s for s in statuses if s.state == RunState.FAILED]
-            problems = check_exactly_once(home, [s.run_id for s in done], done)
+            if failed:
+                say(f"  {failed[0].run_id}'s last activity: {await last_activity(env.client, failed[0].run_id)}")
+            problems = check_exactly_once(home, store, [s.run_id for s in done], done)
             histories = [(await chain_histories(env.client, run_id))[0] for run_id in hit[:50]]
             logging.getLogger("temporalio").setLevel(logging.CRITICAL)  # terminating cancels every watch
             for status in statuses:
@@ -442,6 +526,7 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         "mttr_median_s": statistics.median(mttr),
         "mttr_p99_s": percentile(mttr, 99),
         "events_per_incident": statistics.median([s[0] for s in map(incident_spans, histories) if s]),
+        "start_lag": lagged,
         "stage_activity_mean_s": {stage: timed[stage] for stage in DECISION_PATH if stage in timed},
         "spares_by_priority": by_priority,
         "exactly_once": not problems,
@@ -494,7 +579,8 @@ def breakdown(incidents) -> dict[str, float]:
 
 
 def table(result: dict) -> perf_page.Table:
-    sitting = Sitting(**{k: result[k] for k in ("runs", "spread", "workers", "kill_worker", "rack")})
+    fields = ("runs", "spread", "workers", "kill_worker", "rack", "task_timeout", "store", "separate_homes")
+    sitting = Sitting(**{k: result[k] for k in fields if k in result})
     rows = [
         [
             "incidents handled per second (faults arrived per second)",
@@ -587,6 +673,19 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="worker processes on the task queue (default 1)")
     parser.add_argument("--kill-worker", action="store_true", help="SIGKILL one worker once half the faults landed")
     parser.add_argument(
+        "--store",
+        choices=["sqlite", "postgresql"],
+        default="sqlite",
+        help="the store the workers share: a SQLite file (the default), or a PostgreSQL server the bench starts "
+        "on 127.0.0.1 (controllers on several machines)",
+    )
+    parser.add_argument(
+        "--separate-homes",
+        action="store_true",
+        help="each worker with a LAZARUS_HOME of its own, as workers on several machines; they share the store, "
+        "the Temporal server and the runs' folder (LAZARUS_RUNS)",
+    )
+    parser.add_argument(
         "--rack",
         action="store_true",
         help="instead: one rack holding a node of every run fails at once, with spares for half the runs "
@@ -606,7 +705,7 @@ def main() -> None:
         help="the runs' recovery.workflow_task_timeout_seconds (default: the policy's, 10): what a worker killed "
         "inside a local stage costs its runs",
     )
-    parser.add_argument("--issue", action="store_true", help="the four sittings of the fleet issue, into one page")
+    parser.add_argument("--issue", action="store_true", help="the sittings of the fleet issue, into one page")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document")
     perf_page.add_option(parser, __file__)
@@ -624,7 +723,14 @@ def main() -> None:
         if args.issue
         else [
             Sitting(
-                args.runs, args.spread_seconds, args.workers, args.kill_worker, args.rack, args.workflow_task_timeout
+                args.runs,
+                args.spread_seconds,
+                args.workers,
+                args.kill_worker,
+                args.rack,
+                args.workflow_task_timeout,
+                args.store,
+                args.separate_homes,
             )
         ]
     )

@@ -148,7 +148,9 @@ class ClusterBackend(Protocol):
     """Whether the survivors of a fault may keep their processes and rejoin the next incarnation
     (RecoveryPolicy.in_process; rejoin_ranks)."""
     home: Path
-    """Where run directories live (`home/runs/<run id>`)."""
+    """The worker's own folder (LAZARUS_HOME)."""
+    runs: Path
+    """Where run directories live (`runs/<run id>`: LAZARUS_RUNS, by default `home/runs`)."""
 
     @classmethod
     def open(cls, options) -> ClusterBackend:

@@ -15,8 +15,10 @@ read them (trainer/agent/standby) rather than the database.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, QuarantineRefused
@@ -27,6 +29,12 @@ from lazarus.schema.records import Assignment, Inventory, NodeRecord
 COLUMNS = "name, role, owner, healthy, died_at, since, note, domain"
 """A node's columns, in the order _node reads them."""
 
+DEAD_NODES_SECONDS = 0.05
+"""How old a thread's read of the dead nodes may be where the store cannot tell that it changed
+(PostgreSQL): what it adds to the detection of a dead node at most (seconds)."""
+DEAD_NODES_KEPT = 10_000
+"""Answers of dead_among a thread keeps (one per run it looks at), before it starts again."""
+
 
 class NodePool:
     """The nodes of a fleet: who holds which, and which are free hot spares."""
@@ -34,6 +42,7 @@ class NodePool:
     def __init__(self, store: Store, unusable: Path | None = None):
         self.store = store
         self.unusable = unusable  # markers of nodes a standby must not start ranks on (None: none kept)
+        self._dead = threading.local()  # each thread's last read of the dead nodes (dead_among)
 
     # --- changes, each one transaction -------------------------------------------------------
 
@@ -168,11 +177,7 @@ class NodePool:
     def want(self, want: SpareWant) -> None:
         """Lodge a run's need of spares, in place of its earlier one."""
         with self.store.write() as tx:
-            tx.run(
-                "INSERT INTO pool_wants (run_id, want, needed, placed) VALUES (?, ?, ?, ?) ON CONFLICT (run_id) "
-                "DO UPDATE SET want = excluded.want, needed = excluded.needed, placed = excluded.placed",
-                (want.run_id, want.model_dump_json(), want.needed, int(want.placed)),
-            )
+            _lodge(tx, [want])
 
     def drop_want(self, run_id: str) -> None:
         """The run's recovery is over: its want goes."""
@@ -215,18 +220,25 @@ class NodePool:
 
     def inventory(self, run_id: str, allowance: int | None = None) -> Inventory:
         """The run's view: its active nodes, what it quarantined, and the free nodes as spares: all
-        of them, or, given the run's `allowance` (the most nodes it may hold), as many as it could
-        ever take, past the other runs' needs that may come first (a fleet's pool has thousands)."""
+        of them, or, given the run's `allowance` (the most nodes it may hold), only healthy ones it
+        could take: past the spares the other runs' needs that come first take (counted in the
+        store: a burst across a fleet lodges a need per run), and at most `allowance` of them. The other
+        runs' needs are then the first few that come before its own and after it."""
         with self.store.read() as tx:
-            wants = sorted(_wants(tx), key=SpareWant.sort_key)
-            others = [w for w in wants if w.run_id != run_id]
-            free_sql, params = f"SELECT seq, {COLUMNS} FROM pool_nodes WHERE role = 'free' ORDER BY seq", ()
-            if allowance is not None:  # dead free nodes are listed too (as spares that are not healthy)
-                free_sql += " LIMIT ?"
-                params = (sum(w.needed for w in others if not w.placed) + allowance,)
-            free = tx.all(free_sql, params)
             mine = tx.all(f"SELECT seq, {COLUMNS} FROM pool_nodes WHERE owner = ? ORDER BY seq", (run_id,))
-            shared = _shared_fault(tx, run_id) if any(not row[4] and row[5] for row in mine) else None
+            died = [datetime.fromisoformat(row[5]) for row in mine if not row[4] and row[5]]
+            shared = _shared_fault(tx, run_id, max(died)) if died else None
+            if allowance is None:
+                free = tx.all(f"SELECT seq, {COLUMNS} FROM pool_nodes WHERE role = 'free' ORDER BY seq")
+                wants = sorted((w for w in _wants(tx) if w.run_id != run_id), key=SpareWant.sort_key)
+                counts = {}
+            else:
+                wants, counts = _needs_around(tx, run_id)
+                free = tx.all(
+                    f"SELECT seq, {COLUMNS} FROM pool_nodes WHERE role = 'free' AND healthy = 1 "
+                    "ORDER BY seq LIMIT ? OFFSET ?",
+                    (allowance, counts["spares_before"]),
+                )
         views = []
         for row in sorted([*free, *mine]):
             node = _node(row[1:])
@@ -234,14 +246,44 @@ class NodePool:
                 ("spare", node.note or "hot spare of the pool") if node.role == "free" else (node.role, node.note)
             )
             views.append(NodeRecord(name=node.name, role=role, healthy=node.healthy, died_at=node.died_at, note=note))
-        return Inventory(nodes=views, wants=others, shared=shared)
+        return Inventory(nodes=views, wants=wants, shared=shared, **counts)
 
-    def unhealthy(self, names: Iterable[str] | None = None) -> dict[str, datetime | None]:
-        """The pool's dead nodes (of `names`, where given) and when each died: what every look asks."""
+    def unhealthy(self, names: Sequence[str] | None = None) -> dict[str, datetime | None]:
+        """The pool's dead nodes (of `names`, where given: a look asks of its run's nodes alone, however
+        many of a fleet's died) and when each died."""
         with self.store.read() as tx:
-            rows = tx.all("SELECT name, died_at FROM pool_nodes WHERE healthy = 0")
-        wanted = None if names is None else set(names)
-        return {name: _time(died) for name, died in rows if wanted is None or name in wanted}
+            if names is None:
+                rows = tx.all("SELECT name, died_at FROM pool_nodes WHERE healthy = 0")
+            elif not (wanted := sorted(set(names))):
+                return {}
+            else:
+                rows = tx.all(
+                    f"SELECT name, died_at FROM pool_nodes WHERE name IN {_in(wanted)} AND healthy = 0", wanted
+                )
+        return {name: _time(died) for name, died in rows}
+
+    def dead_among(self, names: Sequence[str]) -> dict[str, datetime | None]:
+        """Of `names`, the nodes the pool holds dead and when each died: what every look of every run
+        asks. Where the store tells that nothing changed since this thread last asked of these names
+        (SQLite, in microseconds), the answer is the one it had; where it cannot tell (PostgreSQL),
+        one read of every dead node serves every look for DEAD_NODES_SECONDS. A fleet's looks then
+        cost no query each."""
+        version, local = self.store.version(), self._dead
+        if version is None:
+            now, read = time.monotonic(), getattr(local, "every", None)
+            if read is None or now - read[0] > DEAD_NODES_SECONDS:
+                local.every = read = (now, self.unhealthy())
+            return {name: read[1][name] for name in names if name in read[1]}
+        asked = getattr(local, "asked", None)
+        if asked is None:
+            local.asked = asked = {}
+        key = tuple(names)
+        known = asked.get(key)
+        if known is None or known[0] != version:
+            if len(asked) > DEAD_NODES_KEPT:
+                asked.clear()
+            asked[key] = known = (version, self.unhealthy(names))
+        return known[1]
 
     def node(self, name: str) -> PoolNode | None:
         """One node as recorded; None when the pool has no such node."""
@@ -331,7 +373,9 @@ def _window(tx: Transaction) -> dict[str, datetime]:
 
 
 def _iso(moment: datetime | None) -> str | None:
-    return None if moment is None else moment.astimezone(UTC).isoformat()
+    """A time as the store keeps it: ISO-8601 in UTC, always to the microsecond, so that comparing the
+    texts (SQL's <, >=) compares the times."""
+    return None if moment is None else moment.astimezone(UTC).isoformat(timespec="microseconds")
 
 
 def _time(text: str | None) -> datetime | None:
@@ -356,6 +400,57 @@ def _wants(tx: Transaction) -> list[SpareWant]:
     return [SpareWant.model_validate_json(row[0]) for row in tx.all("SELECT want FROM pool_wants")]
 
 
+def _lodge(tx: Transaction, wants: Iterable[SpareWant]) -> None:
+    """Lodge each want in place of its run's earlier one."""
+    tx.many(
+        "INSERT INTO pool_wants (run_id, want, needed, placed, priority, lost_ranks, fault_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET want = excluded.want, "
+        "needed = excluded.needed, placed = excluded.placed, priority = excluded.priority, "
+        "lost_ranks = excluded.lost_ranks, fault_at = excluded.fault_at",
+        [
+            (w.run_id, w.model_dump_json(), w.needed, int(w.placed), w.priority, w.lost_ranks, _iso(w.fault_at))
+            for w in wants
+        ],
+    )
+
+
+WANTS_SHOWN = 8
+"""Of the other runs' needs, how many before the run's own and how many after it its view lists: those a
+decision's reason names (the rest are counted, not listed)."""
+
+# The needs that come before a run's own (SpareWant.sort_key): higher priority, then more ranks lost,
+# then the earlier fault, then the run id.
+_BEFORE = (
+    "(priority > ? OR (priority = ? AND (lost_ranks > ? OR (lost_ranks = ? AND "
+    "(fault_at < ? OR (fault_at = ? AND run_id < ?))))))"
+)
+_ORDER = "ORDER BY priority DESC, lost_ranks DESC, fault_at, run_id"
+
+
+def _needs_around(tx: Transaction, run_id: str) -> tuple[list[SpareWant], dict[str, int]]:
+    """The other runs' needs a run's view lists (the first few before its own need, then after it), and
+    what the rest add up to: the spares the needs before its own take, and every recovery's."""
+    row = tx.one("SELECT priority, lost_ranks, fault_at FROM pool_wants WHERE run_id = ?", (run_id,))
+    everyone = tx.one("SELECT coalesce(sum(needed), 0) FROM pool_wants WHERE placed = 0 AND run_id <> ?", (run_id,))
+    by_recoveries = int(everyone[0]) if everyone else 0
+    listed = f"SELECT want FROM pool_wants WHERE run_id <> ? AND {{}} {_ORDER} LIMIT {WANTS_SHOWN}"
+    if row is None:  # no need of its own lodged (a regrow, a swap): every recovery comes first
+        ahead = tx.all(listed.format("1 = 1"), (run_id,))
+        behind, first = [], by_recoveries
+    else:
+        priority, lost, fault_at = row
+        key = (priority, priority, lost, lost, fault_at, fault_at, run_id)
+        ahead = tx.all(listed.format(_BEFORE), (run_id, *key))
+        behind = tx.all(listed.format(f"placed = 0 AND NOT {_BEFORE}"), (run_id, *key))
+        before = tx.one(
+            f"SELECT coalesce(sum(needed), 0) FROM pool_wants WHERE placed = 0 AND run_id <> ? AND {_BEFORE}",
+            (run_id, *key),
+        )
+        first = int(before[0]) if before else 0
+    wants = [SpareWant.model_validate_json(text) for (text,) in [*ahead, *behind]]
+    return wants, {"needed_first": first, "needed_by_recoveries": by_recoveries, "spares_before": first}
+
+
 def _in(names: Sequence[str]) -> str:
     return f"({', '.join('?' * len(names))})"
 
@@ -363,6 +458,8 @@ def _in(names: Sequence[str]) -> str:
 def _known(tx: Transaction, names: dict) -> dict[str, PoolNode]:
     """The named nodes, locked for this transaction, in name order; ClusterError names unknown ones."""
     wanted = sorted(names)
+    if not wanted:
+        return {}
     rows = tx.all(f"SELECT {COLUMNS} FROM pool_nodes WHERE name IN {_in(wanted)} ORDER BY name{tx.lock}", wanted)
     nodes = {row[0]: _node(row) for row in rows}
     unknown = [n for n in wanted if n not in nodes]
@@ -429,7 +526,7 @@ def _breaker_refusal(tx: Transaction, state: _PoolRow, run_id: str, new: list[st
     breaker, pool_nodes = state.breaker, state.nodes
     reset = "a person resets it with `lazarus pool breaker --reset`"
     if breaker.tripped_at is None:
-        held, cap = len(_recent(tx, breaker, now)), breaker.cap(pool_nodes)
+        held, cap = _in_window(tx, breaker, now), breaker.cap(pool_nodes)
         if held + len(new) <= cap:
             return None
         why = (
@@ -443,53 +540,49 @@ def _breaker_refusal(tx: Transaction, state: _PoolRow, run_id: str, new: list[st
     )
 
 
-def _recent(tx: Transaction, breaker: QuarantineBreaker, now: datetime) -> dict[str, datetime]:
-    """The breaker's window at `now`: nodes faults quarantined within it that are still out."""
-    rows = tx.all(
-        "SELECT q.node, q.at FROM pool_quarantines q JOIN pool_nodes n ON n.name = q.node WHERE n.role = 'quarantined'"
+def _in_window(tx: Transaction, breaker: QuarantineBreaker, now: datetime) -> int:
+    """How many nodes the breaker's window holds at `now`: quarantined by faults within it, and still out
+    (counted in the store: in a rack's burst the window holds hundreds)."""
+    since = _iso(now - timedelta(seconds=breaker.window_seconds))
+    row = tx.one(
+        "SELECT count(*) FROM pool_quarantines q JOIN pool_nodes n ON n.name = q.node "
+        "WHERE q.at >= ? AND n.role = 'quarantined'",
+        (since,),
     )
-    out = {node for node, _ in rows}
-    return breaker.model_copy(update={"quarantined": {n: _time(at) for n, at in rows}}).recent(now, out)
+    return row[0] if row else 0
 
 
 def _count_quarantines(tx: Transaction, nodes: list[str], now: datetime, state: _PoolRow) -> None:
-    """Count `nodes` in the breaker's window, and drop what left it."""
-    kept = _recent(tx, state.breaker, now)
-    tx.run("DELETE FROM pool_quarantines")
+    """Count `nodes` in the breaker's window, and drop what left it (by time; a node returned since is
+    not counted, whatever its row says)."""
+    tx.run("DELETE FROM pool_quarantines WHERE at < ?", (_iso(now - timedelta(seconds=state.breaker.window_seconds)),))
     tx.many(
-        "INSERT INTO pool_quarantines (node, at) VALUES (?, ?)",
-        [(node, _iso(at)) for node, at in {**kept, **dict.fromkeys(nodes, now)}.items()],
+        "INSERT INTO pool_quarantines (node, at) VALUES (?, ?) ON CONFLICT (node) DO UPDATE SET at = excluded.at",
+        [(node, _iso(now)) for node in nodes],
     )
 
 
-def _shared_fault(tx: Transaction, run_id: str) -> SharedFault | None:
-    """The nodes of the pool that died within TOGETHER_SECONDS of the run's latest dead node, when
-    they are more than the run's own; None otherwise."""
-    rows = tx.all(f"SELECT {COLUMNS} FROM pool_nodes WHERE healthy = 0 AND died_at IS NOT NULL")
-    dead = [_node(row) for row in rows]
-    return shared_fault(dead, run_id)
-
-
-def shared_fault(dead: list[PoolNode], run_id: str) -> SharedFault | None:
-    """Of the pool's `dead` nodes, those that died within TOGETHER_SECONDS of the run's latest, when
-    they are more than the run's own; None otherwise."""
-    dead = [n for n in dead if not n.healthy and n.died_at is not None]
-    mine = [n for n in dead if n.owner == run_id]
-    if not mine:
-        return None
-    latest = max(n.died_at for n in mine if n.died_at is not None)
-    together = [
-        n for n in dead if n.died_at is not None and abs((n.died_at - latest).total_seconds()) <= TOGETHER_SECONDS
-    ]
-    others = [n for n in together if n.owner != run_id]
+def _shared_fault(tx: Transaction, run_id: str, latest: datetime) -> SharedFault | None:
+    """The nodes of the pool that died within TOGETHER_SECONDS of the run's latest dead node (`latest`),
+    when they are more than the run's own; None otherwise. Reads only the dead nodes of that span, and
+    only what the report needs of each (a burst's span holds hundreds)."""
+    span = timedelta(seconds=TOGETHER_SECONDS)
+    rows = tx.all(
+        "SELECT name, owner, role, domain FROM pool_nodes WHERE healthy = 0 AND died_at >= ? AND died_at <= ? "
+        "ORDER BY seq",
+        (_iso(latest - span), _iso(latest + span)),
+    )
+    others = [row for row in rows if row[1] != run_id]
     if not others:
         return None
-    my_domains = {n.domain for n in together if n.owner == run_id and n.domain}
+    my_domains = {domain for _, owner, _, domain in rows if owner == run_id and domain}
     return SharedFault(
-        nodes=[n.name for n in together],
-        domains=sorted({n.domain for n in together if n.domain}),
-        runs=sorted({n.owner for n in others if n.owner}),
-        undrained=sorted({n.owner for n in others if n.owner and n.role == "active" and n.domain in my_domains}),
+        nodes=[name for name, *_ in rows],
+        domains=sorted({domain for *_, domain in rows if domain}),
+        runs=sorted({owner for _, owner, _, _ in others if owner}),
+        undrained=sorted(
+            {owner for _, owner, role, domain in others if owner and role == "active" and domain in my_domains}
+        ),
     )
 
 
@@ -532,10 +625,7 @@ def import_record(tx: Transaction, record: PoolRecord) -> int:
         "INSERT INTO pool_quarantines (node, at) VALUES (?, ?)",
         [(node, _iso(at)) for node, at in record.breaker.quarantined.items()],
     )
-    tx.many(
-        "INSERT INTO pool_wants (run_id, want, needed, placed) VALUES (?, ?, ?, ?)",
-        [(w.run_id, w.model_dump_json(), w.needed, int(w.placed)) for w in record.wants],
-    )
+    _lodge(tx, record.wants)
     return len(numbered)
 
 

@@ -33,12 +33,12 @@ class PooledRunFiles(RunFiles):
     def open(cls, options):
         """The backend on options.home and options.store (a BackendOptions, infra/registry.py), its
         store reached: StoreError or StoreURLError, one line, where it cannot be."""
-        cluster = cls(options.home, store=options.store)
+        cluster = cls(options.home, store=options.store, runs=options.runs)
         cluster.pool  # noqa: B018 - opened now, so that a worker with a wrong store says so as it starts
         return cluster
 
-    def __init__(self, home: str | Path, store: str | None = None):
-        super().__init__(home)
+    def __init__(self, home: str | Path, store: str | None = None, runs: str | Path | None = None):
+        super().__init__(home, runs)
         self.store_url = store or default_url(self.home)
 
     @functools.cached_property
@@ -51,8 +51,8 @@ class PooledRunFiles(RunFiles):
 
     @functools.cached_property
     def pool(self) -> NodePool:
-        """The pool of the runs' nodes, in the store."""
-        return open_pool(self.store, self.home)
+        """The pool of the runs' nodes, in the store; its standbys' markers beside the runs' folder."""
+        return open_pool(self.store, self.runs.parent)
 
     def create(self, run_id: str, spec: RunSpec) -> RunDir:
         """Create the run's directory and spec, and give it its active nodes from the pool (adding
@@ -81,7 +81,7 @@ class PooledRunFiles(RunFiles):
 
     def dead_nodes(self, assignment: Assignment) -> dict[str, datetime]:
         """The assignment's nodes the pool has seen die, and when."""
-        return {name: died or datetime.now(UTC) for name, died in self.pool.unhealthy(assignment.nodes).items()}
+        return {name: died or datetime.now(UTC) for name, died in self.pool.dead_among(assignment.nodes).items()}
 
     def update_nodes(self, run_id: str, changes: dict[str, dict]) -> Inventory:
         """Apply health changes (healthy, died_at, note) to named nodes of the pool; returns the run's inventory."""
@@ -159,7 +159,7 @@ class PooledRunFiles(RunFiles):
         return self.pool.release(run_id)
 
     def _runs(self) -> list[RunDir]:
-        runs = self.home / "runs"
+        runs = self.runs
         return [RunDir(path) for path in sorted(runs.iterdir())] if runs.is_dir() else []
 
     # --- what a node runs: the backend's (no standbys here) -------------------------------

@@ -26,6 +26,7 @@ class BackendOptions:
 
     home: Path  # LAZARUS_HOME: where run directories live
     store: str | None = None  # LAZARUS_STORE: the store's URL (infra/store); None: SQLite in the home
+    runs: Path | None = None  # LAZARUS_RUNS: the runs' directories, shared by a fleet's workers; None: home/runs
     kube_qps: float = 100.0  # Kubernetes API requests a second the backend makes at most
     kube_burst: int = 200  # Kubernetes API requests made at once before kube_qps paces them
 

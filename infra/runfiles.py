@@ -64,7 +64,7 @@ COMMIT_POLL_SECONDS = 0.02
 
 
 class RunFiles:
-    """Run directories under `home/runs/<run_id>`."""
+    """Run directories under `runs/<run_id>` (`runs`: by default `home/runs`)."""
 
     keeps_survivors = False
     """Whether survivors may keep their processes at a recovery (rejoin_ranks): the backend starts an
@@ -78,16 +78,19 @@ class RunFiles:
 
     @classmethod
     def open(cls, options):
-        """The backend on options.home (a BackendOptions, infra/registry.py)."""
-        return cls(options.home)
+        """The backend on options.home and options.runs (a BackendOptions, infra/registry.py)."""
+        return cls(options.home, runs=options.runs)
 
     @classmethod
     def placement(cls, cluster) -> str:
         """Where a run's nodes are, as words that follow "N node(s)" ("" for this machine)."""
         return ""
 
-    def __init__(self, home: str | Path):
+    def __init__(self, home: str | Path, runs: str | Path | None = None):
         self.home = Path(home).resolve()
+        # Where the runs' directories live: the home's own, or a folder the workers of a fleet share
+        # (each worker has a home of its own: LAZARUS_RUNS).
+        self.runs = Path(runs).resolve() if runs is not None else self.home / "runs"
         # What never changes once written, read once: a watch looks at every run a few times a
         # second, and a run's directory, spec, assignments and launch records are the same each time.
         self._run_dirs: Kept[str, RunDir] = Kept()
@@ -97,7 +100,7 @@ class RunFiles:
 
     def run_dir(self, run_id: str) -> RunDir:
         """The run's directory (it may not exist yet); ClusterError for a run id that is not one,
-        whichever door it came in by: a run's files never land outside home/runs."""
+        whichever door it came in by: a run's files never land outside the runs' folder."""
         known = self._run_dirs.get(run_id)
         if known is not None:
             return known
@@ -105,7 +108,7 @@ class RunFiles:
             check_run_id(run_id)
         except ValueError as error:
             raise ClusterError(str(error)) from None
-        runs = self.home / "runs"
+        runs = self.runs
         root = runs / run_id
         # The rule above already refuses separators and `..`; a symlink planted under runs/ is the
         # one way left out, and following it would write another directory's files.
@@ -116,7 +119,7 @@ class RunFiles:
     def _existing(self, run_id: str) -> RunDir:
         run = self.run_dir(run_id)
         if run_id not in self._specs and not run.spec_file.exists():
-            raise ClusterError(f"no run {run_id!r} under {self.home / 'runs'}")
+            raise ClusterError(f"no run {run_id!r} under {self.runs}")
         return run
 
     def _incarnation(self, run_id: str, incarnation: int) -> tuple[RunDir, Assignment]:

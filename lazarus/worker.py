@@ -1,4 +1,5 @@
-"""The Lazarus worker: the TrainingRun workflow and the recovery activities on one task queue."""
+"""The Lazarus worker: the TrainingRun workflow and the recovery activities on one task queue, the
+runs' watches on its watch queue."""
 
 from __future__ import annotations
 
@@ -18,11 +19,25 @@ from lazarus.activities.recovery import RecoveryActivities
 from lazarus.infra.backend import ClusterBackend
 from lazarus.schema.records import RunState
 from lazarus.workflows.training_run import TrainingRun
+from lazarus.workflows.watch import watch_queue
 
-MAX_CONCURRENT_ACTIVITIES = 2000
-"""Activities one worker runs at once. Every training run holds one (its detect, a long watch
-that sleeps between looks), so this bounds the runs a worker can watch; the SDK's default of
-100 would leave run 101 unwatched."""
+MAX_CONCURRENT_WATCHES = 10_000
+"""Watches (detect activities, on the watch queue) one worker holds at once: one per run it watches,
+for as long as the run trains; past it, a run's watch waits for another worker."""
+WATCH_STARTS_PER_SECOND = 50.0
+"""Watches one worker takes from the server a second at most. A task is the worker's, and its
+heartbeat timer runs, from the moment it is taken; the SDK starts them one at a time on the event
+loop, so a burst's thousand new watches taken at once would start seconds late and time out. At
+this pace they wait in the server instead, where no timer runs (bench/controller_scale.py:
+lazarus_activity_start_lag_seconds)."""
+MAX_CONCURRENT_STAGES = 100
+"""Recovery activities other than the watch (launch, resume, stop, release, take_over...) one worker
+runs at once: about what it can start within their heartbeat timeout. A burst's thousand resumes
+handed to one worker at once started seconds late and failed their heartbeat timeout
+(bench/controller_scale.py --runs 1000: 3,088 of 3,209 attempts started over 5 s late, and 77 runs
+failed, with 2,000 slots; with 100, 117 of 1,100, each retried, and none failed; 50 slots and 25
+starts a second, 50 of 1,050 but the burst took half as long again). The ones beyond wait in the
+server's task queue, where waiting costs nothing and counts against no timeout."""
 MAX_CONCURRENT_RECOVERIES = 100
 """Workflow tasks and local activities one worker runs at once: its admission control. A
 recovery's drain, reschedule and replace_or_reshard are local activities in one workflow task,
@@ -32,6 +47,44 @@ once on one worker (bench/controller_scale.py --runs 1000) starved every heartbe
 runs recovered in 380 s with 2,000 slots, 705 with 100."""
 
 
+class QueueWorkers:
+    """The workers of one task queue, started and stopped together: one for TrainingRun and its
+    stages on the queue, one for the watches (detect) on its watch queue (workflows/watch.py)."""
+
+    def __init__(self, *workers: Worker):
+        self.workers = workers
+
+    async def __aenter__(self) -> QueueWorkers:
+        for worker in self.workers:
+            await worker.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.gather(*(worker.__aexit__(*exc) for worker in self.workers))
+
+
+def queue_workers(client: Client, task_queue: str, activities: list, workflows: list | None = None, **options):
+    """Workers of `task_queue` for `workflows` and `activities`, the watch (the activity named detect)
+    on the watch queue: what runs TrainingRun, whatever its activities (the real ones, or a test's).
+    `options` go to both workers (Temporal's Worker arguments)."""
+    watches = [fn for fn in activities if _activity_name(fn) == "detect"]
+    stage_options = {"max_concurrent_activities": MAX_CONCURRENT_STAGES, **options}
+    watch_options = {
+        "max_concurrent_activities": MAX_CONCURRENT_WATCHES,
+        "max_activities_per_second": WATCH_STARTS_PER_SECOND,
+        **{k: v for k, v in options.items() if k not in ("workflow_runner", "max_concurrent_activities")},
+    }
+    return QueueWorkers(
+        Worker(client, task_queue=task_queue, workflows=workflows or [], activities=activities, **stage_options),
+        Worker(client, task_queue=watch_queue(task_queue), activities=watches, **watch_options),
+    )
+
+
+def _activity_name(fn) -> str | None:
+    definition = getattr(fn, "__temporal_activity_definition", None)
+    return getattr(definition, "name", None)
+
+
 def build_worker(
     client: Client,
     task_queue: str,
@@ -39,8 +92,9 @@ def build_worker(
     failpoints: Failpoints | None = None,
     metrics: Metrics | None = None,
     sandboxed: bool = False,
-) -> Worker:
-    """A worker that runs TrainingRun and the activities over `cluster` (LocalCluster or KubernetesCluster).
+) -> QueueWorkers:
+    """Workers that run TrainingRun and the activities over `cluster` (LocalCluster or KubernetesCluster):
+    the workflow and its stages on `task_queue`, the watches on its watch queue (queue_workers).
 
     Workflow code runs outside Temporal's sandbox unless `sandboxed`: the sandbox enters itself
     (an exec of a code string) for every activation and every payload it converts, which cost a
@@ -48,15 +102,14 @@ def build_worker(
     What the sandbox would catch, a non-deterministic call in workflow code, the workflow tests
     and the replay of recorded histories catch in CI, where workers keep the sandbox."""
     stages = RecoveryActivities(cluster, failpoints, metrics)
-    return Worker(
+    return queue_workers(
         client,
-        task_queue=task_queue,
+        task_queue,
+        stages.every(),
         workflows=[TrainingRun],
         workflow_runner=SandboxedWorkflowRunner() if sandboxed else UnsandboxedWorkflowRunner(),
-        activities=stages.every(),
         # Shutdown waits this long for running activities; detect is cancelled and retried elsewhere.
         graceful_shutdown_timeout=timedelta(seconds=2),
-        max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
         max_concurrent_workflow_tasks=MAX_CONCURRENT_RECOVERIES,
         max_concurrent_local_activities=MAX_CONCURRENT_RECOVERIES,
         # After a worker dies, the run's next workflow task waits this long on the dead
@@ -98,7 +151,7 @@ def serve_metrics(port: int, metrics: Metrics, address: str = "127.0.0.1"):
     return server
 
 
-async def serve(worker: Worker, *helpers: asyncio.Task) -> None:
+async def serve(worker: QueueWorkers, *helpers: asyncio.Task) -> None:
     """Run the worker until SIGINT or SIGTERM, then shut it down cleanly, and its helper tasks."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -54,7 +54,34 @@ class Inventory(Record):
     )
     wants: list[SpareWant] = Field(
         default_factory=list,
-        description="Other runs' needs of the pool's spares, from recoveries under way (placed ones included).",
+        description=(
+            "Other runs' needs of the pool's spares, from recoveries under way (placed ones included); where the "
+            "counts below are given, only the first few that come before the run's own need and after it."
+        ),
+    )
+    needed_first: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Spares the other runs' unplaced needs that come before this run's own (lodged) need take first, "
+            "summed; with none lodged, every recovery's (nodes). None: counted from `wants`, which lists them all."
+        ),
+    )
+    needed_by_recoveries: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Spares every other run's unplaced need takes first, summed: what comes before a regrow or a swap "
+            "(nodes). None: counted from `wants`, which lists them all."
+        ),
+    )
+    spares_before: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Free spares of the pool before the first one listed in `nodes`: other runs' needs take them first, "
+            "so a fleet's inventory lists only the spares the run could take (nodes)."
+        ),
     )
     shared: SharedFault | None = Field(
         default=None,
@@ -76,7 +103,10 @@ class Inventory(Record):
         yet takes its spares first; the run then takes no more than keeps it within `node_limit`
         nodes held, when one is given."""
         ahead = [w for w in self.wants if want is None or w.outranks(want)]
-        spares = self.free_spares()[sum(w.needed for w in ahead if not w.placed) :]
+        first = self.needed_by_recoveries if want is None else self.needed_first
+        if first is None:
+            first = sum(w.needed for w in ahead if not w.placed)
+        spares = self.free_spares()[max(0, first - self.spares_before) :]
         if node_limit is not None:
             spares = spares[: max(0, node_limit - self.held())]
         return spares, ahead

@@ -27,6 +27,17 @@ KEPT_REPORT_PATCH = "watch-report-kept"
 report (before: dropped, and with it a fault the watch had found)."""
 
 
+WATCH_QUEUE_SUFFIX = "-watch"
+"""The watches (detect) of a run on task queue Q run on task queue Q + this: a watch holds its worker's
+slot for as long as the run trains, so watches and the short recovery stages, on Q, never compete
+for the same slots, and a worker can take only the stages it can start at once (lazarus/worker.py)."""
+
+
+def watch_queue(task_queue: str) -> str:
+    """The task queue of the watches of runs on `task_queue`."""
+    return f"{task_queue}{WATCH_QUEUE_SUFFIX}"
+
+
 async def watch(
     status: RunStatus,
     policy: RecoveryPolicy,
@@ -50,10 +61,12 @@ async def watch(
         node_limit=node_limit,
         known_warnings=status.warnings,
     )
+    # On a task queue of its own (no patch: replay compares an activity's type and id, not its queue).
     detect = workflow.start_activity_method(
         RecoveryActivities.detect,
         request,
         summary=activity_summary("detect", request),
+        task_queue=watch_queue(workflow.info().task_queue),
         **stage_options(policy.stages.detect),
     )
     await workflow.wait_condition(

@@ -62,6 +62,12 @@ class Store(Protocol):
         """Let go of its connections."""
         ...
 
+    def version(self) -> object | None:
+        """A token that changes whenever the database may have changed since it was taken, as seen by
+        the calling thread; None where the engine cannot tell cheaply (readers then keep what they
+        read for a short while instead)."""
+        ...
+
 
 def shown(url: str) -> str:
     """The URL without its password, for messages and logs."""

@@ -132,6 +132,10 @@ class PostgresStore:
     def read(self) -> contextlib.AbstractContextManager[_Transaction]:
         return self._transaction(read_only=True)
 
+    def version(self) -> object | None:
+        """None: a PostgreSQL database cannot tell whether it changed without a round trip."""
+        return None
+
     def close(self) -> None:
         """Close its connections."""
         if self._pool is not None and self._pid == os.getpid():

@@ -55,6 +55,7 @@ class SqliteStore:
         self.path = Path(path)
         self.url = f"sqlite:///{self.path.resolve().as_posix().lstrip('/')}"
         self._local = threading.local()
+        self._writes = 0  # write transactions this process committed, on any thread's connection
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -98,12 +99,20 @@ class SqliteStore:
         except sqlite3.OperationalError as error:
             connection.execute("ROLLBACK")
             raise StoreError(f"the store {self.url}: {error}") from None
+        if begin != "BEGIN":
+            self._writes += 1
 
     def write(self) -> contextlib.AbstractContextManager[_Transaction]:
         return self._transaction("BEGIN IMMEDIATE")
 
     def read(self) -> contextlib.AbstractContextManager[_Transaction]:
         return self._transaction("BEGIN")
+
+    def version(self) -> object | None:
+        """The thread's connection's data_version (it changes with every commit of another connection,
+        this process's other threads' included) and this process's own commits: a few microseconds,
+        against a query's tens."""
+        return (self._connection().execute("PRAGMA data_version").fetchone()[0], self._writes)
 
     def close(self) -> None:
         """Close this thread's connection (the others close with their threads)."""

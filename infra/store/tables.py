@@ -35,7 +35,7 @@ TABLES = (
     "CREATE INDEX IF NOT EXISTS pool_nodes_free ON pool_nodes (seq) WHERE role = 'free'",
     "CREATE INDEX IF NOT EXISTS pool_nodes_owner ON pool_nodes (owner, role, seq) WHERE owner IS NOT NULL",
     "CREATE INDEX IF NOT EXISTS pool_nodes_domain ON pool_nodes (domain) WHERE domain IS NOT NULL",
-    "CREATE INDEX IF NOT EXISTS pool_nodes_dead ON pool_nodes (seq) WHERE healthy = 0",
+    "CREATE INDEX IF NOT EXISTS pool_nodes_dead ON pool_nodes (died_at) WHERE healthy = 0",
     # The pool as a whole, one row: its size, the next node's number, the quarantine breaker's
     # settings and trip (schema/pool.py QuarantineBreaker, as JSON, its window apart). A write that
     # changes these locks the row: adds and counted quarantines take turns, claims do not wait on them.
@@ -47,12 +47,18 @@ TABLES = (
     )""",
     # The breaker's window: nodes faults quarantined, and when.
     "CREATE TABLE IF NOT EXISTS pool_quarantines (node TEXT PRIMARY KEY, at TEXT NOT NULL)",
-    # Runs' needs of spares during their recoveries (schema/pool.py SpareWant, as JSON).
+    "CREATE INDEX IF NOT EXISTS pool_quarantines_at ON pool_quarantines (at)",
+    # Runs' needs of spares during their recoveries (schema/pool.py SpareWant, as JSON), with the
+    # fields that order them (SpareWant.sort_key) as columns: a run's view counts in the store the
+    # spares that the needs before its own take, instead of reading a burst's thousand needs.
     """CREATE TABLE IF NOT EXISTS pool_wants (
         run_id TEXT PRIMARY KEY,
         want TEXT NOT NULL,
         needed INTEGER NOT NULL,
-        placed INTEGER NOT NULL
+        placed INTEGER NOT NULL,
+        priority INTEGER NOT NULL,
+        lost_ranks INTEGER NOT NULL,
+        fault_at TEXT NOT NULL
     )""",
     # The assignment each incarnation claimed its nodes for, written in the claim's transaction: a
     # claim retried after a crash finds it (exactly once).

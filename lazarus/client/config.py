@@ -38,6 +38,9 @@ ENV_KUBE_BURST = "LAZARUS_KUBE_BURST"
 ENV_QUERY_SECONDS = "LAZARUS_QUERY_SECONDS"
 """How long a status or a control waits for the run's worker to answer before it reads the history
 instead (seconds; default 3): what a command costs in the minute after a worker died."""
+ENV_RUNS = "LAZARUS_RUNS"
+"""The folder of the runs' directories (default: LAZARUS_HOME/runs). Workers on several machines, each
+with a LAZARUS_HOME of its own, share one (a path every worker and node mounts)."""
 ENV_STORE = "LAZARUS_STORE"
 """Where the state runs and controllers share lives (the node pool, runs' owners): a sqlite:///PATH or
 postgresql://USER@HOST:PORT/DATABASE URL (default: sqlite:///<LAZARUS_HOME>/lazarus.db). Workers on
@@ -50,6 +53,7 @@ HELP = f"""environment:
   {ENV_NAMESPACE}          Temporal namespace (default: default)
   {ENV_TASK_QUEUE}         task queue of the Lazarus worker (default: lazarus)
   {ENV_HOME}               state folder: runs, dev server database (default: ./.lazarus)
+  {ENV_RUNS}               the runs' directories, shared by a fleet's workers (default: LAZARUS_HOME/runs)
   {ENV_STORE}              the shared state's database: sqlite:///PATH.db (one machine) or
                              postgresql://USER@HOST:PORT/DB (several) (default: LAZARUS_HOME/lazarus.db)
   {ENV_UI_URL}             web UI base URL for links (default: http://<host>:<port+1000>)
@@ -70,6 +74,7 @@ class Settings:
     task_queue: str = "lazarus"
     home: Path = Path(".lazarus")
     store: str | None = None  # the store's URL (LAZARUS_STORE); None: SQLite in the home
+    runs: Path | None = None  # the runs' directories (LAZARUS_RUNS); None: home/runs
     ui_url: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -84,6 +89,7 @@ class Settings:
             task_queue=environ.get(ENV_TASK_QUEUE, cls.task_queue),
             home=Path(environ.get(ENV_HOME, cls.home)),
             store=environ.get(ENV_STORE) or None,
+            runs=Path(environ[ENV_RUNS]) if environ.get(ENV_RUNS) else None,
             ui_url=environ.get(ENV_UI_URL),
             # An empty value means unset: `VAR= lazarus ...` turns TLS off rather than naming file ''.
             tls_cert=environ.get(ENV_TLS_CERT) or None,
@@ -91,6 +97,11 @@ class Settings:
             tls_ca=environ.get(ENV_TLS_CA) or None,
             tls_server_name=environ.get(ENV_TLS_SERVER_NAME) or None,
         )
+
+    @property
+    def runs_folder(self) -> Path:
+        """Where the runs' directories are: LAZARUS_RUNS, else the home's runs/."""
+        return self.runs if self.runs is not None else self.home / "runs"
 
     def workflow_url(self, workflow_id: str) -> str:
         """Link to a run's history in the Temporal web UI."""

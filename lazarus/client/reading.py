@@ -95,7 +95,7 @@ async def polled_recently(client: Client, task_queue: str) -> bool:
     return any(now - poller.last_access_time.ToSeconds() < POLLED_WITHIN_SECONDS for poller in response.pollers)
 
 
-async def read_status(client: Client, run_id: str, home: Path | None = None) -> StatusReading:
+async def read_status(client: Client, run_id: str, runs: Path | None = None) -> StatusReading:
     """The run's status: asked of its worker when one serves it, else read from its result or its
     history; the step overlaid with the newest one the server or the run directory holds.
     RPCError when there is no such run."""
@@ -111,7 +111,7 @@ async def read_status(client: Client, run_id: str, home: Path | None = None) -> 
         closed = description.status.name.lower()
         reading = StatusReading(status, f"the workflow's history, replayed here (the run is {closed})", served=False)
         if status.state not in TERMINAL_STATES:
-            await _ended_from_outside(client, handle, reading, closed, description.close_time, home)
+            await _ended_from_outside(client, handle, reading, closed, description.close_time, runs)
         return reading
     status, why = await ask_worker(client, run_id, task_queue)
     if status is not None:
@@ -119,7 +119,7 @@ async def read_status(client: Client, run_id: str, home: Path | None = None) -> 
     else:
         status = await replayed_status(client, run_id)
         reading = StatusReading(status, "the workflow's history, replayed here", served=False, note=why)
-    await _overlay_step(reading, description, client, home)
+    await _overlay_step(reading, description, client, runs)
     return reading
 
 
@@ -129,7 +129,7 @@ longer) have stopped (seconds)."""
 
 
 async def _ended_from_outside(
-    client: Client, handle, reading: StatusReading, closed: str, close_time: datetime | None, home: Path | None
+    client: Client, handle, reading: StatusReading, closed: str, close_time: datetime | None, runs: Path | None
 ) -> None:
     """A workflow ended by someone else (terminated, cancelled, timed out) stops where it stood, in a
     live state. Where its ranks still beat after it ended, they train on with no one to recover them,
@@ -137,7 +137,7 @@ async def _ended_from_outside(
     it ended and where it stood."""
     status = reading.status
     how = closed + await _termination_words(client, handle)
-    progress = step_in_run_directory(status, home)
+    progress = step_in_run_directory(status, runs)
     interval = status.policy.heartbeat_interval_seconds if status.policy is not None else 0.0
     quiet_after = max(RANKS_QUIET_FLOOR_SECONDS, 3 * interval)
     if (
@@ -181,14 +181,14 @@ async def ask_worker(client: Client, run_id: str, task_queue: str) -> tuple[RunS
         return None, f"no worker on task queue {task_queue!r} answered its status query ({error.message})"
 
 
-async def _overlay_step(reading: StatusReading, description, client: Client, home: Path | None) -> None:
+async def _overlay_step(reading: StatusReading, description, client: Client, runs: Path | None) -> None:
     """Bring the step up to date: the workflow hears it only at a fault or its safety interval."""
     for pending in description.raw_description.pending_activities:
         if pending.activity_type.name == "detect" and pending.heartbeat_details.payloads:
             [progress] = await client.data_converter.decode(pending.heartbeat_details.payloads, [RankProgress])
             if isinstance(progress, RankProgress):
                 take_progress(reading.status, progress)
-    from_files = step_in_run_directory(reading.status, home)
+    from_files = step_in_run_directory(reading.status, runs)
     if from_files is not None:
         before = reading.status.step
         take_progress(reading.status, from_files)
@@ -196,15 +196,15 @@ async def _overlay_step(reading: StatusReading, description, client: Client, hom
             reading.note = "; ".join(filter(None, [reading.note, "the step from the run directory"]))
 
 
-def step_in_run_directory(status: RunStatus, home: Path | None) -> RankProgress | None:
+def step_in_run_directory(status: RunStatus, runs: Path | None) -> RankProgress | None:
     """The step every rank of the current incarnation reported in its node's report, when the run
-    directory is on this machine (`home` is where a local run's directory is; a Kubernetes run's
-    is its shared volume, at `status.run_dir`)."""
+    directory is on this machine (`runs` is the folder of a local run's directory; a Kubernetes
+    run's is its shared volume, at `status.run_dir`)."""
     if status.assignment is None:
         return None
     roots = [Path(status.run_dir)] if status.run_dir else []
-    if home is not None:
-        roots.append(Path(home) / "runs" / status.run_id)
+    if runs is not None:
+        roots.append(Path(runs) / status.run_id)
     root = next((root for root in roots if root.is_dir()), None)
     if root is None:
         return None

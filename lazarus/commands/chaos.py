@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from lazarus.client.config import Settings
-from lazarus.commands.common import RUN_HELP, UserError, node_name, run_id
+from lazarus.commands.common import RUN_HELP, UserError, local_cluster, node_name, run_id
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -47,9 +47,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 def kill_node(args: argparse.Namespace, settings: Settings) -> int:
     """SIGKILL every process of the node and mark it dead."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.backends.local.cluster import LocalCluster
 
-    cluster = LocalCluster(settings.home)
+    cluster = local_cluster(settings)
     try:
         _check_node_of_run(cluster, args.run_id, args.node)
         pids = cluster.kill_node(args.run_id, args.node)
@@ -62,10 +61,9 @@ def kill_node(args: argparse.Namespace, settings: Settings) -> int:
 def kill_domain(args: argparse.Namespace, settings: Settings) -> int:
     """Kill every node of a fault domain at once."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.backends.local.cluster import LocalCluster
 
     try:
-        held = LocalCluster(settings.home).kill_domain(args.domain)
+        held = local_cluster(settings).kill_domain(args.domain)
     except ClusterError as error:
         raise UserError(str(error)) from None
     runs = sorted({owner for owner in held.values() if owner})
@@ -79,14 +77,13 @@ def slow_node(args: argparse.Namespace, settings: Settings) -> int:
     import time
 
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.backends.local.cluster import LocalCluster
     from lazarus.infra.backends.local.slow_node import slow_node as slow
 
     if not args.factor > 1:
         raise UserError(f"--factor must be more than 1, not {args.factor:g}")
     if args.seconds is not None and not args.seconds > 0:
         raise UserError(f"--seconds must be positive, not {args.seconds:g}")
-    cluster = LocalCluster(settings.home)
+    cluster = local_cluster(settings)
     try:
         _check_node_of_run(cluster, args.run_id, args.node)
     except ClusterError as error:
@@ -119,10 +116,9 @@ def _check_node_of_run(cluster, run_id: str, node: str) -> None:
 def return_node(args: argparse.Namespace, settings: Settings) -> int:
     """Return the node to the run's pool as a healthy spare."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.backends.local.cluster import LocalCluster
 
     try:
-        LocalCluster(settings.home).return_node(args.run_id, args.node)
+        local_cluster(settings).return_node(args.run_id, args.node)
     except ClusterError as error:
         raise UserError(str(error)) from None
     print(f"{args.node} of run {args.run_id} is a healthy spare again")

@@ -77,11 +77,19 @@ def open_cluster(name: str, settings: Settings, **options):
     from lazarus.infra.store import StoreError, StoreURLError
 
     try:
-        return open_backend(name, BackendOptions(settings.home, store=settings.store, **options))
+        options = {"store": settings.store, "runs": settings.runs, **options}
+        return open_backend(name, BackendOptions(settings.home, **options))
     except ClusterError as error:
         raise UserError(f"--backend {name}: {error}") from None
     except (StoreError, StoreURLError) as error:
         raise UserError(str(error)) from None
+
+
+def local_cluster(settings: Settings):
+    """The local backend on the settings' home, store and runs' folder (LAZARUS_STORE, LAZARUS_RUNS)."""
+    from lazarus.infra.backends.local.cluster import LocalCluster
+
+    return LocalCluster(settings.home, store=settings.store, runs=settings.runs)
 
 
 def registered_backend(name: str, named_by: str = "cluster.backend"):

@@ -15,7 +15,7 @@ from temporalio.client import WorkflowFailureError
 from lazarus import console
 from lazarus.client.config import Settings
 from lazarus.client.runs import run_status, start_run
-from lazarus.commands.common import connect_client
+from lazarus.commands.common import connect_client, local_cluster
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.harness.temporal_server import port_answers, split_address, start_detached
 from lazarus.schema.contract import MetricsLine, read_metrics
@@ -161,7 +161,7 @@ async def run_demo(settings: Settings, spec: RunSpec, kill_at: int | None, as_js
 
     await ensure_server(settings, say)
     client = await connect_client(settings)
-    cluster = LocalCluster(settings.home)
+    cluster = local_cluster(settings)
     run_id = f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}"
     # A queue of its own: a `lazarus worker` elsewhere may use another LAZARUS_HOME.
     settings = dataclasses.replace(settings, task_queue=f"{settings.task_queue}-demo-{uuid.uuid4().hex[:8]}")

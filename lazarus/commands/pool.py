@@ -86,7 +86,7 @@ def _pool(settings: Settings) -> Iterator:
         raise UserError(str(error)) from None
     try:
         import_old_pool(store, settings.home)
-        yield open_pool(store, settings.home)
+        yield open_pool(store, settings.runs_folder.parent)
     except StoreError as error:
         raise UserError(str(error)) from None
     finally:
@@ -202,7 +202,7 @@ def _backend_of(settings: Settings, run_id: str) -> str | None:
     from lazarus.schema.run import RunSpec
     from lazarus.schema.rundir import RunDir
 
-    spec_file = RunDir(settings.home / "runs" / run_id).spec_file
+    spec_file = RunDir(settings.runs_folder / run_id).spec_file
     try:
         return RunSpec.model_validate_json(spec_file.read_text()).cluster.backend
     except (OSError, ValueError):

@@ -12,6 +12,7 @@ from lazarus.commands.common import (
     UserError,
     connect_client,
     load_run_spec,
+    local_cluster,
     node_name,
     positive_int,
     registered_backend,
@@ -92,7 +93,7 @@ async def start_run(args: argparse.Namespace, settings: Settings) -> int:
 
     spec = load_run_spec(args.spec)
     run_id = args.run_id or f"{spec.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    work_dir = RunDir(settings.home / "runs" / run_id).work_dir
+    work_dir = RunDir(settings.runs_folder / run_id).work_dir
     backend = registered_backend(spec.cluster.backend)
     missing = missing_command(spec.trainer, work_dir, backend.shares_host) or unkept_survivors(
         spec, backend.keeps_survivors
@@ -129,7 +130,7 @@ async def adopt_run(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-async def fetch_status(client, run_id: str, home=None):
+async def fetch_status(client, run_id: str, runs=None):
     """The run's status and where it was read (lazarus/client/reading.py): from its worker, else its
     result or its history; no such run, or a history this version cannot replay, in one line."""
     from temporalio.client import WorkflowQueryFailedError
@@ -138,7 +139,7 @@ async def fetch_status(client, run_id: str, home=None):
     from lazarus.client.reading import read_status
 
     try:
-        return await read_status(client, run_id, home)
+        return await read_status(client, run_id, runs)
     except RPCError as error:
         raise UserError(f"no status for run {run_id}: {error.message}") from None
     except WorkflowQueryFailedError as error:
@@ -185,10 +186,10 @@ async def show_status(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.json:
         with stdout_reserved_for_json() as emit:
-            reading = await fetch_status(await connect_client(settings), args.run_id, settings.home)
+            reading = await fetch_status(await connect_client(settings), args.run_id, settings.runs_folder)
             emit(reading.summary())
         return 0
-    reading = await fetch_status(await connect_client(settings), args.run_id, settings.home)
+    reading = await fetch_status(await connect_client(settings), args.run_id, settings.runs_folder)
     stdout.print(status_view(reading.status, where_read(reading)))
     return 0
 
@@ -199,7 +200,7 @@ async def show_report(args: argparse.Namespace, settings: Settings) -> int:
     from lazarus.console import stdout, stdout_reserved_for_json
 
     async def bill():
-        reading = await fetch_status(await connect_client(settings), args.run_id, settings.home)
+        reading = await fetch_status(await connect_client(settings), args.run_id, settings.runs_folder)
         status = with_archived(reading.status)
         try:
             summary = summarize(status)
@@ -269,7 +270,7 @@ async def watch_run(args: argparse.Namespace, settings: Settings) -> int:
     client = await connect_client(settings)
 
     async def current():
-        return (await fetch_status(client, args.run_id, settings.home)).status
+        return (await fetch_status(client, args.run_id, settings.runs_folder)).status
 
     return await follow(current, stdout)
 
@@ -317,10 +318,9 @@ async def show_logs(args: argparse.Namespace, settings: Settings) -> int:
     """Print the ranks' logs from the run directory, each line prefixed with its node and rank."""
     from lazarus.commands.logs import LogsError, select, show
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.backends.local.cluster import LocalCluster
 
     try:
-        run = LocalCluster(settings.home).run_dir(args.run_id)
+        run = local_cluster(settings).run_dir(args.run_id)
         selected = select(run, args.node, args.incarnation)
     except (ClusterError, LogsError) as error:
         raise UserError(f"logs of {args.run_id}: {error}") from None

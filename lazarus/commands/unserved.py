@@ -14,7 +14,7 @@ import asyncio
 from datetime import timedelta
 
 from lazarus.client.config import Settings
-from lazarus.commands.common import UserError, registered_backend
+from lazarus.commands.common import UserError, local_cluster, registered_backend
 
 ACCEPT_SECONDS = 5.0
 """How long a control waits for a worker that answered to accept the update (seconds); past it,
@@ -103,10 +103,9 @@ async def abort_here(client, settings: Settings, args, started: tuple[str, bool]
     backend and whether its workflow may have launched anything (run_start). Refused (UserError)
     when processes it may have are not on this machine to stop. Returns what was done, in one line."""
     from lazarus.infra.backend import ClusterError
-    from lazarus.infra.backends.local.cluster import LocalCluster
 
     run_id, (backend, launched) = args.run_id, started
-    cluster = LocalCluster(settings.home)
+    cluster = local_cluster(settings)
     run = cluster.run_dir(run_id)
     on_this_machine = registered_backend(backend).shares_host
     here = on_this_machine and run.spec_file.exists()

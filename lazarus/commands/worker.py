@@ -89,7 +89,7 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
     metrics_url = f", metrics on http://{args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""
     print(
         f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} "
-        f"at {settings.address}, runs under {settings.home.resolve() / 'runs'}{metrics_url}",
+        f"at {settings.address}, runs under {settings.runs_folder.resolve()}{metrics_url}",
         flush=True,
     )
     try:

@@ -8,7 +8,7 @@ import logging
 import multiprocessing
 import os
 import signal
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -284,17 +284,39 @@ def test_a_spare_that_fails_the_run_s_health_check_leaves_the_pool_unclaimed(tmp
     assert cluster.vet_spare("a", "node-3") is None and cluster.pool.node("node-3").role == "free"
 
 
-def test_a_run_sees_as_many_spares_as_it_could_take_past_the_needs_that_come_first(tmp_path, store_url):
+def test_a_run_sees_only_the_spares_it_could_take_past_the_needs_that_come_first(tmp_path, store_url):
+    """A burst across a fleet lodges a need per run: a run's view counts the needs before its own in the
+    store and lists only the spares past them, as many as it may hold, and a few needs by name."""
     pool = NodePool(open_store(store_url))
     pool.add(100)
     now = datetime.now(UTC)
     pool.want(SpareWant(run_id="x", incarnation=0, needed=3, lost_ranks=1, fault_at=now))
     pool.want(SpareWant(run_id="y", incarnation=0, needed=2, lost_ranks=1, fault_at=now, placed=True))
-    seen = pool.inventory("a", allowance=5)
-    assert seen.free_spares() == [f"node-{i}" for i in range(8)]  # x's 3 unplaced, then the run's 5
-    assert [w.run_id for w in seen.wants] == ["x", "y"]
+    for i in range(30):  # a burst's needs, each after the others
+        pool.want(SpareWant(run_id=f"z{i:02d}", incarnation=0, needed=1, lost_ranks=1, fault_at=now + timedelta(i + 1)))
+    # A run with no need lodged (a regrow): every unplaced recovery comes first.
+    regrow = pool.inventory("a", allowance=5)
+    assert regrow.spares_before == regrow.needed_first == regrow.needed_by_recoveries == 3 + 30
+    assert regrow.free_spares() == [f"node-{i}" for i in range(33, 38)]
+    assert regrow.spares_for(None, None)[0] == regrow.free_spares()
+    assert [w.run_id for w in regrow.wants] == ["x", "y", "z00", "z01", "z02", "z03", "z04", "z05"]
+    # Run a's own need, of a higher priority than all: nothing comes before it.
+    pool.want(SpareWant(run_id="a", incarnation=0, needed=1, lost_ranks=1, fault_at=now, priority=5))
+    first = pool.inventory("a", allowance=5)
+    assert first.needed_first == 0 and first.needed_by_recoveries == 33
+    assert first.free_spares() == [f"node-{i}" for i in range(5)]
+    mine = SpareWant(run_id="a", incarnation=0, needed=1, lost_ranks=1, fault_at=now, priority=5)
+    assert first.spares_for(mine, None)[0] == first.free_spares()
+    # Its reason names the runs it comes before: the first few of them.
+    assert [w.run_id for w in first.wants] == ["x", "z00", "z01", "z02", "z03", "z04", "z05", "z06"]
+    # Ranked among the burst: after x and the first ten.
+    pool.want(SpareWant(run_id="a", incarnation=0, needed=1, lost_ranks=1, fault_at=now + timedelta(10.5)))
+    middle = pool.inventory("a", allowance=5)
+    assert middle.needed_first == 3 + 10 and middle.free_spares() == [f"node-{i}" for i in range(13, 18)]
+    later = SpareWant(run_id="a", incarnation=0, needed=1, lost_ranks=1, fault_at=now + timedelta(10.5))
+    assert middle.spares_for(later, None)[0] == middle.free_spares()
     pool.drop_want("x")
-    assert len(pool.inventory("a", allowance=5).free_spares()) == 5
+    assert pool.inventory("a", allowance=5).needed_first == 10
 
 
 def test_an_old_pool_file_is_imported_once_with_a_line_that_says_so(tmp_path, caplog):
@@ -319,3 +341,21 @@ def test_an_old_pool_file_is_imported_once_with_a_line_that_says_so(tmp_path, ca
     caplog.clear()
     LocalCluster(tmp_path).pool.read()  # nothing to import the second time
     assert "imported" not in caplog.text
+
+
+def test_workers_with_homes_of_their_own_share_the_runs_folder_and_the_store(tmp_path, store_url):
+    """Two workers' backends, each with a home of its own (LAZARUS_HOME), on one runs' folder
+    (LAZARUS_RUNS) and one store: each sees the other's runs and pool, and nothing lands in a home."""
+    shared = tmp_path / "shared" / "runs"
+    first = LocalCluster(tmp_path / "home-1", store=store_url, runs=shared)
+    second = LocalCluster(tmp_path / "home-2", store=store_url, runs=shared)
+    launched(first, "a")
+    assert first.run_dir("a").root == shared / "a" and second.assignment("a", 0).nodes == ["node-0", "node-1"]
+    assert second.inventory("a").free_spares() == ["node-2"]
+    second.quarantine("a", ["node-1"], "incident 1")  # the standbys' marker lies beside the runs, for every home
+    assert first.run_dir("a").unusable_marker("node-1") == shared.parent / "pool" / "unusable" / "node-1"
+    assert first.run_dir("a").unusable_marker("node-1").exists()
+    claimed = first.commit_assignment("a", replacing(first, "a", "node-1", "node-2"), claims=["node-2"])
+    assert second.assignment("a", 1) == claimed
+    for home in ("home-1", "home-2"):
+        assert not (tmp_path / home / "runs").exists()

@@ -8,7 +8,6 @@ from datetime import UTC, datetime, timedelta
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Worker
 
 from lazarus.schema import (
     Assignment,
@@ -36,6 +35,7 @@ from lazarus.schema.stages import (
     StopInput,
     StopResult,
 )
+from lazarus.worker import QueueWorkers, queue_workers
 from lazarus.workflows.training_run import TrainingRun
 
 ACTIVE = ["node-0", "node-1", "node-2", "node-3"]
@@ -289,14 +289,15 @@ class FakeStages:
         ]
 
 
-def fake_worker(env, stages: FakeStages, queue: str) -> Worker:
-    """A worker of TrainingRun over the fakes; heartbeats are not throttled, so a cancelled watch
-    learns of its cancellation at once (Temporal cancels an activity in a heartbeat's answer)."""
-    return Worker(
+def fake_worker(env, stages: FakeStages, queue: str) -> QueueWorkers:
+    """The workers of TrainingRun over the fakes (its watches on their own queue, as lazarus/worker.py
+    runs them); heartbeats are not throttled, so a cancelled watch learns of its cancellation at once
+    (Temporal cancels an activity in a heartbeat's answer)."""
+    return queue_workers(
         env.client,
-        task_queue=queue,
+        queue,
+        stages.all(),
         workflows=[TrainingRun],
-        activities=stages.all(),
         max_heartbeat_throttle_interval=timedelta(milliseconds=50),
     )
 

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import pytest
 from temporalio import activity
-from temporalio.worker import Worker
 
 from lazarus.activities.recovery import RecoveryActivities
 from lazarus.client.history import chain_histories, incident_spans, largest_payloads
@@ -48,6 +47,7 @@ from lazarus.schema.stages import (
     ResumeInput,
     ResumeResult,
 )
+from lazarus.worker import queue_workers
 from lazarus.workflows.training_run import TrainingRun
 
 # The time-skipping environment is shared by the session, so this test runs in its event loop.
@@ -179,7 +179,7 @@ async def test_a_llama_sized_run_keeps_every_payload_and_history_within_its_limi
     )
     fakes = LlamaSizedRun(tmp_path)
     queue, run_id = f"wf-{uuid.uuid4()}", f"llama-{uuid.uuid4().hex[:8]}"
-    async with Worker(time_skipping_env.client, task_queue=queue, workflows=[TrainingRun], activities=fakes.every()):
+    async with queue_workers(time_skipping_env.client, queue, fakes.every(), workflows=[TrainingRun]):
         handle = await time_skipping_env.client.start_workflow(
             TrainingRun.run, RunStart(run_id=run_id, spec=spec), id=run_id, task_queue=queue
         )

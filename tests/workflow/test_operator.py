@@ -13,6 +13,7 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from lazarus.schema import RunStart, RunState, RunStatus, controls
+from lazarus.worker import queue_workers
 from lazarus.workflows.training_run import TrainingRun
 from tests.workflow.fakes import DRAINED_STEP, FakeStages, fake_worker, fault, make_spec
 
@@ -211,7 +212,7 @@ async def test_search_attributes_follow_the_runs_state(dev_env):
 
     stages = FakeStages(watch=[fault(), "done"])
     queue, run_id = f"sa-{uuid.uuid4()}", f"sa-{uuid.uuid4().hex[:8]}"
-    async with Worker(dev_env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
+    async with queue_workers(dev_env.client, queue, stages.all(), workflows=[TrainingRun]):
         handle = await start_run(dev_env.client, Settings(task_queue=queue), make_spec(), run_id)
         await handle.result()
 

@@ -16,6 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from lazarus.schema import RunStart, RunState, controls
+from lazarus.worker import queue_workers
 from lazarus.workflows.training_run import TrainingRun
 from tests.workflow.fakes import FakeStages, make_spec
 from tests.workflow.test_program_errors import rank_error
@@ -53,7 +54,7 @@ async def test_a_pause_delivered_with_the_crash_loop_verdict_finds_the_run_pause
             client, task_queue=queue, workflows=[TrainingRun], activities=stages.all(), no_remote_activities=True
         )
 
-    async with Worker(client, task_queue=queue, activities=stages.all()):
+    async with queue_workers(client, queue, stages.all()):  # the activities, the watch on its own queue
         async with workflows():
             handle = await client.start_workflow(
                 TrainingRun.run, RunStart(spec=make_spec(crash_loop="pause")), id=workflow_id, task_queue=queue

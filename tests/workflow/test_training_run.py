@@ -9,10 +9,11 @@ import pytest
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Replayer, Worker
+from temporalio.worker import Replayer
 
 from lazarus.schema import RunStart, RunState, controls
 from lazarus.schema.controls import FaultSignal
+from lazarus.worker import queue_workers
 from lazarus.workflows.training_run import RESTART_PATCH, TrainingRun
 from tests.workflow.fakes import FakeStages, fake_worker, fault, make_spec, run_workflow
 
@@ -230,7 +231,7 @@ async def test_long_run_continues_as_new_and_carries_its_incidents(tmp_path):
     try:
         stages = FakeStages(watch=[fault(step=15), *range(16, 40), "done"])
         queue = f"wf-{uuid.uuid4()}"
-        async with Worker(env.client, task_queue=queue, workflows=[TrainingRun], activities=stages.all()):
+        async with queue_workers(env.client, queue, stages.all(), workflows=[TrainingRun]):
             handle = await env.client.start_workflow(
                 TrainingRun.run, RunStart(spec=make_spec()), id=f"long-{uuid.uuid4()}", task_queue=queue
             )

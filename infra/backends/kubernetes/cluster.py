@@ -85,14 +85,19 @@ class KubernetesCluster(RunFiles):
         """The cluster of the in-cluster service account, else of ~/.kube/config; ClusterError,
         one line, where neither is there."""
         try:
-            return cls(options.home, qps=options.kube_qps, burst=options.kube_burst)
+            return cls(options.home, qps=options.kube_qps, burst=options.kube_burst, runs=options.runs)
         except Exception as error:  # noqa: BLE001 - no kubeconfig, no service account: say so, no traceback
             raise ClusterError(f"cannot reach a Kubernetes API ({error})") from None
 
     def __init__(
-        self, home: str | Path, api: k8s.ApiClient | None = None, qps: float = CLIENT_QPS, burst: int = CLIENT_BURST
+        self,
+        home: str | Path,
+        api: k8s.ApiClient | None = None,
+        qps: float = CLIENT_QPS,
+        burst: int = CLIENT_BURST,
+        runs: str | Path | None = None,
     ):
-        super().__init__(home)
+        super().__init__(home, runs)
         if api is None:
             from kubernetes import config
 

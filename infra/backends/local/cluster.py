@@ -50,8 +50,10 @@ class LocalCluster(PooledRunFiles):
     keeps_survivors = True  # a survivor node's launcher follows its ranks (trainer/agent/follow.py)
     shares_paths = True
 
-    def __init__(self, home: str | Path, python: str = sys.executable, store: str | None = None):
-        super().__init__(home, store)
+    def __init__(
+        self, home: str | Path, python: str = sys.executable, store: str | None = None, runs: str | Path | None = None
+    ):
+        super().__init__(home, store, runs)
         self.python = python  # the interpreter that runs the node launchers and standbys
         # Processes this object started, reaped as they end so they do not linger as zombies;
         # after a restart the lock files tell liveness.

@@ -94,8 +94,8 @@ class _Live:
     """The incarnations the launchers report for: found in the home's run directories, each read
     once (its assignment and launch record never change) and dropped at its `ended` marker."""
 
-    def __init__(self, home: Path):
-        self.runs = home / "runs"
+    def __init__(self, runs: Path):
+        self.runs = runs
         self.live: dict[tuple[str, int], _Incarnation] = {}
         self.ended: set[tuple[str, int]] = set()
 
@@ -134,13 +134,13 @@ class _Live:
         return _Incarnation(run, incarnation, assignment.nodes, per_node, launch.resume_step, launch.launched_at)
 
 
-def _launchers(home: Path, store: str, pace: _Pace, parent: int) -> None:
+def _launchers(runs: Path, store: str, pace: _Pace, parent: int) -> None:
     """The simulated launchers, in a process of their own (as real ones run on other machines, so
     their work shares neither the controller's interpreter lock nor its timing): every
     `report_seconds`, a report from every live node. One process per home writes (the holder of
     its lock); the others wait to take over. It ends with the process that started it."""
     os.nice(19)  # they stand for other machines: on this one, the controller comes first
-    lock_path = home / "simulated" / "launchers.lock"
+    lock_path = runs.parent / "simulated" / "launchers.lock"  # one writer for the runs, whichever worker's
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as lock:
         while True:
@@ -151,7 +151,7 @@ def _launchers(home: Path, store: str, pace: _Pace, parent: int) -> None:
                 break
             except BlockingIOError:
                 time.sleep(pace.report_seconds)
-        live, pool = _Live(home), NodePool(open_store(store))
+        live, pool = _Live(runs), NodePool(open_store(store))
         while os.getppid() == parent:
             started = time.monotonic()
             now, dead = time.time(), pool.unhealthy()
@@ -193,14 +193,15 @@ class SimulatedCluster(PooledRunFiles):
         startup_seconds: float = STARTUP_SECONDS,
         report_seconds: float = REPORT_SECONDS,
         store: str | None = None,
+        runs: str | Path | None = None,
     ):
-        super().__init__(home, store)
+        super().__init__(home, store, runs)
         self.launches_done: dict[tuple[str, int], float] = {}  # (run, incarnation) -> when start_ranks returned
         context = multiprocessing.get_context("spawn")  # not a fork of a process with threads
         pace = _Pace(steps_per_second, startup_seconds, report_seconds)
         self._writer = context.Process(
             target=_launchers,
-            args=(self.home, self.store_url, pace, os.getpid()),
+            args=(self.runs, self.store_url, pace, os.getpid()),
             name="simulated-launchers",
             daemon=True,
         )

@@ -84,7 +84,7 @@ class SlurmCluster(LocalCluster):
         if conf and not Path(conf).is_file():
             # Slurm's clients would retry reading it for a minute before they say so.
             raise ClusterError(f"SLURM_CONF names {conf}, which is not a file")
-        cluster = cls(options.home, store=options.store)
+        cluster = cls(options.home, store=options.store, runs=options.runs)
         try:
             cluster.node_states()
         except ClusterError as error:
@@ -99,9 +99,14 @@ class SlurmCluster(LocalCluster):
         return f" on the Slurm cluster SLURM_CONF names{partition}"
 
     def __init__(
-        self, home: str | Path, python: str = sys.executable, environ: dict | None = None, store: str | None = None
+        self,
+        home: str | Path,
+        python: str = sys.executable,
+        environ: dict | None = None,
+        store: str | None = None,
+        runs: str | Path | None = None,
     ):
-        super().__init__(home, python, store)
+        super().__init__(home, python, store, runs)
         self.environ = dict(os.environ if environ is None else environ)  # SLURM_CONF, for every Slurm command
         self._states: dict[str, str] = {}
         self._states_read = float("-inf")
