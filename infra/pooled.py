@@ -12,7 +12,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, free_port
-from lazarus.infra.pool import NodePool, import_old_pool, open_pool
+from lazarus.infra.pool import NodePool, open_pool
+from lazarus.infra.pool_import import import_old_pool
 from lazarus.infra.runfiles import RunFiles
 from lazarus.infra.store import Store, default_url, open_store
 from lazarus.schema.contract import ENV_NODE, ENV_RUN_DIR

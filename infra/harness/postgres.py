@@ -160,6 +160,7 @@ class PostgresServer:
                 self._run(programs / "pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop")
             except (PostgresError, subprocess.TimeoutExpired):
                 pid = self.pid()
+                # The postmaster this harness started on this machine, by the pid it recorded in its data.
                 with contextlib.suppress(ProcessLookupError, TypeError):
                     os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
                 time.sleep(0.5)

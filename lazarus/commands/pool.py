@@ -77,7 +77,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _pool(settings: Settings) -> Iterator:
     """The pool of the settings' store (NodePool) for the length of a command; a store that cannot be
     opened or answers with an error is one line (UserError)."""
-    from lazarus.infra.pool import import_old_pool, open_pool
+    from lazarus.infra.pool import open_pool
+    from lazarus.infra.pool_import import import_old_pool
     from lazarus.infra.store import StoreError, StoreURLError, default_url, open_store
 
     try:

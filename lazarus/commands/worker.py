@@ -67,6 +67,7 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
     from lazarus.activities.failpoints import Failpoints
     from lazarus.activities.metrics import Metrics
     from lazarus.worker import build_worker, count_runs_by_state, serve, serve_metrics, time_the_loop
+    from lazarus.workflows.watch import watch_queue
 
     client = await connect_client(settings)
     metrics = Metrics()
@@ -89,6 +90,7 @@ async def work(args: argparse.Namespace, settings: Settings) -> int:
     metrics_url = f", metrics on http://{args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""
     print(
         f"worker pid {os.getpid()} ({args.backend} backend) on task queue {settings.task_queue!r} "
+        f"(its runs' watches on {watch_queue(settings.task_queue)!r}) "
         f"at {settings.address}, runs under {settings.runs_folder.resolve()}{metrics_url}",
         flush=True,
     )

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from lazarus.infra import pool as pool_module
+from lazarus.infra import pool_rows
 from lazarus.infra.backend import ClusterError, QuarantineRefused
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.pool import NodePool
@@ -166,13 +166,13 @@ def _killed_at(home, store_url, point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if point == "inside the claim's transaction":
-        claim = pool_module._claim_and_release
+        claim = pool_rows.claim_and_release
 
         def claim_then_die(*args, **kwargs):
             claim(*args, **kwargs)  # the rows are changed, not committed
             die()
 
-        pool_module._claim_and_release = claim_then_die
+        pool_rows.claim_and_release = claim_then_die
     else:
         cluster.record_assignment = die
     cluster.commit_assignment("a", replacing(cluster, "a", "node-1", "node-2"), claims=["node-2"])
@@ -224,7 +224,7 @@ def test_a_database_restarted_under_a_claim_fails_it_whole_and_its_retry_claims_
     cluster = LocalCluster(tmp_path, store=url)
     launched(cluster, "a")
     cluster.quarantine("a", ["node-1"], "incident 1")
-    claim = pool_module._claim_and_release
+    claim = pool_rows.claim_and_release
     restarted = []
 
     def claim_then_restart(*args, **kwargs):
@@ -235,7 +235,7 @@ def test_a_database_restarted_under_a_claim_fails_it_whole_and_its_retry_claims_
 
     proposal = replacing(cluster, "a", "node-1", "node-2")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pool_module, "_claim_and_release", claim_then_restart)
+        patch.setattr(pool_rows, "claim_and_release", claim_then_restart)
         with pytest.raises(StoreError, match="the store postgresql://lazarus@127.0.0.1"):
             cluster.commit_assignment("a", proposal, claims=["node-2"])
         assert cluster.pool.node("node-2").role == "free" and cluster.assignment("a", 1) is None
