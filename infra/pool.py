@@ -208,11 +208,6 @@ class NodePool:
                 )
             return recorded
 
-    def forget_claims(self, run_id: str) -> None:
-        """The run's directory is gone for good: its claims' records go too."""
-        with self.store.write() as tx:
-            tx.run("DELETE FROM run_claims WHERE run_id = ?", (run_id,))
-
     # --- what one run sees -------------------------------------------------------------------
 
     def inventory(self, run_id: str, allowance: int | None = None) -> Inventory:

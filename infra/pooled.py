@@ -25,8 +25,8 @@ from lazarus.schema.rundir import RunDir
 
 
 class PooledRunFiles(RunFiles):
-    """Runs under `home/runs/<run_id>` whose nodes come from the pool of the store at `store` (a URL,
-    infra/store; None: the home's own SQLite file)."""
+    """Runs under `runs/<run_id>` (RunFiles) whose nodes come from the pool of the store at `store` (a
+    URL, infra/store; None: the home's own SQLite file)."""
 
     vets_spares = True  # a spare's health check runs on this machine, where its ranks would
 

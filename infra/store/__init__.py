@@ -1,5 +1,5 @@
-"""The database that holds what runs and controllers share: the node pool (infra/pool.py) and each
-run's owner (infra/ownership.py). One interface, two engines, chosen by a URL:
+"""The database that holds what runs and controllers share: the node pool (infra/pool.py). One
+interface, two engines, chosen by a URL:
 
 - `sqlite:///ABSOLUTE/PATH.db` or `sqlite:RELATIVE/PATH.db`: the standard library's sqlite3 in WAL
   mode, a write as one `BEGIN IMMEDIATE` transaction. The embedded default, `<LAZARUS_HOME>/lazarus.db`:
@@ -17,13 +17,11 @@ the engine locks rows) or `store.read()` (a consistent read).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 from lazarus.infra.store.base import Store, StoreError, StoreURLError, Transaction, shown
 
-__all__ = ["Store", "StoreError", "StoreURLError", "Transaction", "default_url", "open_store", "opened", "shown"]
+__all__ = ["Store", "StoreError", "StoreURLError", "Transaction", "default_url", "open_store", "shown"]
 
 DEFAULT_FILE = "lazarus.db"
 """The embedded default's file, in LAZARUS_HOME."""
@@ -66,13 +64,3 @@ def open_store(url: str) -> Store:
     from lazarus.infra.store.postgres import PostgresStore
 
     return PostgresStore(url)
-
-
-@contextlib.contextmanager
-def opened(url: str) -> Iterator[Store]:
-    """A store for the length of a block (a command's), closed after it."""
-    store = open_store(url)
-    try:
-        yield store
-    finally:
-        store.close()

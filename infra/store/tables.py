@@ -68,8 +68,6 @@ TABLES = (
         assignment TEXT NOT NULL,
         PRIMARY KEY (run_id, incarnation)
     )""",
-    # The execution that drives each run (schema/ownership.py Ownership, as JSON).
-    "CREATE TABLE IF NOT EXISTS run_owners (run_id TEXT PRIMARY KEY, record TEXT NOT NULL)",
     "INSERT INTO pool_state (id, nodes, next_seq, breaker) VALUES (1, 0, 0, '{}') ON CONFLICT (id) DO NOTHING",
 )
 
