@@ -90,7 +90,9 @@ def judge_exits(look: Look) -> Verdict | None:
     gone = [r for r in look.ranks if r.launched and not r.alive and (r.exit is not None or not r.launcher_alive)]
     killed = [r for r in gone if r.exit is None or r.exit.signal]
     if killed:
-        return look.fault("rank_exit", killed, look.last_poll, "; ".join(ended_words(r) for r in killed))
+        # A launcher timed its ranks' ends; a rank gone with its launcher died after the last look.
+        ends = [r.exit.time if r.exit is not None else look.last_poll for r in killed]
+        return look.fault("rank_exit", killed, min(ends), "; ".join(ended_words(r) for r in killed))
     failed = sorted((r for r in gone if exit_of(r).code != 0), key=lambda r: exit_of(r).time)
     if not failed:
         return None

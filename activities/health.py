@@ -23,8 +23,9 @@ def judge(
 ) -> Verdict:
     """Decide what an observation shows.
 
-    `last_poll` is when the incarnation was last seen healthy: a rank found dead now died after it,
-    so that is the fault's time (MTTR errs long by at most one interval). Blame needs evidence
+    `last_poll` is when the incarnation was last seen healthy: a rank found gone with its launcher
+    died after it, so that is the fault's time (MTTR errs long by at most the wait between looks);
+    one whose launcher recorded its end died then. Blame needs evidence
     (DESIGN.md). A node is blamed only on evidence about the node: the backend saw it die; its ranks
     vanished (killed, no exit record); it went silent while every rank that failed lost a peer (a
     node whose death the backend has not learnt yet: its ranks cannot report, the survivors can; of

@@ -32,6 +32,9 @@ class Verdict:
     sick: dict[str, str] = field(default_factory=dict)  # node -> why its health check or condition says sick
     dump_stacks: bool = False  # a hang whose processes run: every rank's Python stack says where it waits
     probe_stacks: bool = False  # the step stalls while the ranks use CPU: dump their stacks, to see which stands still
+    settled_until: float | None = (
+        None  # every node steady: no verdict but this one before then, unless a report changes
+    )
 
 
 ALIVE_GRACE_SECONDS = 1.0
@@ -195,12 +198,26 @@ class Look:
         young = launched is None or self.now - launched <= self.policy.startup_grace_seconds
         return self.source == "trainer" or young
 
+    @property
+    def settled_until(self) -> float | None:
+        """Of a look at a run whose every node is steady: the first moment time alone could change its
+        verdict (when a node's oldest heartbeat or liveness would age past its limit, seconds since
+        the epoch); None while some node's ranks are read. Only a new report (a death, an exit, a
+        warning) can change it sooner."""
+        if self.ranks or not self.steady:
+            return None
+        limits = [s.oldest_beat + self.hang_after for s in self.steady if s.oldest_beat is not None]
+        limits += [s.oldest_alive + self.stopped_after for s in self.steady if s.oldest_alive is not None]
+        return min(limits, default=None)
+
     def verdict(self, **outcome) -> Verdict:
         """A verdict of this look: its step and source, whether every rank is up, and `outcome`."""
         up = bool(self.ranks or self.steady) and all(r.launched and r.alive for r in self.ranks)
         warnings = sorted({r.heartbeat.warning for r in self.ranks if r.heartbeat and r.heartbeat.warning})
         sick = {n.summary.node: n.summary.sick for n in self.observation.nodes if n.summary and n.summary.sick}
         sick |= self.observation.sick_nodes
+        if not outcome:
+            outcome["settled_until"] = self.settled_until
         return Verdict(
             outcome.pop("step", self.step), source=self.source, up=up, warnings=warnings, sick=sick, **outcome
         )

@@ -2,8 +2,10 @@
 its steps take, from which the hang time is derived, and how long each node's own work per step
 takes, from which a straggler is found.
 
-Step times are the gaps between the looks that saw the run's step advance, so they hold whatever
-stalls a step in this run (a checkpoint every N steps, the data loader, the poll itself). The hang
+Step times are what the launchers timed: each node's report names the slowest step of its last
+seconds and its newest (trainer/agent/node_report.py), each step counted once, so they hold whatever stalls a step in
+this run (a checkpoint every N steps, the data loader) however seldom detect looks. Where no
+launcher reports them, they are the gaps between the looks that saw the run's step advance. The hang
 time is `hang_step_multiple` times their 99th percentile, at least `hang_floor_seconds`; until
 MIN_GAPS steps were seen after the incarnation's first, it is the startup grace (the first steps
 after a start or a restore are slow: allocation, warm-up).
@@ -22,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from lazarus.infra.backend import Observation
+from lazarus.schema.node_reports import StepTime
 from lazarus.schema.policy import RecoveryPolicy, hang_seconds
 from lazarus.schema.stacks import main_thread_frames
 
@@ -38,6 +41,14 @@ MIN_SAMPLES = 5
 
 LINE = re.compile(r", line \d+")
 """The line number in a frame of faulthandler's dump, which a stack that stands still may change."""
+
+STEADY_LOOK_SECONDS = 1.0
+"""The longest a watch waits between looks at a run whose every node is steady (activities/watching.py):
+what only a look can tell (a warning, a node gone sick, a straggler, a death no process exit
+shows) is found within this (seconds)."""
+
+COUNTED_STEPS = 64
+"""Timed steps a pace remembers having counted (steps): more than a look finds in the reports."""
 
 KEPT_PACES = 1024
 """Incarnations whose pace a worker keeps between detect's attempts (activities/watching.py)."""
@@ -77,6 +88,7 @@ class Pace:
         self._step_at = 0.0
         self._advances = 0
         self._looked_at = 0.0
+        self._counted: deque[int] = deque(maxlen=COUNTED_STEPS)  # the steps the launchers timed, in gaps
         self._work: dict[str, deque[tuple[float, float]]] = {}  # node -> (time, seconds) readings
         self._work_step: dict[str, int] = {}  # node -> the step of its newest reading
         self._slow_since: dict[str, float] = {}
@@ -157,20 +169,37 @@ class Pace:
         if step is None:
             self._read_quiet(observation)
         looked_at, self._looked_at = self._looked_at, now
-        if now - looked_at > max(1.0, 5 * self.policy.heartbeat_interval_seconds):
+        if now - looked_at > max(2 * STEADY_LOOK_SECONDS, 5 * self.policy.heartbeat_interval_seconds):
             self._step = None  # nobody looked meanwhile (between watches, a worker down): no step time
+        timed = self._timed_steps(observation)
+        for step_time in timed:
+            if step_time.step not in self._counted:
+                self.gaps.append(step_time.seconds)  # the launchers timed it: no look needs to have seen it
+                self._counted.append(step_time.step)
         if step is not None and (self._step is None or step > self._step):
             self._stacks = {}  # the run went on: what stood still before is no evidence now
             if self._step is not None:
                 self._advances += 1
-                if self._advances > 1:  # the first advance ends the start or restore, not a step
-                    self.gaps.append(now - self._step_at)
+                if self._advances > 1 and not timed:  # the first advance ends the start or restore
+                    self.gaps.append(now - self._step_at)  # no launcher times steps: the looks do
                 self._steps_at.append((now, step))
             self._step, self._step_at = step, now
         if self.policy.stragglers.action == "off":
             return None
         self._read_work(observation, now)
         return self._straggler(now)
+
+    @staticmethod
+    def _timed_steps(observation: Observation) -> list[StepTime]:
+        """The steps the nodes' launchers timed (each report's slowest and newest): for each, the
+        slowest node's figure."""
+        slowest: dict[int, StepTime] = {}
+        for reading in observation.nodes:
+            summary = reading.summary
+            for timed in (summary.slowest_step, summary.last_step) if summary is not None else ():
+                if timed is not None and (timed.step not in slowest or timed.seconds > slowest[timed.step].seconds):
+                    slowest[timed.step] = timed
+        return sorted(slowest.values(), key=lambda timed: timed.step)
 
     def _read_work(self, observation: Observation, now: float) -> None:
         window = self.policy.stragglers.window_seconds

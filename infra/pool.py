@@ -254,6 +254,13 @@ class NodePool:
                 )
         return {name: rows.time_of(died) for name, died in dead}
 
+    def died_since(self, since: datetime) -> dict[str, datetime]:
+        """The nodes the pool holds dead that died at or after `since`, and when (the dead nodes'
+        index: a burst's newest deaths, however many died before)."""
+        with self.store.read() as tx:
+            dead = tx.all("SELECT name, died_at FROM pool_nodes WHERE healthy = 0 AND died_at >= ?", (rows.iso(since),))
+        return {name: died for name, at in dead if (died := rows.time_of(at)) is not None}
+
     def dead_among(self, names: Sequence[str]) -> dict[str, datetime | None]:
         """Of `names`, the nodes the pool holds dead and when each died: what every look of every run
         asks. Where the store tells that nothing changed since this thread last asked of these names

@@ -19,6 +19,14 @@ from lazarus.schema.files import write_json_atomic
 from lazarus.schema.rundir import RunDir
 
 
+class StepTime(Record):
+    """A step and how long a rank of the node took over it: from its heartbeat of the step before to
+    its own."""
+
+    step: int = Field(ge=0, description="The step.")
+    seconds: float = Field(ge=0, description="How long the rank took over it (seconds).")
+
+
 class NodeReport(Record):
     """Node I's launcher's view of its ranks, rewritten on every change (a step, an exit) and at
     least every heartbeat interval. Detect reads one file per node instead of a heartbeat, an exit
@@ -31,6 +39,16 @@ class NodeReport(Record):
     sick: str | None = Field(
         default=None,
         description="Why the node's health check (the spec's health.command) failed; None: healthy so far.",
+    )
+    slowest_step: StepTime | None = Field(
+        default=None,
+        description=(
+            "Of the steps the node's ranks completed over the last few seconds (trainer/agent/node_report.py "
+            "STEP_WINDOW_SECONDS), the one a rank took longest over; None: no rank completed two steps in a row."
+        ),
+    )
+    last_step: StepTime | None = Field(
+        default=None, description="The newest step a rank of the node was timed over; None: as slowest_step."
     )
 
 
@@ -70,12 +88,29 @@ class NodeSummary(Record):
             "outlived the fault even while every rank on it is blocked."
         ),
     )
+    slowest_step: StepTime | None = Field(
+        default=None,
+        description=(
+            "The report's slowest recent step (NodeReport.slowest_step), from which detect learns the run's step "
+            "times however seldom it looks (activities/pace.py); None: not known."
+        ),
+    )
+    last_step: StepTime | None = Field(
+        default=None, description="The report's newest timed step (NodeReport.last_step)."
+    )
 
     @classmethod
     def of(
-        cls, node: str, ranks: list[RankObservation], sick: str | None = None, reported_at: float | None = None
+        cls,
+        node: str,
+        ranks: list[RankObservation],
+        sick: str | None = None,
+        reported_at: float | None = None,
+        slowest_step: StepTime | None = None,
+        last_step: StepTime | None = None,
     ) -> NodeSummary:
-        """The summary of a node's ranks (and of its health, `sick`), reported at `reported_at`."""
+        """The summary of a node's ranks (and of its health, `sick`, and its timed steps), reported at
+        `reported_at`."""
         beats = [r.heartbeat for r in ranks if r.heartbeat is not None]
         steps = [beat.step for beat in beats if beat.step is not None]
         times = [beat.time for beat in beats]
@@ -103,6 +138,8 @@ class NodeSummary(Record):
             compute_seconds=max((b.compute_seconds for b in beats if b.compute_seconds is not None), default=None),
             sick=sick,
             reported_at=reported_at,
+            slowest_step=slowest_step,
+            last_step=last_step,
         )
 
 
@@ -143,7 +180,7 @@ class NodeReading:
 def write_node_report(run: RunDir, incarnation: int, node_index: int, report: NodeReport) -> None:
     """Replace the node's report (atomically): its summary, a newline, then the report, whose
     fields at their defaults are left out (which keeps the file, and the time to read it, small)."""
-    summary = NodeSummary.of(report.node, report.ranks, report.sick, report.time)
+    summary = NodeSummary.of(report.node, report.ranks, report.sick, report.time, report.slowest_step, report.last_step)
     text = f"{summary.model_dump_json()}\n{report.model_dump_json(exclude_defaults=True)}"
     write_json_atomic(run.node_report_file(incarnation, node_index), text)
 

@@ -59,8 +59,15 @@ def test_killed_rank_is_blamed_not_the_peers_that_failed_after_it():
     )
     assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-1"]
     assert "killed by SIGKILL" in verdict.fault.reason
-    # Seen alive at the previous poll: the fault happened after it.
-    assert verdict.fault.occurred_at.timestamp() == NOW - 0.1
+    # Its launcher timed its end: the fault happened then, not at the previous look.
+    assert verdict.fault.occurred_at.timestamp() == NOW - 0.06
+
+
+def test_a_rank_gone_with_its_launcher_died_after_the_last_look():
+    gone = rank(1, alive=False).model_copy(update={"launcher_alive": False})
+    verdict = judge(observe(rank(0), gone), POLICY, NOW, NOW - 0.7, 40)
+    assert verdict.fault.kind == "rank_exit" and verdict.fault.nodes == ["node-1"]
+    assert verdict.fault.occurred_at.timestamp() == NOW - 0.7
 
 
 def test_a_rank_that_failed_on_its_own_is_the_programs_failure_and_blames_no_node():

@@ -3,6 +3,7 @@ summaries alone reaches the verdict it reaches from every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 import pytest
@@ -13,8 +14,15 @@ from lazarus.activities.health import judge
 from lazarus.infra.backend import Observation
 from lazarus.schema import RecoveryPolicy
 from lazarus.schema.contract import ContractError, Heartbeat, RankExit, RankObservation
-from lazarus.schema.node_reports import NodeReading, NodeReport, NodeSummary, read_node_reports, write_node_report
+from lazarus.schema.node_reports import (
+    NodeReading,
+    NodeReport,
+    NodeSummary,
+    read_node_reports,
+    write_node_report,
+)
 from lazarus.schema.rundir import RunDir
+from lazarus.trainer.agent.node_report import StepTimes
 
 NOW = 1_000_000.0
 POLICY = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=30, heartbeat_interval_seconds=0.5)
@@ -120,7 +128,9 @@ def test_a_look_by_summaries_reaches_the_verdict_of_a_look_at_every_rank(drawn):
     ranks, fields = drawn
     every_rank = Observation(nodes=[NodeReading.of_ranks(on_node) for on_node in ranks], **fields)
     summarized = Observation(nodes=[reading(on_node) for on_node in ranks], **fields)
-    assert judge(summarized, POLICY, NOW, NOW - 0.5, 10) == judge(every_rank, POLICY, NOW, NOW - 0.5, 10)
+    by_summaries = judge(summarized, POLICY, NOW, NOW - 0.5, 10)
+    # Only summaries tell that every node is steady (when to look again): the verdict is the same.
+    assert dataclasses.replace(by_summaries, settled_until=None) == judge(every_rank, POLICY, NOW, NOW - 0.5, 10)
 
 
 def training(node: int, step: int = 5, beat_age: float = 0.2) -> list[RankObservation]:
@@ -185,3 +195,38 @@ def test_the_newest_step_comes_from_summaries_and_ranks_alike():
     assert Observation(0, NOW, 0, nodes=[reported, by_rank, silent]).newest_step() == 11
     assert Observation(0, NOW, 0, nodes=[reported]).newest_step() == 9
     assert Observation(0, NOW, 0, nodes=[silent]).newest_step() is None
+
+
+def beat(rank: int, step: int, at: float, phase: str = "training") -> RankObservation:
+    heartbeat = Heartbeat(rank=rank, step=step, phase=phase, time=at, alive_at=at, first_step_at=NOW - 9)
+    return RankObservation(rank=rank, node="node-0", launched=True, alive=True, heartbeat=heartbeat)
+
+
+def test_a_launcher_times_its_ranks_steps_as_it_sees_them_advance():
+    times = StepTimes()
+    assert times.take([beat(0, 5, NOW), beat(1, 5, NOW)], NOW) == (None, None)  # where they stand: no step yet
+    times.take([beat(0, 6, NOW + 0.1), beat(1, 6, NOW + 0.12)], NOW + 0.12)
+    # Rank 0 was seen two steps on in 0.4 s: 0.2 s each; rank 1 took 0.3 s over step 7.
+    slowest, last = times.take([beat(0, 8, NOW + 0.5), beat(1, 7, NOW + 0.42)], NOW + 0.5)
+    assert (slowest.step, slowest.seconds, last.step, last.seconds) == (7, pytest.approx(0.3), 8, pytest.approx(0.2))
+    # Past the window only the newer steps count.
+    slowest, last = times.take([beat(0, 9, NOW + 3.0), beat(1, 8, NOW + 0.6)], NOW + 3.0)
+    assert slowest == last and (last.step, last.seconds) == (9, pytest.approx(2.5))
+    # A rank's new process starts over: its first step after a restore is warm-up, not a step time.
+    assert times.take([beat(0, 2, NOW + 9.0)], NOW + 9.0) == (None, None)
+
+
+def test_a_look_at_steady_nodes_says_until_when_time_alone_cannot_change_its_verdict():
+    policy = POLICY.model_copy(update={"hang_after_seconds": 5.0})
+    steady = [reading(training(i, beat_age=0.2 * (i + 1))) for i in range(3)]
+    verdict = judge(
+        Observation(nodes=steady, incarnation=2, launched_at=NOW - 100, resume_step=0), policy, NOW, NOW - 0.1, 100
+    )
+    # The oldest liveness (0.1 s old) ages past the stopped limit (five intervals: 2.5 s) before the
+    # oldest beat (0.6 s old) reaches the hang time (5 s).
+    assert verdict.fault is None and verdict.settled_until == pytest.approx(NOW - 0.1 + 2.5)
+    uneasy = [*steady, NodeReading.of_ranks(training(3))]  # a node read rank by rank: look at the interval
+    looked = judge(
+        Observation(nodes=uneasy, incarnation=2, launched_at=NOW - 100, resume_step=0), policy, NOW, NOW, 100
+    )
+    assert looked.fault is None and looked.settled_until is None

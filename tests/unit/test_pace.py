@@ -5,7 +5,7 @@ from __future__ import annotations
 from lazarus.activities.pace import MIN_GAPS, Pace
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema import RecoveryPolicy
-from lazarus.schema.node_reports import NodeReading, NodeSummary
+from lazarus.schema.node_reports import NodeReading, NodeSummary, StepTime
 
 POLICY = RecoveryPolicy(startup_grace_seconds=60, stragglers={"window_seconds": 5})  # factor 1.2
 
@@ -136,3 +136,29 @@ def test_a_rank_whose_main_thread_shows_the_same_frames_dump_after_dump_stood_st
     assert pace.still() == {0: (100.0, '"a.py", line 6 in loop'), 1: (105.0, '"c10d.py", line 9 in all_reduce')}
     pace.observe(quiet_look([110.0]), 7, 111.0)  # the step advanced: the run went on
     assert pace.still() == {}
+
+
+def timed_look(step: int, slowest: tuple[int, float], last: tuple[int, float]) -> Observation:
+    """A look at a healthy run of one node whose launcher timed `slowest` and `last` (step, seconds)."""
+    observation = node_look(step, {"node-0": 0.01})
+    summary = observation.nodes[0].summary
+    timed = {"slowest_step": StepTime(step=slowest[0], seconds=slowest[1])}
+    timed["last_step"] = StepTime(step=last[0], seconds=last[1])
+    observation.nodes[0] = NodeReading(summary=summary.model_copy(update=timed))
+    return observation
+
+
+def test_the_hang_time_comes_from_the_steps_the_launchers_timed_however_seldom_the_looks():
+    # A look a second at a run of 0.12 s steps whose every 10th step takes 0.4 s (a checkpoint):
+    # the gaps between looks would say 1 s; the launchers' times say what the steps took.
+    pace = Pace(POLICY)
+    for look in range(200):
+        step = 8 * (look + 1)
+        slowest = (step - step % 10, 0.4) if step % 10 < 8 else (step - 1, 0.12)
+        pace.observe(timed_look(step, slowest, (step, 0.12)), step, 5000.0 + look)
+    assert abs(pace.hang_after() - 5 * 0.4) < 1e-9
+    # Each step is counted once, however many looks find it in a report.
+    pace = Pace(POLICY)
+    for look in range(MIN_GAPS + 3):
+        pace.observe(timed_look(20 + look, (10, 3.0), (10, 3.0)), 20 + look, 6000.0 + 0.1 * look)
+    assert list(pace.gaps) == [3.0] and pace.hang_after() == 60  # still the startup grace: one step timed

@@ -3,6 +3,7 @@ judges them."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -59,8 +60,13 @@ def test_a_simulated_report_s_summary_is_what_its_ranks_sum_up_to(cluster):
     training(cluster)
     readings = read_node_reports(cluster.run_dir("sim"), 0, range(4))
     for index, reading in readings.items():
-        assert reading.summary == NodeSummary.of(f"node-{index}", reading.ranks)
-        assert reading.summary.steady
+        summary = reading.summary
+        timed = summary.slowest_step, summary.last_step  # what a launcher timed, not in the ranks' files
+        assert summary == NodeSummary.of(f"node-{index}", reading.ranks, None, None, *timed)
+        assert summary.steady
+        # Past its second step a simulated node times every step at the simulated pace.
+        if summary.lowest_step > 1:
+            assert timed[0] is not None and timed[0].seconds == pytest.approx(1 / 50.0)
 
 
 def test_a_killed_node_is_judged_down_and_its_ranks_gone(cluster):
@@ -92,3 +98,19 @@ async def test_a_drain_asked_for_the_step_reads_the_newest_one_before_it_stops_t
     assert drained.step >= before and drained.stopped_ranks == list(range(32))
     again = await ActivityEnvironment().run(RecoveryActivities(cluster).drain, request)
     assert again.step is None  # not asked: a detected fault carries the step of its own look
+
+
+def test_a_watch_waiting_between_looks_wakes_when_the_pool_records_its_node_dead(cluster):
+    training(cluster)
+
+    async def waits() -> tuple[bool, bool, bool]:
+        quiet = await cluster.wait_for_exit("sim", 0, 0.2)  # nothing died: the whole timeout
+        waiting = asyncio.ensure_future(cluster.wait_for_exit("sim", 0, 60))
+        await asyncio.sleep(0)  # the wait is registered before the death
+        await asyncio.to_thread(cluster.kill_node, "sim", "node-2")
+        woken = await waiting  # False only after 60 s: the pool's death did not wake it
+        # A death just before a wait (after the look that preceded it) wakes it at once too.
+        late = await cluster.wait_for_exit("sim", 0, 60)
+        return quiet, woken, late
+
+    assert asyncio.run(waits()) == (False, True, True)

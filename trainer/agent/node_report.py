@@ -14,10 +14,11 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections import deque
 
 from lazarus.schema.contract import ContractError, RankObservation, read_exit, read_heartbeat
 from lazarus.schema.files import lock_is_held
-from lazarus.schema.node_reports import NodeReport, write_node_report
+from lazarus.schema.node_reports import NodeReport, StepTime, write_node_report
 from lazarus.schema.rundir import RunDir
 from lazarus.trainer.agent.health_check import HealthCheck
 from lazarus.trainer.agent.idle import IdleWatch
@@ -26,6 +27,11 @@ from lazarus.trainer.agent.stacks import StackOrders
 REPORT_POLL_SECONDS = 0.05
 """How often the reporter looks at its ranks (seconds): a change other than an exit the launcher
 recorded (which wakes it) is in the report within this."""
+
+STEP_WINDOW_SECONDS = 2.0
+"""The report's slowest step is the slowest of those completed this long before it (seconds): at
+least twice the longest wait between detect's looks at a steady run (activities/watching.py
+STEADY_LOOK_SECONDS), so every step is in some look's window however seldom it looks."""
 
 IDLE_SAMPLE_MAX_SECONDS = 1.0
 """The longest time between two looks at a rank's CPU and output (seconds), whatever the heartbeat
@@ -47,6 +53,7 @@ class NodeReporter:
         # interval adds no write to those the interval makes anyway (past a 1 s interval, one a second).
         self.idle = IdleWatch(run, incarnation, min(interval, IDLE_SAMPLE_MAX_SECONDS))
         self.stacks = StackOrders(run, incarnation, ranks)
+        self.step_times = StepTimes()
         self._last: tuple[list[RankObservation], str | None] | None = None
         self._written_at = 0.0
         self._complained = False
@@ -64,6 +71,7 @@ class NodeReporter:
         self.idle = IdleWatch(self.run, incarnation, self.idle.sample_seconds)
         self.stacks = StackOrders(self.run, incarnation, self.ranks)
         self.incarnation = incarnation
+        self.step_times = StepTimes()
         self._last = None
         self.changed()
 
@@ -125,7 +133,39 @@ class NodeReporter:
             return
         now = time.time()
         sick = self.health.failure if self.health is not None else None
+        slowest, last = self.step_times.take(ranks, now)
         if force or (ranks, sick) != self._last or now - self._written_at >= self.interval:
-            report = NodeReport(node=self.node, time=now, ranks=ranks, sick=sick)
+            report = NodeReport(node=self.node, time=now, ranks=ranks, sick=sick, slowest_step=slowest, last_step=last)
             write_node_report(self.run, self.incarnation, self.node_index, report)
             self._last, self._written_at = (ranks, sick), now
+
+
+class StepTimes:
+    """How long the node's ranks take over each step, from their heartbeats as the reporter sees them
+    (every REPORT_POLL_SECONDS): a rank seen to advance k steps in t seconds took t/k over each.
+    The first step after a start or a restore is left out: it holds the warm-up."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its newest step past its first, when)
+        self._recent: deque[tuple[float, int, float]] = deque()  # (when, step, seconds), oldest first
+
+    def take(self, ranks: list[RankObservation], now: float) -> tuple[StepTime | None, StepTime | None]:
+        """Take in the ranks' newest heartbeats; returns the slowest step of the window and the newest."""
+        for r in ranks:
+            beat = r.heartbeat
+            if beat is None or beat.step is None or beat.first_step_at is None or beat.phase != "training":
+                continue
+            before = self._seen.get(r.rank)
+            if before is None or beat.step < before[0]:  # a new process: its first step is warm-up
+                self._seen[r.rank] = (beat.step, beat.time)
+                continue
+            if beat.step > before[0]:
+                self._recent.append((beat.time, beat.step, (beat.time - before[1]) / (beat.step - before[0])))
+                self._seen[r.rank] = (beat.step, beat.time)
+        while self._recent and self._recent[0][0] < now - STEP_WINDOW_SECONDS:
+            self._recent.popleft()
+        if not self._recent:
+            return None, None
+        _, step, seconds = max(self._recent, key=lambda sample: sample[2])
+        _, newest, newest_seconds = max(self._recent)  # the newest heartbeat's
+        return StepTime(step=step, seconds=seconds), StepTime(step=newest, seconds=newest_seconds)

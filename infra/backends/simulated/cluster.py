@@ -18,7 +18,6 @@ another takes over within a report interval when its worker dies.
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import json
 import multiprocessing
@@ -26,11 +25,13 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 
 from lazarus.infra.backend import Observation
 from lazarus.infra.backends.local import chaos
 from lazarus.infra.pool import NodePool
+from lazarus.infra.pool_deaths import PoolDeaths
 from lazarus.infra.pooled import PooledRunFiles
 from lazarus.infra.store import open_store
 from lazarus.schema.contract import LaunchRecord, RankObservation, SurvivorSource, read_launch
@@ -82,10 +83,14 @@ class _Pace:
             f'"step":{step},"phase":"{phase}","time":{now!r},"alive_at":{now!r}{started}}},"launcher_alive":true}}'
             for rank in range(index * sim.ranks_per_node, (index + 1) * sim.ranks_per_node)
         )
+        timed = ""
+        if trained > 1:  # a launcher times the steps after the first (trainer/agent/node_report.py)
+            step_time = f'{{"step":{step},"seconds":{1 / self.steps_per_second!r}}}'
+            timed = f',"slowest_step":{step_time},"last_step":{step_time}'
         summary = (
             f'{{"node":{node},"steady":{json.dumps(training)},"lowest_step":{step},"highest_step":{step},'
             f'"oldest_beat":{now!r},"newest_beat":{now!r},"oldest_alive":{now!r},"by_rank":true,'
-            f'"trained":{json.dumps(training)}}}'
+            f'"trained":{json.dumps(training)}{timed}}}'
         )
         return f'{summary}\n{{"node":{node},"time":{now!r},"ranks":[{ranks}]}}'
 
@@ -290,8 +295,13 @@ class SimulatedCluster(PooledRunFiles):
         return held
 
     async def wait_for_exit(self, run_id: str, incarnation: int, timeout: float) -> bool:
-        await asyncio.sleep(timeout)  # no process to watch: the next look tells
-        return False
+        """No process to watch: True as soon as the pool records one of the incarnation's nodes dead."""
+        return await self.deaths.wait(self._incarnation(run_id, incarnation)[1].nodes, timeout)
+
+    @cached_property
+    def deaths(self) -> PoolDeaths:
+        """The watcher of the pool's deaths that every watch of this process shares."""
+        return PoolDeaths(self.pool)
 
     def await_checkpoint_in_flight(self, run_id: str, incarnation: int, grace: float):
         return None, False
