@@ -32,9 +32,7 @@ class Verdict:
     sick: dict[str, str] = field(default_factory=dict)  # node -> why its health check or condition says sick
     dump_stacks: bool = False  # a hang whose processes run: every rank's Python stack says where it waits
     probe_stacks: bool = False  # the step stalls while the ranks use CPU: dump their stacks, to see which stands still
-    settled_until: float | None = (
-        None  # every node steady: no verdict but this one before then, unless a report changes
-    )
+    settled_until: float | None = None  # all steady: the same verdict until then, unless a report changes
 
 
 ALIVE_GRACE_SECONDS = 1.0

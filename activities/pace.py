@@ -3,12 +3,12 @@ its steps take, from which the hang time is derived, and how long each node's ow
 takes, from which a straggler is found.
 
 Step times are what the launchers timed: each node's report names the slowest step of its last
-seconds and its newest (trainer/agent/node_report.py), each step counted once, so they hold whatever stalls a step in
-this run (a checkpoint every N steps, the data loader) however seldom detect looks. Where no
-launcher reports them, they are the gaps between the looks that saw the run's step advance. The hang
-time is `hang_step_multiple` times their 99th percentile, at least `hang_floor_seconds`; until
-MIN_GAPS steps were seen after the incarnation's first, it is the startup grace (the first steps
-after a start or a restore are slow: allocation, warm-up).
+seconds and its newest (trainer/agent/node_report.py), each step counted once, so they hold
+whatever stalls a step in this run (a checkpoint every N steps, the data loader) however seldom
+detect looks. Where no launcher times them, they are the gaps between the looks that saw the
+run's step advance. The hang time is `hang_step_multiple` times their 99th percentile, at least
+`hang_floor_seconds`; until MIN_GAPS steps were seen after the incarnation's first, it is the
+startup grace (the first steps after a start or a restore are slow: allocation, warm-up).
 
 A node's work per step is the slowest of its ranks' `compute_seconds` (what a rank spent before it
 waited for its peers). A node is a straggler when the median of its work over the policy's window
