@@ -14,7 +14,7 @@ from temporalio.exceptions import ApplicationError
 
 from lazarus.activities.running import THREADS_OF_STAGE, in_thread
 from lazarus.infra.backend import ClusterBackend, ClusterError
-from lazarus.infra.ownership import ACTING_POLL_SECONDS, NotOwner, hold, read_owner, share_acting, take_over
+from lazarus.infra.ownership import ACTING_POLL_SECONDS, NotOwner, start_acting
 from lazarus.schema.contract import read_launch
 from lazarus.schema.ownership import NOT_OWNER
 from lazarus.schema.stages import RunRequest, TakeOverInput, TakeOverResult
@@ -29,28 +29,29 @@ def refused(error: NotOwner) -> ApplicationError:
 @contextlib.asynccontextmanager
 async def acting_for_owner(cluster: ClusterBackend, request: RunRequest) -> AsyncIterator[None]:
     """Let the request's execution act on its run for the body's duration, or raise the NOT_OWNER
-    refusal. Until the body ends no take-over can begin (infra/ownership.py: acting.lock). A
+    refusal. Until the body ends no take-over can begin (infra/ownership.py: share_acting). A
     request that names no owner (an execution from before runs had owners) is let through."""
     if request.owner is None:
         yield
         return
     try:
-        run = cluster.run_dir(request.run_id)
+        cluster.run_dir(request.run_id)
     except ClusterError as error:  # a run id that names no directory
         raise ApplicationError(str(error), type="UnknownRun", non_retryable=True) from None
-    while (acting := share_acting(run)) is None:
-        await asyncio.sleep(ACTING_POLL_SECONDS)  # a take-over is being recorded
-    threads = []
+    threads: list[threading.Event] = []
     token = THREADS_OF_STAGE.set(threads)
+    acting = None
     try:
         try:
-            await in_thread(hold, run, request.owner)
+            while (acting := await in_thread(start_acting, cluster.owners, request.run_id, request.owner)) is None:
+                await asyncio.sleep(ACTING_POLL_SECONDS)  # a take-over is being recorded
         except NotOwner as error:
             raise refused(error) from None
         yield
     finally:
         THREADS_OF_STAGE.reset(token)
-        _close_when_ended(acting, threads)
+        if acting is not None:
+            _close_when_ended(acting, threads)
 
 
 def _close_when_ended(acting, threads: list[threading.Event]) -> None:
@@ -109,9 +110,9 @@ def take_over_run(cluster: ClusterBackend, request: TakeOverInput, wait_seconds:
     assert owner is not None, "the take_over activity refuses a request without one"
     previous = request.previous
     if previous is None:  # an adoption takes the run from whoever holds it
-        record = read_owner(run)
+        record = cluster.owners.read(request.run_id)
         previous = record.owner.execution if record is not None else owner.execution
-    _, replaced = take_over(run, owner, previous, request.kind, wait_seconds)
+    _, replaced = cluster.owners.take_over(request.run_id, owner, previous, request.kind, wait_seconds)
     result = TakeOverResult(previous_owner=replaced, run_dir=str(run.root))
     if not run.spec_file.exists():
         return result  # never launched: the new owner launches it

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from lazarus.infra.stacks import STACKS_WAIT_SECONDS
 from lazarus.schema.contract import LaunchRecord, RankObservation, Rejoin, SurvivorSource
@@ -25,6 +25,9 @@ from lazarus.schema.pool import SpareWant
 from lazarus.schema.records import Assignment, Inventory, StepSource
 from lazarus.schema.run import RunSpec
 from lazarus.schema.rundir import RunDir
+
+if TYPE_CHECKING:
+    from lazarus.infra.ownership import OwnerRecords
 
 
 class ClusterError(RuntimeError):
@@ -131,6 +134,12 @@ class ClusterBackend(Protocol):
     """The spec's `cluster.backend` this backend serves."""
     records_stages: bool
     """Whether record_stage writes anywhere (so callers can skip the call)."""
+
+    @property
+    def owners(self) -> OwnerRecords:
+        """Who may act on each run, and the stages that act (infra/ownership.py)."""
+        ...
+
     quick_observe: bool
     """Whether observe reads only this machine's files and memory, never waiting on another
     program: then a watch takes its looks on the worker's event loop, without a hop to a thread

@@ -1,4 +1,4 @@
-"""The owner record of a run directory, read and changed under an exclusive flock of `owner.lock`.
+"""Who may act on a run (schema/ownership.py), recorded where every controller that serves it reads it.
 
 `hold` is what every activity calls before it acts: it lets the owner through (recording a
 later run of its chain as the owner), records the first execution that acts on a run without
@@ -8,9 +8,17 @@ both decided to take over cannot both win.
 
 A stage that passed `hold` acts for a while after it; a take-over must not read the cluster
 while a stage of the execution it replaces still acts on it (a reset lands while the old
-execution's resume starts ranks). So a stage holds a shared flock of `acting.lock` from before
-its check to its end (`share_acting`), and `take_over` takes it exclusively: it waits until every
-such stage has ended, and none starts until the run has changed hands.
+execution's resume starts ranks). So a stage says it acts from before its check to its end
+(`share_acting`), and `take_over` waits until every such stage has ended, and none starts until
+the run has changed hands.
+
+Two homes for the records, one interface (OwnerRecords):
+- the store that the controllers of a fleet share (infra/ownership_rows.py), for the backends whose
+  pool is there (local, Slurm, simulated): a row per run, and a stage's acting a lease that its
+  process renews, so no controller needs a lock on a shared disk;
+- the run directory (FileOwnerRecords, below): `owner.json` under a flock of `owner.lock`, a stage's
+  acting a shared flock of `acting.lock`, for Kubernetes, whose pool is in the API server and whose
+  runs' directories are on the cluster's volume.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import fcntl
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import IO, Literal
+from typing import IO, Literal, Protocol
 
 from lazarus.infra.backend import ClusterError
 from lazarus.schema.files import write_json_atomic
@@ -41,6 +49,93 @@ class NotOwner(ClusterError):
     def __init__(self, message: str, record: Ownership):
         super().__init__(message)
         self.record = record
+
+
+class Acting(Protocol):
+    """A stage's word that it acts on a run (`share_acting`); `close` ends it."""
+
+    def close(self) -> None: ...
+
+
+class OwnerRecords(Protocol):
+    """Where a backend keeps its runs' owner records."""
+
+    def read(self, run_id: str) -> Ownership | None:
+        """The run's owner record; None when no execution has acted on it under ownership yet."""
+        ...
+
+    def hold(self, run_id: str, owner: Owner) -> Ownership:
+        """Let `owner` act on the run, or raise NotOwner (held_record)."""
+        ...
+
+    def share_acting(self, run_id: str) -> Acting | None:
+        """Say that a stage acts on the run until the returned Acting is closed; None while a take-over
+        is being recorded (to be tried again)."""
+        ...
+
+    def take_over(
+        self, run_id: str, owner: Owner, previous: str, kind: Literal["reset", "adopt"], wait_seconds: float = 60.0
+    ) -> tuple[Ownership, Owner | None]:
+        """Make `owner` the owner in place of execution `previous` once no stage acts on the run
+        (StillActing after `wait_seconds`); the new record and the owner replaced (taken_record)."""
+        ...
+
+
+def start_acting(owners: OwnerRecords, run_id: str, owner: Owner) -> Acting | None:
+    """Say that a stage of `owner` acts on the run and check that it may (`hold`): the Acting to close
+    when the stage ends; None while a take-over is being recorded; NotOwner (acting on nothing)."""
+    acting = owners.share_acting(run_id)
+    if acting is None:
+        return None
+    try:
+        owners.hold(run_id, owner)
+    except BaseException:
+        acting.close()
+        raise
+    return acting
+
+
+def held_record(record: Ownership | None, owner: Owner, now: datetime) -> Ownership | None:
+    """The record once `owner` acts, None where it stays as it is; NotOwner where `owner` may not act.
+    A run with no owner record (a new run, or one started before runs had owners) becomes
+    `owner`'s; a later run of the owner's chain becomes the owner, as its predecessor continued as new."""
+    if record is None:
+        return Ownership(owner=owner, since=now)
+    if not record.admits(owner):
+        raise NotOwner(record.refusal(owner), record)
+    if record.owner.execution != owner.execution:
+        return record.model_copy(update={"owner": owner, "since": now})
+    return None
+
+
+def taken_record(
+    record: Ownership | None, owner: Owner, previous: str, kind: Literal["reset", "adopt"], now: datetime
+) -> tuple[Ownership | None, Owner | None]:
+    """The record once `owner` takes the run from execution `previous` (None where it stays as it is:
+    a retried take-over whose first attempt took it) and the owner it replaced (None when the run had
+    no record). NotOwner when an execution other than `previous` and `owner` holds it: somebody else
+    took it in between."""
+    if record is None:
+        return Ownership(owner=owner, since=now), None
+    held = record.owner
+    if held.execution == owner.execution:
+        return None, None
+    if held.execution != previous:
+        raise NotOwner(
+            f"run {owner.workflow_id!r} passed to execution {held.execution} since execution {previous} "
+            f"was refused; {owner.execution} does not take it",
+            record,
+        )
+    handover = Handover(kind=kind, from_execution=held.execution, to_execution=owner.execution, at=now)
+    return Ownership(owner=owner, since=now, handovers=[*record.handovers, handover][-HANDOVERS_KEPT:]), held
+
+
+def still_acting(run_id: str, wait_seconds: float) -> StillActing:
+    """The take-over's error when a stage of the execution it replaces outlasts its wait."""
+    return StillActing(
+        f"a stage of the execution that held run {run_id!r} still acts on it after "
+        f"{wait_seconds:g} s; the take-over waits until it has ended"
+    )
 
 
 def read_owner(run: RunDir) -> Ownership | None:
@@ -88,10 +183,7 @@ def _no_stage_acting(run: RunDir, wait_seconds: float) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise StillActing(
-                        f"a stage of the execution that held run {run.root.name!r} still acts on it after "
-                        f"{wait_seconds:g} s; the take-over waits until it has ended"
-                    ) from None
+                    raise still_acting(run.root.name, wait_seconds) from None
                 time.sleep(ACTING_POLL_SECONDS)
         try:
             yield
@@ -99,54 +191,38 @@ def _no_stage_acting(run: RunDir, wait_seconds: float) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _write(run: RunDir, record: Ownership) -> None:
-    write_json_atomic(run.owner_file, record.model_dump_json(indent=1))
+class FileOwnerRecords:
+    """The owner records in the runs' directories (OwnerRecords): `owner.json` under a flock."""
 
+    def __init__(self, runs):
+        self.runs = runs  # what names a run's directory (infra/runfiles.py RunFiles.run_dir)
 
-def hold(run: RunDir, owner: Owner) -> Ownership:
-    """Let `owner` act on the run, or raise NotOwner. A run with no owner record (a new run, or
-    one started before runs had owners) becomes `owner`'s; a later run of the owner's chain
-    becomes the owner, as its predecessor continued as new."""
-    with _locked(run):
-        record = read_owner(run)
-        now = datetime.now(UTC)
-        if record is None:
-            record = Ownership(owner=owner, since=now)
-        elif not record.admits(owner):
-            raise NotOwner(record.refusal(owner), record)
-        elif record.owner.execution != owner.execution:
-            record = record.model_copy(update={"owner": owner, "since": now})
-        else:
-            return record
-        _write(run, record)
-        return record
+    def read(self, run_id: str) -> Ownership | None:
+        return read_owner(self.runs.run_dir(run_id))
 
+    def hold(self, run_id: str, owner: Owner) -> Ownership:
+        run = self.runs.run_dir(run_id)
+        with _locked(run):
+            record = read_owner(run)
+            changed = held_record(record, owner, datetime.now(UTC))
+            if changed is None:
+                assert record is not None
+                return record
+            write_json_atomic(run.owner_file, changed.model_dump_json(indent=1))
+            return changed
 
-def take_over(
-    run: RunDir, owner: Owner, previous: str, kind: Literal["reset", "adopt"], wait_seconds: float = 60.0
-) -> tuple[Ownership, Owner | None]:
-    """Make `owner` the run's owner in place of execution `previous` (the one whose refusal the
-    caller saw), once no stage acts on the run (StillActing after `wait_seconds`); returns the
-    new record and the owner it replaced (None when the run had no record). NotOwner when the
-    run is held by an execution other than `previous` and `owner`: somebody else took it in
-    between. Taking a run one already owns changes nothing."""
-    with _no_stage_acting(run, wait_seconds), _locked(run):
-        record = read_owner(run)
-        now = datetime.now(UTC)
-        if record is None:
-            record = Ownership(owner=owner, since=now)
-            _write(run, record)
-            return record, None
-        held = record.owner
-        if held.execution == owner.execution:
-            return record, None  # a retried take_over whose first attempt took it
-        if held.execution != previous:
-            raise NotOwner(
-                f"run {owner.workflow_id!r} passed to execution {held.execution} since execution {previous} "
-                f"was refused; {owner.execution} does not take it",
-                record,
-            )
-        handover = Handover(kind=kind, from_execution=held.execution, to_execution=owner.execution, at=now)
-        record = Ownership(owner=owner, since=now, handovers=[*record.handovers, handover][-HANDOVERS_KEPT:])
-        _write(run, record)
-        return record, held
+    def share_acting(self, run_id: str) -> Acting | None:
+        return share_acting(self.runs.run_dir(run_id))
+
+    def take_over(
+        self, run_id: str, owner: Owner, previous: str, kind: Literal["reset", "adopt"], wait_seconds: float = 60.0
+    ) -> tuple[Ownership, Owner | None]:
+        run = self.runs.run_dir(run_id)
+        with _no_stage_acting(run, wait_seconds), _locked(run):
+            record = read_owner(run)
+            changed, replaced = taken_record(record, owner, previous, kind, datetime.now(UTC))
+            if changed is None:
+                assert record is not None
+                return record, None
+            write_json_atomic(run.owner_file, changed.model_dump_json(indent=1))
+            return changed, replaced

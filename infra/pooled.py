@@ -12,6 +12,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lazarus.infra.backend import ClusterError, free_port
+from lazarus.infra.ownership import OwnerRecords
+from lazarus.infra.ownership_rows import StoreOwnerRecords
 from lazarus.infra.pool import NodePool, open_pool
 from lazarus.infra.pool_import import import_old_pool
 from lazarus.infra.runfiles import RunFiles
@@ -49,6 +51,11 @@ class PooledRunFiles(RunFiles):
         store = open_store(self.store_url)
         import_old_pool(store, self.home)
         return store
+
+    @functools.cached_property
+    def _owners(self) -> OwnerRecords:
+        # In the store, beside the pool, which every controller of the fleet shares.
+        return StoreOwnerRecords(self.store)
 
     @functools.cached_property
     def pool(self) -> NodePool:

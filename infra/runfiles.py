@@ -8,6 +8,7 @@ written once here.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 from datetime import datetime
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from lazarus.infra.backend import ClusterError, Observation, RankObservation
+from lazarus.infra.ownership import FileOwnerRecords, OwnerRecords
 from lazarus.infra.stacks import STACKS_WAIT_SECONDS, capture_stacks
 from lazarus.schema.contract import (
     LaunchRecord,
@@ -97,6 +99,16 @@ class RunFiles:
         self._specs: Kept[str, RunSpec] = Kept()
         self._assignments: Kept[tuple[str, int], Assignment] = Kept()
         self._launches: Kept[tuple[str, int], LaunchRecord] = Kept()
+
+    @property
+    def owners(self) -> OwnerRecords:
+        """Who may act on each run (infra/ownership.py), made once: in the run's directory, where a
+        backend keeps no store that its controllers share."""
+        return self._owners
+
+    @functools.cached_property
+    def _owners(self) -> OwnerRecords:
+        return FileOwnerRecords(self)
 
     def run_dir(self, run_id: str) -> RunDir:
         """The run's directory (it may not exist yet); ClusterError for a run id that is not one,

@@ -1,7 +1,7 @@
 """Who drives a run: the workflow execution that owns its cluster state, and how that changes hands.
 
 A run's id is its workflow id, so at most one execution of it is open at a time (Temporal's rule
-for a workflow id). The owner record in the run directory says which execution that is; every
+for a workflow id). The owner record (in the store, or the run directory) says which execution that is; every
 activity checks it before it acts (infra/ownership.py), so an execution that is not the owner
 (one that was reset away, one of an earlier workflow under the same id, a stray activity of a
 terminated one) changes nothing.
@@ -54,7 +54,7 @@ class Handover(Record):
 
 
 class Ownership(Record):
-    """The owner record: the run directory's `owner.json`."""
+    """The owner record: a row of the store (or the run directory's `owner.json`)."""
 
     owner: Owner = Field(description="The execution that drives the run.")
     since: datetime = Field(description="When it took the run (UTC): its launch, continue-as-new or handover.")

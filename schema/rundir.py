@@ -34,8 +34,9 @@ class RunDir:
 
     @property
     def owner_file(self) -> Path:
-        """The execution that drives the run (schema/ownership.py); `owner.lock` beside it is held
-        while it is read and changed."""
+        """The execution that drives the run (schema/ownership.py), where the backend keeps no store
+        (Kubernetes; the others keep it in the store); `owner.lock` beside it is held while it is
+        read and changed."""
         return self.root / "owner.json"
 
     def unusable_marker(self, node: str) -> Path:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lazarus.infra.store.base import StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bumped with every change to the tables below; a store of a newer version is refused."""
 
 TABLES = (
@@ -68,6 +68,23 @@ TABLES = (
         assignment TEXT NOT NULL,
         PRIMARY KEY (run_id, incarnation)
     )""",
+    # Who may act on each run (infra/ownership_rows.py): its owner record (schema/ownership.py
+    # Ownership, as JSON; NULL until an execution acted on it) and the mark of a take-over under way
+    # (the execution taking it, and until when the mark holds).
+    """CREATE TABLE IF NOT EXISTS run_owners (
+        run_id TEXT PRIMARY KEY,
+        record TEXT,
+        taking_over TEXT,
+        taking_until TEXT
+    )""",
+    # The stages acting on a run, each a lease that its process renews until the stage ends.
+    """CREATE TABLE IF NOT EXISTS run_acting (
+        run_id TEXT NOT NULL,
+        stage TEXT NOT NULL,
+        until TEXT NOT NULL,
+        PRIMARY KEY (run_id, stage)
+    )""",
+    "CREATE INDEX IF NOT EXISTS run_acting_stage ON run_acting (stage)",
     "INSERT INTO pool_state (id, nodes, next_seq, breaker) VALUES (1, 0, 0, '{}') ON CONFLICT (id) DO NOTHING",
 )
 
@@ -80,6 +97,8 @@ def make_tables(tx, shown_url: str) -> None:
     found = tx.one("SELECT value FROM lazarus_meta WHERE key = 'schema_version'")
     if found is None:
         tx.run("INSERT INTO lazarus_meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+    elif int(found[0]) < SCHEMA_VERSION:  # an older store: the tables it lacked were made above
+        tx.run("UPDATE lazarus_meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
     elif int(found[0]) > SCHEMA_VERSION:
         raise StoreError(
             f"the store {shown_url} has schema version {found[0]}, written by a newer Lazarus than this one "

@@ -24,7 +24,6 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 from lazarus.client.history import local_activity_type
 from lazarus.infra.backends.local.cluster import LocalCluster
-from lazarus.infra.ownership import read_owner
 from lazarus.schema import RunStart, RunState, RunStatus, load_spec
 from lazarus.schema.contract import read_metrics
 from lazarus.schema.rundir import RunDir
@@ -151,7 +150,7 @@ async def test_one_run_is_driven_by_one_workflow(dev_env, home, reference_losses
         assert renamed.type == "InvalidInput"
 
     assert run.incarnations() == [0, 1] and run.metrics_file.read_bytes() == metrics_before
-    assert read_owner(run).owner.workflow_id == run_id and read_owner(run).handovers == []
+    assert cluster.owners.read(run_id).owner.workflow_id == run_id and cluster.owners.read(run_id).handovers == []
     assert cluster.live_pids(run_id) == []
 
 
@@ -182,7 +181,7 @@ async def test_a_reset_before_the_recovery_and_before_the_launch_takes_up_the_ru
     assert final.incidents == []
     [taken] = [i for i in final.interventions if i.kind == "reset"]
     assert "incarnation 1 is training: watching it" in taken.outcome
-    handovers = read_owner(run).handovers
+    handovers = cluster.owners.read(run_id).handovers
     assert [(h.kind, h.to_execution) for h in handovers] == [("reset", e) for e in executions]
     assert_trained_like_the_unfaulted_run(run, reference(long_spec), [0, 1])
     pool = {node.name: node for node in cluster.inventory(run_id).nodes}
@@ -231,7 +230,7 @@ async def test_a_terminated_workflow_s_run_is_adopted_and_recovers(dev_env, home
     assert "incarnation 0 is training: watching it" in adoption.outcome
     [incident] = final.incidents
     assert incident.outcome == "recovered" and incident.new_assignment.nodes == SPARE_FOR_NODE_2
-    [handover] = read_owner(run).handovers
-    assert handover.kind == "adopt" and read_owner(run).owner.lineage != handover.from_execution
+    [handover] = cluster.owners.read(run_id).handovers
+    assert handover.kind == "adopt" and cluster.owners.read(run_id).owner.lineage != handover.from_execution
     assert_trained_like_the_unfaulted_run(run, reference(long_spec), [0, 1])
     assert cluster.live_pids(run_id) == []

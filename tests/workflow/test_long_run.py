@@ -15,7 +15,6 @@ import os
 import random
 import uuid
 from datetime import UTC, datetime, timedelta
-from types import SimpleNamespace
 
 import pytest
 from temporalio import activity
@@ -23,6 +22,7 @@ from temporalio import activity
 from lazarus.activities.recovery import RecoveryActivities
 from lazarus.client.history import chain_histories, incident_spans, largest_payloads
 from lazarus.commands.report import summarize, with_archived
+from lazarus.infra.runfiles import RunFiles
 from lazarus.schema import (
     Assignment,
     DetectResult,
@@ -157,7 +157,7 @@ class LlamaSizedRun:
         return []
 
     def every(self) -> list:
-        archive = RecoveryActivities(SimpleNamespace(run_dir=lambda run_id: RunDir(self.home / "runs" / run_id)))
+        archive = RecoveryActivities(RunFiles(self.home))  # archive_incidents needs only the run directories
         stages = (self.launch, self.detect, self.drain, self.reschedule, self.replace_or_reshard, self.resume)
         return [*stages, self.release, archive.archive_incidents]
 
