@@ -157,11 +157,11 @@ ISSUE_SITTINGS = (
 )
 FLEET_NOTES = (
     "Not on this page: 1,000 runs on four workers with homes of their own and a PostgreSQL store. Tried on "
-    "these two cores, four workers' watches (each worker's share of 1,000 runs at about 30 ms a run-minute, "
-    "plus what every worker costs alone), the dev server and PostgreSQL left the simulated nodes' process "
-    "(niced, as it stands for other machines) too little CPU to write its reports in time: before the burst, "
-    "runs took stale reports for hangs, and workflow tasks took over 5 s. The watch's cost is what stands "
-    "between this machine and that sitting.",
+    "these two cores (last on 2026-12-07, with a watch of about 20 ms a run-minute), four workers, the dev "
+    "server, PostgreSQL and the simulated nodes' process took more CPU than there is before a fault came: "
+    "the dev server's own persistence calls timed out (context deadline exceeded) and runs fell out of "
+    "training while the last ones started (958, then 410 of 1,000 training). That sitting needs a machine "
+    "for the server apart from the workers, as a fleet has.",
 )
 
 
