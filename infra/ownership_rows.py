@@ -76,6 +76,8 @@ class StoreOwnerRecords:
             _, marked_until = _locked(tx, run_id)
             if marked_until is not None and marked_until > _iso(now):
                 return None
+            # The leases a dead worker left on this run go with the run's next stage.
+            tx.run("DELETE FROM run_acting WHERE run_id = ? AND until <= ?", (run_id, _iso(now)))
             until = _iso(now + timedelta(seconds=ACTING_LEASE_SECONDS))
             tx.run("INSERT INTO run_acting (run_id, stage, until) VALUES (?, ?, ?)", (run_id, stage, until))
         return self._leases.add(stage)
@@ -166,6 +168,7 @@ class _Lease:
     """One stage's lease (Acting): renewed until closed."""
 
     def __init__(self, leases: _Leases, stage: str):
+        self.stage = stage  # its row's key in run_acting
         # A lease dropped unclosed (a stage cancelled while it was being taken) ends when collected.
         self._end = weakref.finalize(self, leases.end, stage)
 

@@ -224,10 +224,25 @@ def test_a_stage_of_a_controller_killed_holds_off_a_take_over_only_until_its_lea
         assert record.owner.execution == "reset-1" and replaced.execution == "first"
         with pytest.raises(NotOwner):
             owners.hold(RUN, execution("first"))
+        assert _leases(owners) == []  # the dead stage's lease went with the take-over
     finally:
         if stage.is_alive():
             stage.kill()
             stage.join(10)
+
+
+def _leases(owners: StoreOwnerRecords) -> list[tuple]:
+    with owners.store.read() as tx:
+        return tx.all("SELECT run_id, stage FROM run_acting")
+
+
+def test_a_lease_its_worker_left_goes_with_the_run_s_next_stage(tmp_path):
+    owners = StoreOwnerRecords(open_store(f"sqlite:///{(tmp_path / 'lazarus.db').as_posix().lstrip('/')}"))
+    with owners.store.write() as tx:  # a stage of a worker that died an hour ago
+        tx.run("INSERT INTO run_acting (run_id, stage, until) VALUES (?, 'dead', '2026-01-01T00:00:00+00:00')", (RUN,))
+    acting = owners.share_acting(RUN)
+    assert acting is not None and [stage for _, stage in _leases(owners)] == [acting.stage]
+    acting.close()
 
 
 def test_a_take_over_that_gave_up_lets_the_run_s_stages_act_again(owners):
