@@ -94,7 +94,7 @@ def look_again_in(verdict: Verdict, now: float, policy, beat_every: float) -> fl
     every node is steady, until time alone could change the verdict (Look.settled_until), at most
     STEADY_LOOK_SECONDS and the heartbeat spacing. A process's exit wakes the watch at once either way,
     and so does a death the backend learns of where it can tell (wait_for_exit), so a watch of a
-    healthy run costs a look a second instead of ten and is as quick to see a death."""
+    healthy run costs a look every STEADY_LOOK_SECONDS instead of ten a second and is as quick to see a death."""
     interval = policy.heartbeat_interval_seconds
     if verdict.settled_until is None:
         return interval

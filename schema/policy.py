@@ -52,7 +52,7 @@ class StagePolicies(Strict):
         default_factory=lambda: _stage(120, 10), description="Create the run's cluster state and start incarnation 0."
     )
     detect: StagePolicy = Field(
-        default_factory=lambda: _stage(7200, 5, attempts=0),
+        default_factory=lambda: _stage(7200, 15, attempts=0),
         description=(
             "Watch the run; returns a fault, completion, a new warning, spares for a regrow, or a progress snapshot "
             "after progress_every_seconds (so its timeout must exceed that)."
