@@ -14,6 +14,7 @@ from lazarus.client.config import Settings
 from lazarus.commands.demo_run import drive_run
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema import RunState, load_spec, parse_spec
+from lazarus.schema.contract import read_heartbeat
 from lazarus.schema.files import read_json
 from lazarus.worker import build_worker
 from tests.support.runs import SMALL_SPEC, SPECS, USER_DDP_SPEC, losses, with_absolute_command
@@ -42,6 +43,18 @@ async def killed_at_step(dev_env, home, spec, step: int | None):
     return status, cluster.run_dir(run_id)
 
 
+def why_not_in_process(run, incident) -> str:
+    """What an in-process recovery that took the restart path left to say why: the incident's
+    stages and fault, whether the controller told the survivors to fall back, and each old rank's
+    last heartbeat."""
+    old = incident.old_assignment.incarnation
+    beats = {rank: read_heartbeat(run, old, rank) for rank in range(incident.old_assignment.layout.world_size)}
+    return (
+        f"restored from {incident.restored_from}; stages {incident.stages}; fault {incident.fault.reason!r}; "
+        f"fall back ordered: {run.fall_back_file(old).exists()}; heartbeats of incarnation {old}: {beats}"
+    )
+
+
 def pids(run, incarnation: int, ranks) -> dict[int, int]:
     return {rank: read_json(run.pid_file(incarnation, rank))["pid"] for rank in ranks}
 
@@ -63,7 +76,8 @@ async def test_survivors_keep_their_processes_and_the_losses_bit_for_bit(dev_env
     [incident] = status.incidents
     layout, world = spec.layout, spec.layout.world_size
     assert incident.fault.nodes == [f"node-{killed}"] and incident.decision.action == "replace"
-    assert incident.restored_from == "in_process" and incident.resumed_from_step == 7 and incident.lost_steps == 0
+    assert incident.restored_from == "in_process", why_not_in_process(run, incident)
+    assert incident.resumed_from_step == 7 and incident.lost_steps == 0
     lost = set(range(killed * layout.ranks_per_node, (killed + 1) * layout.ranks_per_node))
     survivors = [rank for rank in range(world) if rank not in lost]
     # The survivors are the same processes in both incarnations; the lost node's ranks are new ones.
@@ -107,7 +121,8 @@ async def test_a_ddp_script_of_its_own_keeps_its_survivors_through_the_session(d
 
     assert status.state == RunState.COMPLETED and status.step == 100, status.reason
     [incident] = status.incidents
-    assert incident.fault.nodes == ["node-2"] and incident.restored_from == "in_process"
+    assert incident.fault.nodes == ["node-2"], incident.fault
+    assert incident.restored_from == "in_process", why_not_in_process(run, incident)
     assert incident.lost_steps == 0
     assert pids(run, 1, [0, 1, 3]) == pids(run, 0, [0, 1, 3]) and pids(run, 1, [2]) != pids(run, 0, [2])
     expected = reference(USER_DDP_SPEC)

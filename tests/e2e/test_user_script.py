@@ -47,7 +47,9 @@ async def test_user_ddp_script_resumes_from_its_own_checkpoint(dev_env, home, re
     status, cluster, run_id = await run_spec(dev_env, home, spec, kill_at=60)
 
     assert status.state == RunState.COMPLETED and status.step == 100
-    assert len(status.incidents) == 1, [(i.fault.kind, i.fault.nodes, i.fault.step, i.fault.reason) for i in status.incidents]
+    assert len(status.incidents) == 1, [
+        (i.fault.kind, i.fault.nodes, i.fault.step, i.fault.reason) for i in status.incidents
+    ]
     [incident] = status.incidents
     assert incident.fault.kind == "node_down" and incident.resumed_from_step == 50
     run = cluster.run_dir(run_id)
