@@ -199,14 +199,17 @@ class Look:
     @property
     def settled_until(self) -> float | None:
         """Of a look at a run whose every node is steady: the first moment time alone could change its
-        verdict (when a node's oldest heartbeat or liveness would age past its limit, seconds since
-        the epoch); None while some node's ranks are read. Only a new report (a death, an exit, a
-        warning) can change it sooner."""
+        verdict (seconds since the epoch); None while some node's ranks are read. Only a new report
+        (a death, an exit, a warning) can change it sooner.
+
+        That moment is when a node's oldest heartbeat ages past the hang time (or the startup grace,
+        if shorter: a rank before its first step of the incarnation may be steady): every hang
+        verdict needs a stale heartbeat (activities/hangs.py), and a process's stopped liveness is
+        only evidence beside one, so it need not be looked at before."""
         if self.ranks or not self.steady:
             return None
-        limits = [s.oldest_beat + self.hang_after for s in self.steady if s.oldest_beat is not None]
-        limits += [s.oldest_alive + self.stopped_after for s in self.steady if s.oldest_alive is not None]
-        return min(limits, default=None)
+        limit = min(self.hang_after, self.policy.startup_grace_seconds)
+        return min((s.oldest_beat + limit for s in self.steady if s.oldest_beat is not None), default=None)
 
     def verdict(self, **outcome) -> Verdict:
         """A verdict of this look: its step and source, whether every rank is up, and `outcome`."""

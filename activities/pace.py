@@ -42,14 +42,21 @@ MIN_SAMPLES = 5
 LINE = re.compile(r", line \d+")
 """The line number in a frame of faulthandler's dump, which a stack that stands still may change."""
 
-STEADY_LOOK_SECONDS = 2.0
-"""The longest a watch waits between looks at a run whose every node is steady (activities/watching.py):
-what only a look can tell (a warning, a node gone sick, a straggler, a death no process exit
-shows) is found within this (seconds). Deaths wake the watch at once on every backend (a process's
-exit, a pod or node the API server reports, a node the pool records dead), and the hang time is
-looked at when it falls due, so this bounds only the slower verdicts; a look a second cost a
-healthy run about twice the watch's CPU (bench/controller_scale.py: 41 against 18 ms a run-minute
-at 200 runs)."""
+STEADY_LOOK_SECONDS = 5.0
+"""The longest a watch waits between looks at a run whose every node is steady and whose step times
+it knows (activities/watching.py): what only a look can tell (a warning, a node gone sick, a
+straggler) is found within this (seconds). Deaths wake the watch at once on every backend (a
+process's exit, a pod or node the API server reports, a node the pool records dead), and the hang
+time is looked at when it falls due, so this bounds only the slower verdicts. A look costs the
+worker about half a millisecond (four nodes' reports read and judged, with the event loop's share):
+at 1,000 runs a worker, a look a second cost a healthy run about 35 ms of CPU a minute, one every
+2 s about 21 (bench/controller_scale.py)."""
+
+LEARNING_LOOK_SECONDS = 1.0
+"""The longest a watch waits between looks at a steady run while its pace is learning (Pace.learning;
+seconds): each look brings the two step times that the nodes' reports time, so the derived hang
+time replaces the startup grace within seconds of a start or a restore; and where no launcher times
+the steps, the looks do, as often as before."""
 
 COUNTED_STEPS = 64
 """Timed steps a pace remembers having counted (steps): more than a look finds in the reports."""
@@ -91,6 +98,7 @@ class Pace:
         self._step: int | None = None  # the newest step seen, and when
         self._step_at = 0.0
         self._advances = 0
+        self._timed_by_looks = False  # the newest step time came from two looks, not a launcher
         self._looked_at = 0.0
         self._counted: deque[int] = deque(maxlen=COUNTED_STEPS)  # the steps the launchers timed, in gaps
         self._work: dict[str, deque[tuple[float, float]]] = {}  # node -> (time, seconds) readings
@@ -116,6 +124,13 @@ class Pace:
         while len(_PACES) > KEPT_PACES:
             _PACES.pop(next(iter(_PACES)))
         return pace
+
+    @property
+    def learning(self) -> bool:
+        """The watch should look often: too few step times yet to derive the hang time from (the
+        startup grace holds), or the looks themselves time the steps (no launcher does), so that
+        looking seldom would stretch the step times and the hang time derived from them."""
+        return len(self.gaps) < MIN_GAPS or self._timed_by_looks
 
     def hang_after(self) -> float:
         """How long the run's step may stall before it counts as hung (seconds)."""
@@ -176,6 +191,8 @@ class Pace:
         if now - looked_at > max(2 * STEADY_LOOK_SECONDS, 5 * self.policy.heartbeat_interval_seconds):
             self._step = None  # nobody looked meanwhile (between watches, a worker down): no step time
         timed = self._timed_steps(observation)
+        if timed:
+            self._timed_by_looks = False
         for step_time in timed:
             if step_time.step not in self._counted:
                 self.gaps.append(step_time.seconds)  # the launchers timed it: no look needs to have seen it
@@ -186,6 +203,7 @@ class Pace:
                 self._advances += 1
                 if self._advances > 1 and not timed:  # the first advance ends the start or restore
                     self.gaps.append(now - self._step_at)  # no launcher times steps: the looks do
+                    self._timed_by_looks = True
                 self._steps_at.append((now, step))
             self._step, self._step_at = step, now
         if self.policy.stragglers.action == "off":

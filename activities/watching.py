@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from lazarus.activities.health import Verdict
-from lazarus.activities.pace import STEADY_LOOK_SECONDS, Pace
+from lazarus.activities.pace import LEARNING_LOOK_SECONDS, STEADY_LOOK_SECONDS, Pace
 from lazarus.activities.running import heartbeat, heartbeat_spacing, in_thread, look, look_in_thread, since_heartbeat
 from lazarus.infra.backend import ClusterBackend
 from lazarus.schema.records import FaultKind, FaultReport, RankProgress
@@ -78,7 +78,7 @@ async def watch(
         last_poll = now
         if since_heartbeat() >= beat_every:
             heartbeat(progress_of(verdict, now))
-        wait = EXIT_SETTLE_SECONDS if exited else look_again_in(verdict, now, policy, beat_every) + late
+        wait = EXIT_SETTLE_SECONDS if exited else look_again_in(verdict, now, policy, beat_every, pace.learning) + late
         waited_from = time.monotonic()
         exited = await cluster.wait_for_exit(run_id, incarnation, wait)
         if not exited:
@@ -89,16 +89,18 @@ async def watch(
             late = min(0.5 * late + behind, beat_every / 2)
 
 
-def look_again_in(verdict: Verdict, now: float, policy, beat_every: float) -> float:
+def look_again_in(verdict: Verdict, now: float, policy, beat_every: float, learning: bool = False) -> float:
     """How long to wait before the next look (seconds): the policy's heartbeat interval, or, while
     every node is steady, until time alone could change the verdict (Look.settled_until), at most
-    STEADY_LOOK_SECONDS and the heartbeat spacing. A process's exit wakes the watch at once either way,
-    and so does a death the backend learns of where it can tell (wait_for_exit), so a watch of a
-    healthy run costs a look every STEADY_LOOK_SECONDS instead of ten a second and is as quick to see a death."""
+    STEADY_LOOK_SECONDS (LEARNING_LOOK_SECONDS while the pace is `learning` the run's step times) and
+    the heartbeat spacing. A process's exit wakes the watch at once either way, and so does a death
+    the backend learns of where it can tell (wait_for_exit), so a watch of a healthy run costs a look
+    every few seconds instead of ten a second and is as quick to see a death."""
     interval = policy.heartbeat_interval_seconds
     if verdict.settled_until is None:
         return interval
-    return max(interval, min(verdict.settled_until - now + EXIT_SETTLE_SECONDS, STEADY_LOOK_SECONDS, beat_every))
+    steady = LEARNING_LOOK_SECONDS if learning else STEADY_LOOK_SECONDS
+    return max(interval, min(verdict.settled_until - now + EXIT_SETTLE_SECONDS, steady, beat_every))
 
 
 STACK_KEPT_CHARACTERS = 4000

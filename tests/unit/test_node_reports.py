@@ -22,7 +22,7 @@ from lazarus.schema.node_reports import (
     write_node_report,
 )
 from lazarus.schema.rundir import RunDir
-from lazarus.trainer.agent.node_report import StepTimes
+from lazarus.trainer.agent.node_report import STEP_WINDOW_SECONDS, StepTimes
 
 NOW = 1_000_000.0
 POLICY = RecoveryPolicy(hang_after_seconds=10, startup_grace_seconds=30, heartbeat_interval_seconds=0.5)
@@ -209,11 +209,15 @@ def test_a_launcher_times_its_ranks_steps_as_it_sees_them_advance():
     # Rank 0 was seen two steps on in 0.4 s: 0.2 s each; rank 1 took 0.3 s over step 7.
     slowest, last = times.take([beat(0, 8, NOW + 0.5), beat(1, 7, NOW + 0.42)], NOW + 0.5)
     assert (slowest.step, slowest.seconds, last.step, last.seconds) == (7, pytest.approx(0.3), 8, pytest.approx(0.2))
-    # Past the window only the newer steps count.
-    slowest, last = times.take([beat(0, 9, NOW + 3.0), beat(1, 8, NOW + 0.6)], NOW + 3.0)
-    assert slowest == last and (last.step, last.seconds) == (9, pytest.approx(2.5))
+    # Past the window only the newer steps count: 0.1 s each from here on.
+    ticks = round((STEP_WINDOW_SECONDS + 0.5) / 0.1)
+    for tick in range(1, ticks + 1):
+        at = NOW + 0.5 + 0.1 * tick
+        slowest, last = times.take([beat(0, 8 + tick, at), beat(1, 7 + tick, at)], at)
+    assert (slowest.seconds, last.step, last.seconds) == (pytest.approx(0.1), 8 + ticks, pytest.approx(0.1))
     # A rank's new process starts over: its first step after a restore is warm-up, not a step time.
-    assert times.take([beat(0, 2, NOW + 9.0)], NOW + 9.0) == (None, None)
+    later = at + STEP_WINDOW_SECONDS + 1  # its old steps out of the window
+    assert times.take([beat(0, 2, later)], later) == (None, None)
 
 
 def test_a_look_at_steady_nodes_says_until_when_time_alone_cannot_change_its_verdict():
@@ -222,9 +226,9 @@ def test_a_look_at_steady_nodes_says_until_when_time_alone_cannot_change_its_ver
     verdict = judge(
         Observation(nodes=steady, incarnation=2, launched_at=NOW - 100, resume_step=0), policy, NOW, NOW - 0.1, 100
     )
-    # The oldest liveness (0.1 s old) ages past the stopped limit (five intervals: 2.5 s) before the
-    # oldest beat (0.6 s old) reaches the hang time (5 s).
-    assert verdict.fault is None and verdict.settled_until == pytest.approx(NOW - 0.1 + 2.5)
+    # The oldest beat (0.6 s old) reaches the hang time (5 s): no hang is found before, whatever
+    # the liveness says (it ages past the stopped limit, five intervals: 2.5 s, sooner).
+    assert verdict.fault is None and verdict.settled_until == pytest.approx(NOW - 0.6 + 5.0)
     uneasy = [*steady, NodeReading.of_ranks(training(3))]  # a node read rank by rank: look at the interval
     looked = judge(
         Observation(nodes=uneasy, incarnation=2, launched_at=NOW - 100, resume_step=0), policy, NOW, NOW, 100

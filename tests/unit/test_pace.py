@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from lazarus.activities.pace import MIN_GAPS, Pace
+from lazarus.activities.look import Verdict
+from lazarus.activities.pace import LEARNING_LOOK_SECONDS, MIN_GAPS, STEADY_LOOK_SECONDS, Pace
+from lazarus.activities.watching import look_again_in
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema import RecoveryPolicy
 from lazarus.schema.node_reports import NodeReading, NodeSummary, StepTime
@@ -162,3 +164,21 @@ def test_the_hang_time_comes_from_the_steps_the_launchers_timed_however_seldom_t
     for look in range(MIN_GAPS + 3):
         pace.observe(timed_look(20 + look, (10, 3.0), (10, 3.0)), 20 + look, 6000.0 + 0.1 * look)
     assert list(pace.gaps) == [3.0] and pace.hang_after() == 60  # still the startup grace: one step timed
+
+
+def test_a_steady_run_is_looked_at_often_only_while_its_pace_learns_its_step_times():
+    verdict = Verdict(step=8, settled_until=7000.0 + 60)  # every node steady, its hang time a minute off
+    policy = RecoveryPolicy(heartbeat_interval_seconds=0.1)
+    timed = Pace(POLICY)
+    assert timed.learning  # no step time yet: the startup grace holds the hang time
+    assert look_again_in(verdict, 7000.0, policy, beat_every=5.0, learning=timed.learning) == LEARNING_LOOK_SECONDS
+    for look in range(3):  # each look's reports time two steps
+        step = 4 * (look + 1)
+        timed.observe(timed_look(step, (step - 1, 0.2), (step, 0.12)), step, 7000.0 + look)
+    assert not timed.learning and len(timed.gaps) >= MIN_GAPS
+    assert look_again_in(verdict, 7003.0, policy, beat_every=5.0, learning=timed.learning) == STEADY_LOOK_SECONDS
+    assert look_again_in(verdict, 7003.0, policy, beat_every=2.0, learning=False) == 2.0  # a heartbeat is due first
+    # Where no launcher times the steps the looks do: looking seldom would stretch every step time.
+    untimed = Pace(POLICY)
+    run(untimed, MIN_GAPS + 3, 0.5, lambda _: {})
+    assert len(untimed.gaps) >= MIN_GAPS and untimed.learning

@@ -28,7 +28,7 @@ REPORT_POLL_SECONDS = 0.05
 """How often the reporter looks at its ranks (seconds): a change other than an exit the launcher
 recorded (which wakes it) is in the report within this."""
 
-STEP_WINDOW_SECONDS = 4.0
+STEP_WINDOW_SECONDS = 10.0
 """The report's slowest step is the slowest of those completed this long before it (seconds): at
 least twice the longest wait between detect's looks at a steady run (activities/watching.py
 STEADY_LOOK_SECONDS), so every step is in some look's window however seldom it looks."""
