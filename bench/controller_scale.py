@@ -40,6 +40,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -160,8 +161,12 @@ FLEET_NOTES = (
     "these two cores (last on 2026-12-07, with a watch of about 20 ms a run-minute), four workers, the dev "
     "server, PostgreSQL and the simulated nodes' process took more CPU than there is before a fault came: "
     "the dev server's own persistence calls timed out (context deadline exceeded) and runs fell out of "
-    "training while the last ones started (958, then 410 of 1,000 training). That sitting needs a machine "
-    "for the server apart from the workers, as a fleet has.",
+    "training while the last ones started (958, then 410 of 1,000 training). Tried again the same day with "
+    "a watch of about 11 ms a run-minute: all 1,000 trained, but with one worker SIGKILLed mid-burst 874 of "
+    "1,000 had recovered 600 s after the faults, the dev server's persistence calls timing out all along, "
+    "and a run's status could not be read (its workflow task in a failed state; the workers' logs went "
+    "with the sitting: --keep-logs keeps them now). That sitting needs a machine for the server apart from "
+    "the workers, as a fleet has.",
 )
 
 
@@ -448,7 +453,7 @@ def store_of(engine: str, folder: Path) -> Iterator[str]:
         server.stop()
 
 
-async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> dict:
+async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say, keep_logs: Path | None = None) -> dict:
     rng = random.Random(seed)
     env = await local_environment(runtime=quiet_runtime())
     settings = Settings(task_queue="controller-scale")
@@ -502,6 +507,13 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say) -> d
         finally:
             workers.stop()
             await env.shutdown()
+            if keep_logs is not None:
+                kept = keep_logs / f"{sitting.runs}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
+                kept.mkdir(parents=True, exist_ok=True)
+                for log in workers.log_files():
+                    if log.exists():
+                        shutil.copy(log, kept / log.name)
+                say(f"  the workers' logs kept in {kept}")
     incidents = [s.incidents[0] for s in done]
     by_priority = spares_by_priority(statuses) if sitting.rack else None
     to_decision = [(i.stages["replace_or_reshard"].ended_at - i.fault.detected_at).total_seconds() for i in incidents]
@@ -717,6 +729,12 @@ def main() -> None:
     )
     parser.add_argument("--issue", action="store_true", help="the sittings of the fleet issue, into one page")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        metavar="DIR",
+        help="copy each sitting's worker logs into a folder of DIR (otherwise they go with the sitting's home)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document")
     perf_page.add_option(parser, __file__)
     args = parser.parse_args()
@@ -755,7 +773,7 @@ def main() -> None:
     results = []
     for sitting in sittings:
         say(sitting.caption())
-        results.append(asyncio.run(measure(sitting, args.healthy_seconds, args.seed, say)))
+        results.append(asyncio.run(measure(sitting, args.healthy_seconds, args.seed, say, args.keep_logs)))
     tables = [table(result) for result in results]
     if args.markdown:
         notes = FLEET_NOTES if args.issue else ()
