@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -187,7 +188,7 @@ def start_detached(state_dir: Path, port: int, ui_port: int, wait: float = 30.0)
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    (state_dir / "server.pid").write_text(f"{process.pid}\n{port}\n{ui_port}\n")
+    record_server(state_dir, process.pid, port, ui_port)
     deadline = time.monotonic() + wait
     while not port_answers("127.0.0.1", port):
         if process.poll() is not None:
@@ -199,6 +200,39 @@ def start_detached(state_dir: Path, port: int, ui_port: int, wait: float = 30.0)
             raise ServerError(f"the Temporal dev server did not answer on 127.0.0.1:{port} within {wait:.0f} s")
         time.sleep(0.05)
     return process.pid
+
+
+def record_server(state_dir: Path, pid: int, port: int, ui_port: int) -> None:
+    """Record the home's dev server (state_dir/server.pid), where `lazarus server --stop` finds it."""
+    (state_dir / "server.pid").write_text(f"{pid}\n{port}\n{ui_port}\n")
+
+
+def forget_server(state_dir: Path, pid: int) -> bool:
+    """Remove the home's record of dev server `pid`; False when it no longer names that server
+    (`lazarus server --stop` removed it, or another server was recorded since)."""
+    pid_file = state_dir / "server.pid"
+    try:
+        recorded = int(pid_file.read_text().split()[0])
+    except (FileNotFoundError, ValueError, IndexError):
+        return False
+    if recorded != pid:
+        return False
+    pid_file.unlink(missing_ok=True)
+    return True
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal this process gets when the thread that created it ends (Linux)."""
+
+
+def stop_with_parent() -> None:
+    """In a child before it execs: have the kernel send it SIGTERM when its parent ends, even by
+    SIGKILL, so a foreground server never outlives its command (Linux; elsewhere nothing)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def stop_detached(state_dir: Path) -> int | None:

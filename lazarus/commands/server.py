@@ -21,12 +21,16 @@ def register(commands: argparse._SubParsersAction) -> None:
     server.add_argument("--ui-port", type=int, default=None, help="web UI port (default: gRPC port + 1000)")
     mode = server.add_mutually_exclusive_group()
     mode.add_argument("--detach", action="store_true", help="start it in the background and return")
-    mode.add_argument("--stop", action="store_true", help="stop a server started with --detach (or by the demo)")
+    mode.add_argument(
+        "--stop",
+        action="store_true",
+        help="stop the home's server: one started with --detach, by the demo, or in the foreground",
+    )
     server.set_defaults(handler=serve)
 
 
 def serve(args: argparse.Namespace, settings: Settings) -> int:
-    """Stop a detached server, start one detached, or run one until Ctrl-C."""
+    """Stop the home's server, start one detached, or run one until Ctrl-C or SIGTERM."""
     from lazarus.infra.harness.temporal_server import (
         ServerError,
         dev_server_command,
@@ -38,7 +42,9 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.stop:
         pid = stop_detached(settings.home)
-        print("no detached server recorded" if pid is None else f"stopped the Temporal dev server (pid {pid})")
+        print(
+            f"no server recorded in {settings.home}" if pid is None else f"stopped the Temporal dev server (pid {pid})"
+        )
         return 0
     port = args.port or split_address(settings.address)[1]
     ui_port = args.ui_port or port + 1000
@@ -57,21 +63,42 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
         raise UserError(str(error)) from None
     print(
         f"Temporal dev server: gRPC 127.0.0.1:{port}, web UI http://127.0.0.1:{ui_port}, "
-        f"state {settings.home / 'temporal.db'} (Ctrl-C stops)",
+        f"state {settings.home / 'temporal.db'} (Ctrl-C, SIGTERM or `lazarus server --stop` stops it)",
         flush=True,
     )
-    return _run_until_interrupted(command)
+    return _run_until_stopped(command, settings.home, port, ui_port)
 
 
-def _run_until_interrupted(command: list[str]) -> int:
-    server = subprocess.Popen(command)
+class _Stopped(Exception):
+    """SIGTERM or SIGHUP reached the foreground `lazarus server`: stop as on Ctrl-C."""
+
+
+def _stop_on_signal(signum, frame) -> None:
+    raise _Stopped()
+
+
+def _run_until_stopped(command: list[str], home, port: int, ui_port: int) -> int:
+    """Run the dev server in the foreground until it exits, or until Ctrl-C, SIGTERM or SIGHUP
+    (what a supervisor or a closed terminal sends), which end it too; recorded where `lazarus
+    server --stop` looks, as a detached one is."""
+    from lazarus.infra.harness.temporal_server import forget_server, record_server, stop_with_parent
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop_on_signal)
+    # A server outliving its command would keep the port and answer the next home's clients.
+    server = subprocess.Popen(command, preexec_fn=stop_with_parent)
+    record_server(home, server.pid, port, ui_port)
     try:
-        return server.wait()
-    except KeyboardInterrupt:
+        code = server.wait()
+        # Stopped by `lazarus server --stop` (which forgot it): a request, not a failure.
+        return code if forget_server(home, server.pid) else 0
+    except (KeyboardInterrupt, _Stopped):
         # Let the server close its SQLite file cleanly rather than killing it.
         server.send_signal(signal.SIGINT)
         try:
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
+        forget_server(home, server.pid)
         return 0

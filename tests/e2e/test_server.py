@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +14,8 @@ import pytest
 from lazarus.client.config import Settings
 from lazarus.client.runs import connect, has_search_attributes
 from lazarus.infra.backend import free_ports
-from lazarus.infra.harness.temporal_server import start_detached, stop_detached
+from lazarus.infra.harness.temporal_server import port_answers, start_detached, stop_detached
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
@@ -25,3 +31,98 @@ async def test_a_detached_server_serves_a_client_at_once_and_stops(tmp_path):
     finally:
         assert stop_detached(tmp_path) == pid
     assert not Path(f"/proc/{pid}").exists() and not (tmp_path / "server.pid").exists()
+
+
+def foreground_server(tmp_path) -> tuple[subprocess.Popen, int, int]:
+    """`lazarus server` in the foreground on free ports, once its dev server answers: the CLI's
+    process, the dev server's pid (as recorded for `--stop`) and its port."""
+    port, ui_port = free_ports(2)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "lazarus.cli", "server", "--port", str(port), "--ui-port", str(ui_port)],
+        env={**os.environ, "LAZARUS_HOME": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: port_answers("127.0.0.1", port) or cli.poll() is not None, timeout=30, what="the server")
+        assert cli.poll() is None, cli.stdout.read().decode() if cli.stdout else ""
+        pid = int((tmp_path / "server.pid").read_text().split()[0])
+    except BaseException:
+        cli.kill()
+        raise
+    return cli, pid, port
+
+
+def ended(cli: subprocess.Popen, pid: int, port: int) -> None:
+    """The CLI and its dev server are gone, the port free and the record removed (else both are killed)."""
+    try:
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=20, what=f"dev server {pid} to end")
+        assert cli.wait(timeout=20) == 0
+    finally:
+        cli.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not port_answers("127.0.0.1", port)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_foreground_server_ends_with_its_command_on_a_supervisors_signal(tmp_path, signum):
+    cli, pid, port = foreground_server(tmp_path)
+    cli.send_signal(signum)
+    ended(cli, pid, port)
+    assert not (tmp_path / "server.pid").exists()
+
+
+def test_a_foreground_server_is_stopped_by_lazarus_server_stop(tmp_path):
+    cli, pid, port = foreground_server(tmp_path)
+    stopped = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "server", "--stop"],
+        env={**os.environ, "LAZARUS_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert stopped.returncode == 0 and f"stopped the Temporal dev server (pid {pid})" in stopped.stdout
+    ended(cli, pid, port)
+
+
+def test_a_foreground_server_whose_command_is_killed_ends_too(tmp_path):
+    cli, pid, port = foreground_server(tmp_path)
+    cli.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal ends the server
+    cli.wait(timeout=10)
+    try:
+        wait_until(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), timeout=20, what="the orphan to end")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not port_answers("127.0.0.1", port)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_whose_server_is_gone_ends_on_sigterm(tmp_path):
+    port, ui_port = free_ports(2)
+    server = start_detached(tmp_path / "server", port, ui_port)
+    env = {**os.environ, "LAZARUS_TEMPORAL_ADDRESS": f"127.0.0.1:{port}", "LAZARUS_HOME": str(tmp_path / "home")}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "lazarus.cli", "worker"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().startswith("worker pid ")
+        assert stop_detached(tmp_path / "server") == server
+        worker.send_signal(signal.SIGTERM)
+        code = worker.wait(timeout=60)
+        stderr = worker.stderr.read() if worker.stderr else ""
+        assert code == 0 and "Traceback" not in stderr, stderr[-2000:]
+    finally:
+        worker.kill()
+        stop_detached(tmp_path / "server")
