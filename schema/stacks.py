@@ -42,6 +42,20 @@ def read_stack_request(run: RunDir, incarnation: int) -> StackRequest | None:
         return None
 
 
+NO_DUMP = "# lazarus launcher: no dump: "
+"""How a launcher's note begins where it wrote one in place of a rank's dump: its process cannot
+run the dump's handler (trainer/agent/stacks.py: stopped, or in uninterruptible sleep)."""
+
+
+def no_dump_reason(dump: str) -> str | None:
+    """Why a rank's 'dump' is its launcher's note instead (its process could not dump); None for a
+    real dump."""
+    for line in dump.splitlines():
+        if line.startswith(NO_DUMP):
+            return line.removeprefix(NO_DUMP).strip()
+    return None
+
+
 def main_thread_frames(dump: str) -> list[str]:
     """The frames of the thread that took the dump's signal (faulthandler's `Current thread`, the
     main one) in a dump, innermost first, as `"FILE", line N in FUNCTION`; [] when it has none."""
@@ -50,8 +64,9 @@ def main_thread_frames(dump: str) -> list[str]:
 
 
 def where_it_waited(dump: str, frames: int = 3) -> str:
-    """The innermost frames of the main thread in a dump, innermost first, in one line."""
-    return " <- ".join(main_thread_frames(dump)[:frames]) or "(no frame in the dump)"
+    """The innermost frames of the main thread in a dump, innermost first, in one line (or why there
+    is no dump: the launcher's note)."""
+    return " <- ".join(main_thread_frames(dump)[:frames]) or no_dump_reason(dump) or "(no frame in the dump)"
 
 
 def odd_ones_out(dumps: dict[int, str]) -> list[int]:

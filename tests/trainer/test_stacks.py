@@ -5,6 +5,7 @@ to the user's script; a rank that has no such handler is never sent the signal (
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,8 +15,9 @@ import pytest
 
 from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.schema.files import process_start_time, read_json
+from lazarus.schema.stacks import NO_DUMP, no_dump_reason, where_it_waited
 from lazarus.trainer.agent.stack_dump import registered_process, with_dump_hook
-from lazarus.trainer.agent.stacks import signal_for_stacks
+from lazarus.trainer.agent.stacks import process_state, signal_for_stacks
 from tests.support.backends import launch_two_ranks
 from tests.support.waiting import wait_until
 
@@ -131,3 +133,29 @@ def test_ranks_that_are_not_python_are_left_alone(cluster):
     assert cluster.capture_stacks("r1", 0, ranks=[0, 1]) == {}
     time.sleep(0.3)
     assert all(r.alive for r in cluster.observe("r1", 0).ranks)
+
+
+def test_a_stopped_rank_is_named_as_such_instead_of_waited_for_and_dumps_whole_once_continued(cluster, tmp_path):
+    script = tmp_path / "project" / "blocker.py"
+    script.parent.mkdir()
+    script.write_text(BLOCKER)
+    launch(cluster, ["python", str(script)], warm=False)
+    run = cluster.run_dir("r1")
+    wait_until(lambda: all(run.log_file(0, r).exists() and run.log_file(0, r).read_text() for r in (0, 1)), "ranks")
+    stopped = read_json(run.pid_file(0, 1))["pid"]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        wait_until(lambda: process_state(stopped) == "T", "rank 1 to stop")
+        # A wait long enough that the capture ends only because the launcher said rank 1 cannot dump.
+        stacks = cluster.capture_stacks("r1", 0, wait_seconds=30)
+        assert sorted(stacks) == [0, 1] and "wait_for_the_peer_that_never_comes" in stacks[0]
+        assert no_dump_reason(stacks[1]) == (
+            f"its process (pid {stopped}) is T: stopped (SIGSTOP or SIGTSTP); it cannot dump its stacks now"
+        )
+        assert where_it_waited(stacks[1]) == no_dump_reason(stacks[1])
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    # Continued, it dumps again, whole, after the note (its file is appended to, never overwritten).
+    again = cluster.capture_stacks("r1", 0, ranks=[1], wait_seconds=30)
+    assert "wait_for_the_peer_that_never_comes" in again[1] and no_dump_reason(again[1]) is None
+    assert run.stacks_file(0, 1).read_text().count(NO_DUMP) == 1

@@ -53,8 +53,10 @@ def register(path: str) -> bool:
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         # Unbuffered: faulthandler writes to the descriptor, after the header. The file stays open
-        # for the life of the process.
-        stacks = open(temporary, "wb", buffering=0)
+        # for the life of the process. Appending: each dump lands at the end, after any note the
+        # launcher appended meanwhile (trainer/agent/stacks.py, a process that could not dump).
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        stacks = os.fdopen(os.open(temporary, flags, 0o666), "wb", buffering=0)
         stacks.write(HEADER.format(pid=pid, start=_start_time(pid)).encode())
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
         os.replace(temporary, path)

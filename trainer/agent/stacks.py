@@ -5,6 +5,13 @@ SIGUSR1 ends a process that does not catch it, so a rank is signalled only when 
 its stacks file names a process (the process wrote it when it registered), that process is still
 the one that registered (same kernel start time: the pid was not reused), and it catches SIGUSR1
 now (the SigCgt mask of /proc/PID/status: a script that reset the signal is left alone).
+
+A process that cannot run the handler now (stopped by SIGSTOP or a tracer, in uninterruptible
+sleep, a zombie: the state in /proc/PID/stat) would keep the controller waiting for a dump that
+does not come: the launcher appends a note that says so to its stacks file instead
+(schema/stacks.py NO_DUMP), so the capture ends as soon as the others' dumps are in and the
+incident names the process's state. One in uninterruptible sleep is signalled all the same: it
+dumps when it wakes, for a later capture.
 """
 
 from __future__ import annotations
@@ -15,8 +22,17 @@ import sys
 
 from lazarus.schema.files import process_start_time
 from lazarus.schema.rundir import RunDir
-from lazarus.schema.stacks import read_stack_request
+from lazarus.schema.stacks import NO_DUMP, read_stack_request
 from lazarus.trainer.agent.stack_dump import registered_process
+
+UNANSWERING_STATES = {
+    "T": "stopped (SIGSTOP or SIGTSTP)",
+    "t": "stopped by a tracer",
+    "D": "in uninterruptible sleep (waiting on a disk, a network file system or a driver)",
+    "Z": "a zombie (exited, not yet reaped)",
+}
+"""Process states of /proc/PID/stat in which a process runs no signal handler now, and how the note
+of a missing dump names each."""
 
 
 def catches(pid: int, signum: int) -> bool:
@@ -29,6 +45,35 @@ def catches(pid: int, signum: int) -> bool:
     except OSError:
         pass
     return False
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, D, T, Z...); None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def unanswering(stacks_file) -> tuple[int, str] | None:
+    """The process that registered `stacks_file` and why it cannot dump now (UNANSWERING_STATES);
+    None when it can (or is gone, or is another process now)."""
+    registered = registered_process(stacks_file)
+    if registered is None:
+        return None
+    pid, start_time = registered
+    state = process_state(pid)
+    if state not in UNANSWERING_STATES or process_start_time(pid) != start_time:
+        return None
+    return pid, f"{state}: {UNANSWERING_STATES[state]}"
+
+
+def note_no_dump(stacks_file, pid: int, why: str) -> None:
+    """Append the note that takes the place of a dump (schema/stacks.py NO_DUMP): one write, in
+    append mode, as the process's own dumps are."""
+    with open(stacks_file, "a") as stacks:
+        stacks.write(f"{NO_DUMP}its process (pid {pid}) is {why}; it cannot dump its stacks now\n")
 
 
 def signal_for_stacks(stacks_file) -> bool:
@@ -73,10 +118,19 @@ class StackOrders:
         request = read_stack_request(self.run, self.incarnation)
         if request is None:
             return []
-        signalled = []
-        for rank in request.ranks:
-            if rank in self.ranks and signal_for_stacks(self.run.stacks_file(self.incarnation, rank)):
+        signalled, noted = [], []
+        for rank in (r for r in request.ranks if r in self.ranks):
+            stacks_file = self.run.stacks_file(self.incarnation, rank)
+            cannot = unanswering(stacks_file)
+            if cannot is not None:
+                note_no_dump(stacks_file, *cannot)
+                noted.append(rank)
+                if not cannot[1].startswith("D"):
+                    continue
+            if signal_for_stacks(stacks_file):
                 signalled.append(rank)
         if signalled:
             print(f"lazarus launcher: ranks {signalled} asked for their stacks", file=sys.stderr, flush=True)
+        if noted:
+            print(f"lazarus launcher: ranks {noted} cannot dump their stacks now", file=sys.stderr, flush=True)
         return signalled
