@@ -235,6 +235,59 @@ def stop_with_parent() -> None:
         pass
 
 
+def listening_pid(port: int) -> int | None:
+    """The process that listens on TCP `port` of this machine (from /proc/net/tcp, tcp6 and the
+    processes' open sockets); None when none does or it cannot be told (another system, no permission)."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    if not sockets:
+        return None
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for descriptor in (process / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(descriptor) in sockets:
+                        return int(process.name)
+    return None
+
+
+def foreign_dev_server(home: Path, port: int) -> str | None:
+    """Of a Temporal dev server on 127.0.0.1:`port` that `home` did not start (its server.pid names
+    another process, or none): one line naming its pid and its state file, and how to stop it; None
+    when it is the home's, or no dev server is told there. A server left over from another home
+    answers this home's clients as if it were theirs."""
+    pid = listening_pid(port)
+    if pid is None:
+        return None
+    with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
+        if int((home / "server.pid").read_text().split()[0]) == pid:
+            return None
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if "start-dev" not in args:
+        return None
+    state = args[args.index("--db-filename") + 1] if "--db-filename" in args[:-1] else None
+    where = f"its state in {state}" if state else "its state in memory"
+    if state and not Path(state).exists():
+        where += ", which no longer exists"
+    return (
+        f"the Temporal dev server on 127.0.0.1:{port} (pid {pid}, {where}) is not this home's ({home}): "
+        f"stop it (`kill {pid}`) or point LAZARUS_TEMPORAL_ADDRESS elsewhere"
+    )
+
+
 def stop_detached(state_dir: Path) -> int | None:
     """Stop the dev server recorded in state_dir/server.pid; returns its pid, None if none was recorded."""
     pid_file = state_dir / "server.pid"

@@ -17,7 +17,7 @@ from lazarus.client.config import Settings
 from lazarus.client.runs import run_status, start_run
 from lazarus.commands.common import connect_client, local_cluster
 from lazarus.infra.backends.local.cluster import LocalCluster
-from lazarus.infra.harness.temporal_server import port_answers, split_address, start_detached
+from lazarus.infra.harness.temporal_server import foreign_dev_server, port_answers, split_address, start_detached
 from lazarus.schema.contract import MetricsLine, read_metrics
 from lazarus.schema.records import RunState, RunStatus
 from lazarus.schema.run import RunSpec
@@ -48,6 +48,9 @@ async def ensure_server(settings: Settings, say) -> None:
     """Use the Temporal server at the configured address; start a local dev server if none answers."""
     host, port = split_address(settings.address)
     if port_answers(host, port):
+        foreign = foreign_dev_server(settings.home, port) if host in ("127.0.0.1", "localhost") else None
+        if foreign:
+            say(f"using the server that answers on {settings.address}; {foreign}")
         return
     if host not in ("127.0.0.1", "localhost"):
         raise DemoError(f"no Temporal server answers at {settings.address}; start it or unset LAZARUS_TEMPORAL_ADDRESS")
