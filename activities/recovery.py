@@ -28,7 +28,7 @@ from lazarus.activities.resuming import (
     up_when,
 )
 from lazarus.activities.running import in_thread, observe_start_lag, timed
-from lazarus.activities.watching import progress_of, watch, watch_until_reported
+from lazarus.activities.watching import last_warnings, progress_of, watch, watch_until_reported
 from lazarus.infra import registry
 from lazarus.infra.backend import ClusterBackend, ClusterError, QuarantineRefused
 from lazarus.infra.ownership import NotOwner, StillActing
@@ -156,6 +156,9 @@ class RecoveryActivities:
             )
             await self.failpoints.reach("detect.after_fault")
         progress = progress_of(verdict, now)
+        if fault is not None:
+            warned = await in_thread(last_warnings, self.cluster, request.run_id, request.incarnation)
+            progress.warnings = [*progress.warnings, *(w for w in warned if w not in progress.warnings)]
         return DetectResult(fault=fault, completed=verdict.completed, progress=progress, capacity=capacity)
 
     @activity.defn(name="drain")

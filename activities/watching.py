@@ -18,6 +18,7 @@ from lazarus.activities.health import Verdict
 from lazarus.activities.pace import LEARNING_LOOK_SECONDS, STEADY_LOOK_SECONDS, Pace
 from lazarus.activities.running import heartbeat, heartbeat_spacing, in_thread, look, look_in_thread, since_heartbeat
 from lazarus.infra.backend import ClusterBackend
+from lazarus.schema.contract import ContractError, read_heartbeat
 from lazarus.schema.records import FaultKind, FaultReport, RankProgress
 from lazarus.schema.stacks import odd_ones_out, where_it_waited
 from lazarus.schema.stages import DetectInput
@@ -36,6 +37,24 @@ STACK_DUMPS_PER_STILL = 2
 """Dumps of the ranks' stacks taken over `stack_still_seconds` while the step stalls and they use
 CPU: a rank found still spans three, two intervals apart (each costs every rank a signal and a
 few milliseconds)."""
+
+
+def last_warnings(cluster: ClusterBackend, run_id: str, incarnation: int) -> list[str]:
+    """Every rank's warning in its own newest heartbeat, read once at a fault: a rank may have warned
+    a moment before the fault, after the node report the look read, and a node drained or lost
+    writes no report after it (a full disk's lost checkpoint went unheard so)."""
+    assignment = cluster.assignment(run_id, incarnation)
+    if assignment is None:
+        return []
+    run, found = cluster.run_dir(run_id), []
+    for rank in range(assignment.layout.world_size):
+        try:
+            beat = read_heartbeat(run, incarnation, rank)
+        except ContractError:  # torn or not a heartbeat: the look judged what it could read
+            continue
+        if beat is not None and beat.warning and beat.warning not in found:
+            found.append(beat.warning)
+    return found
 
 
 def progress_of(verdict: Verdict, now: float) -> RankProgress:
