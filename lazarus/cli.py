@@ -113,18 +113,12 @@ def _failed(prog: str, error: Exception, settings: Settings) -> int:
     if line is None:
         traceback.print_exception(error)
     else:
-        hint = foreign_server(settings)
+        from lazarus.infra.harness.temporal_server import foreign_dev_server
+
+        # A server another home left on this address may have lost its state: an orphan keeps answering.
+        hint = foreign_dev_server(settings.home, settings.address)
         print(f"{prog}: error: {one_line(line)}{f'; {hint}' if hint else ''}", file=sys.stderr)
     return 1
-
-
-def foreign_server(settings: Settings) -> str | None:
-    """Where the configured address is this machine's and a dev server another home started serves
-    it, a line that says so (it may have lost its state: an orphan keeps answering)."""
-    from lazarus.infra.harness.temporal_server import foreign_dev_server, split_address
-
-    host, port = split_address(settings.address)
-    return foreign_dev_server(settings.home, port) if host in ("127.0.0.1", "localhost") else None
 
 
 if __name__ == "__main__":

@@ -207,17 +207,20 @@ def record_server(state_dir: Path, pid: int, port: int, ui_port: int) -> None:
     (state_dir / "server.pid").write_text(f"{pid}\n{port}\n{ui_port}\n")
 
 
+def recorded_server(state_dir: Path) -> int | None:
+    """The pid of the home's dev server as recorded (state_dir/server.pid); None when none is."""
+    try:
+        return int((state_dir / "server.pid").read_text().split()[0])
+    except (FileNotFoundError, ValueError, IndexError):
+        return None
+
+
 def forget_server(state_dir: Path, pid: int) -> bool:
     """Remove the home's record of dev server `pid`; False when it no longer names that server
     (`lazarus server --stop` removed it, or another server was recorded since)."""
-    pid_file = state_dir / "server.pid"
-    try:
-        recorded = int(pid_file.read_text().split()[0])
-    except (FileNotFoundError, ValueError, IndexError):
+    if recorded_server(state_dir) != pid:
         return False
-    if recorded != pid:
-        return False
-    pid_file.unlink(missing_ok=True)
+    (state_dir / "server.pid").unlink(missing_ok=True)
     return True
 
 
@@ -261,17 +264,17 @@ def listening_pid(port: int) -> int | None:
     return None
 
 
-def foreign_dev_server(home: Path, port: int) -> str | None:
-    """Of a Temporal dev server on 127.0.0.1:`port` that `home` did not start (its server.pid names
-    another process, or none): one line naming its pid and its state file, and how to stop it; None
-    when it is the home's, or no dev server is told there. A server left over from another home
-    answers this home's clients as if it were theirs."""
-    pid = listening_pid(port)
-    if pid is None:
+def foreign_dev_server(home: Path, address: str) -> str | None:
+    """Of a Temporal dev server on `address`, this machine's, that `home` did not start (its
+    server.pid names another process, or none): one line naming its pid and its state file, and how
+    to stop it; None when it is the home's, the address is another machine's, or no dev server is
+    told there. A server left over from another home answers this home's clients as theirs."""
+    host, port = split_address(address)
+    if host not in ("127.0.0.1", "localhost"):
         return None
-    with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
-        if int((home / "server.pid").read_text().split()[0]) == pid:
-            return None
+    pid = listening_pid(port)
+    if pid is None or recorded_server(home) == pid:
+        return None
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
@@ -291,9 +294,8 @@ def foreign_dev_server(home: Path, port: int) -> str | None:
 def stop_detached(state_dir: Path) -> int | None:
     """Stop the dev server recorded in state_dir/server.pid; returns its pid, None if none was recorded."""
     pid_file = state_dir / "server.pid"
-    try:
-        pid = int(pid_file.read_text().split()[0])
-    except (FileNotFoundError, ValueError, IndexError):
+    pid = recorded_server(state_dir)
+    if pid is None:
         return None
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

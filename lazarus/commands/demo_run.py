@@ -48,7 +48,7 @@ async def ensure_server(settings: Settings, say) -> None:
     """Use the Temporal server at the configured address; start a local dev server if none answers."""
     host, port = split_address(settings.address)
     if port_answers(host, port):
-        foreign = foreign_dev_server(settings.home, port) if host in ("127.0.0.1", "localhost") else None
+        foreign = foreign_dev_server(settings.home, settings.address)
         if foreign:
             say(f"using the server that answers on {settings.address}; {foreign}")
         return

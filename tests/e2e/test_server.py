@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from lazarus.cli import foreign_server
 from lazarus.client.config import Settings
 from lazarus.client.runs import connect, has_search_attributes
 from lazarus.infra.backend import free_ports
@@ -134,15 +133,14 @@ def test_a_dev_server_of_another_home_is_named_with_its_state_and_how_to_stop_it
     theirs, ours = tmp_path / "theirs", tmp_path / "ours"
     pid = start_detached(theirs, port, ui_port)
     try:
-        assert foreign_dev_server(theirs, port) is None  # its own home's server
-        assert foreign_dev_server(ours, port) == (
+        assert foreign_dev_server(theirs, f"127.0.0.1:{port}") is None  # its own home's server
+        assert foreign_dev_server(ours, f"127.0.0.1:{port}") == (
             f"the Temporal dev server on 127.0.0.1:{port} (pid {pid}, its state in {theirs / 'temporal.db'}) is not "
             f"this home's ({ours}): stop it (`kill {pid}`) or point LAZARUS_TEMPORAL_ADDRESS elsewhere"
         )
-        # What a command that met an error there adds to its line (lazarus.cli._failed).
-        assert foreign_server(Settings(address=f"localhost:{port}", home=ours)) == foreign_dev_server(ours, port)
+        assert foreign_dev_server(ours, f"localhost:{port}") == foreign_dev_server(ours, f"127.0.0.1:{port}")
+        assert foreign_dev_server(ours, f"10.0.0.1:{port}") is None  # another machine's: not told
         (theirs / "temporal.db").unlink()  # its home deleted under it, as an orphan's often is
-        assert ", which no longer exists) is not this home's" in foreign_dev_server(ours, port)
+        assert ", which no longer exists) is not this home's" in foreign_dev_server(ours, f"127.0.0.1:{port}")
     finally:
         assert stop_detached(theirs) == pid
-    assert foreign_dev_server(ours, port) is None  # nothing listens there now

@@ -14,12 +14,12 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from lazarus import cli
 from lazarus.commands import common, controls, runs
-from lazarus.infra.backend import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-ADDRESS = f"127.0.0.1:{free_port()}"
-"""A port nothing listens on: the CLI names a dev server of another home found on the address
-(tests/e2e/test_server.py), which would add to the lines these tests compare."""
+ADDRESS = "temporal.invalid:7233"
+"""Never contacted (the tests replace the client's connect), and not this machine's: on a loopback
+address the CLI would name a dev server of another home found there (tests/e2e/test_server.py), as
+one another test started on a free port may be, and add that to the lines these tests compare."""
 
 
 def test_an_rpc_error_is_one_line_naming_the_server_and_its_answer():
