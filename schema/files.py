@@ -84,6 +84,14 @@ def lock_is_held(path: Path) -> bool:
     return struct.unpack(_WHOLE_FILE, answer)[0] != fcntl.F_UNLCK
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, D, T, Z...); None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def process_start_time(pid: int) -> int | None:
     """Kernel start time of a process (clock ticks since boot), None if it is gone.
 

@@ -15,6 +15,7 @@ from lazarus.client.config import Settings
 from lazarus.client.runs import connect, has_search_attributes
 from lazarus.infra.backend import free_ports
 from lazarus.infra.harness.temporal_server import foreign_dev_server, port_answers, start_detached, stop_detached
+from lazarus.schema.files import process_state
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
@@ -99,10 +100,7 @@ def test_a_foreground_server_whose_command_is_killed_ends_too(tmp_path):
 
 
 def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return process_state(pid) in (None, "Z")
 
 
 def test_a_worker_whose_server_is_gone_ends_on_sigterm(tmp_path):

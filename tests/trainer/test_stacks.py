@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from lazarus.infra.backends.local.cluster import LocalCluster
-from lazarus.schema.files import process_start_time, read_json
+from lazarus.schema.files import process_start_time, process_state, read_json
 from lazarus.schema.stacks import NO_DUMP, no_dump_reason, where_it_waited
 from lazarus.trainer.agent.stack_dump import registered_process, with_dump_hook
-from lazarus.trainer.agent.stacks import process_state, signal_for_stacks
+from lazarus.trainer.agent.stacks import signal_for_stacks
 from tests.support.backends import launch_two_ranks
 from tests.support.waiting import wait_until
 

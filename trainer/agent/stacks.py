@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from lazarus.schema.files import process_start_time
+from lazarus.schema.files import process_start_time, process_state
 from lazarus.schema.rundir import RunDir
 from lazarus.schema.stacks import NO_DUMP, read_stack_request
 from lazarus.trainer.agent.stack_dump import registered_process
@@ -47,18 +47,9 @@ def catches(pid: int, signum: int) -> bool:
     return False
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of /proc/PID/stat (R, S, D, T, Z...); None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
 def unanswering(stacks_file) -> tuple[int, str] | None:
-    """The process that registered `stacks_file` and why it cannot dump now (UNANSWERING_STATES);
-    None when it can (or is gone, or is another process now)."""
+    """The process that registered `stacks_file` and its state, where that lets it dump no stacks
+    now (UNANSWERING_STATES); None when it can (or is gone, or is another process now)."""
     registered = registered_process(stacks_file)
     if registered is None:
         return None
@@ -66,14 +57,16 @@ def unanswering(stacks_file) -> tuple[int, str] | None:
     state = process_state(pid)
     if state not in UNANSWERING_STATES or process_start_time(pid) != start_time:
         return None
-    return pid, f"{state}: {UNANSWERING_STATES[state]}"
+    return pid, state
 
 
-def note_no_dump(stacks_file, pid: int, why: str) -> None:
+def note_no_dump(stacks_file, pid: int, state: str) -> None:
     """Append the note that takes the place of a dump (schema/stacks.py NO_DUMP): one write, in
     append mode, as the process's own dumps are."""
     with open(stacks_file, "a") as stacks:
-        stacks.write(f"{NO_DUMP}its process (pid {pid}) is {why}; it cannot dump its stacks now\n")
+        stacks.write(
+            f"{NO_DUMP}its process (pid {pid}) is {state}: {UNANSWERING_STATES[state]}; it cannot dump its stacks now\n"
+        )
 
 
 def signal_for_stacks(stacks_file) -> bool:
@@ -125,7 +118,7 @@ class StackOrders:
             if cannot is not None:
                 note_no_dump(stacks_file, *cannot)
                 noted.append(rank)
-                if not cannot[1].startswith("D"):
+                if cannot[1] != "D":
                     continue
             if signal_for_stacks(stacks_file):
                 signalled.append(rank)
