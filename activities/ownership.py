@@ -125,8 +125,20 @@ def take_over_run(cluster: ClusterBackend, request: TakeOverInput, wait_seconds:
     newest = incarnations[-1]
     result.assignment = cluster.assignment(request.run_id, newest)
     result.launched = read_launch(run, newest) is not None
+    if not result.launched and len(incarnations) > 1:
+        _stop_the_one_before(cluster, request.run_id, incarnations[-2])
     result.ended = run.ended_file(newest).exists()
     result.stopped = run.stop_file(newest).exists()
     if result.launched and not result.ended:
         result.step = cluster.observe(request.run_id, newest).newest_step()
     return result
+
+
+def _stop_the_one_before(cluster: ClusterBackend, run_id: str, incarnation: int) -> None:
+    """The newest incarnation is claimed but not started; the one before it may still run: a regrow
+    claims its nodes before it stops the ranks (workflows/regrow.py), and a recovery that keeps its
+    survivors ends them only when they rejoin. The new owner starts the newest from what was saved,
+    so the one before is stopped first: two incarnations never train at once."""
+    run = cluster.run_dir(run_id)
+    if read_launch(run, incarnation) is not None and not run.ended_file(incarnation).exists():
+        cluster.stop_incarnation(run_id, incarnation)

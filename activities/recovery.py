@@ -187,12 +187,22 @@ class RecoveryActivities:
     @timed("reschedule")
     @owned
     async def reschedule(self, request: RescheduleInput) -> Inventory:
-        """The run's inventory: which spares are free, which nodes are quarantined. An execution from
+        """The run's inventory: which spares are free, which nodes are quarantined, and the next
+        incarnation's claim where an earlier attempt of the stages made it. An execution from
         before the workflow gathered on its own timer asks it to wait here for the runs that failed
         with its own (activities/gathering.py)."""
         inventory = await gathered(self.cluster, request)
+        if request.incarnation is not None:
+            inventory.claimed = await in_thread(
+                self.cluster.claimed_assignment, request.run_id, request.incarnation + 1
+            )
         await self.failpoints.reach("reschedule.after_inventory")
-        await self._note(request.run_id, "rescheduled", f"free spares: {', '.join(inventory.free_spares()) or 'none'}")
+        said = f"free spares: {', '.join(inventory.free_spares()) or 'none'}"
+        if inventory.claimed is not None:
+            said += (
+                f"; incarnation {inventory.claimed.incarnation} claimed already: {', '.join(inventory.claimed.nodes)}"
+            )
+        await self._note(request.run_id, "rescheduled", said)
         return inventory
 
     @activity.defn(name="replace_or_reshard")

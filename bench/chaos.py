@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import perf_page
 from lazarus.chaos.judge import train_without_fault
+from lazarus.chaos.pool_race import RACE_ROW, race_row
 from lazarus.chaos.run import run_scenario
 from lazarus.chaos.scenarios import BY_NAME, SCENARIOS
 from lazarus.commands.demo_run import DEFAULT_SPEC, default_kill_step
@@ -52,6 +53,10 @@ more than once, how many spares were claimed (and claimed twice), how many compl
 recovery lost, whether the losses equal those of the same spec trained without a fault (bit for
 bit; within 1e-4 relative after a reshard), each incident's MTTR (the fault to the first new
 training step) and what each recovery restored from. *passed* holds all of that at once."""
+RACE_WHAT = (
+    "two runs of the spec on two nodes each lose a node at once, one spare between them: the one of higher "
+    "priority replaces, the other reshards and grows back into the first's returned node"
+)
 COLUMNS = ["recovered", "incidents", "new_incarnations", "duplicate_starts", "spares_claimed", "double_claims"]
 
 
@@ -83,9 +88,10 @@ def parse_args() -> argparse.Namespace:
     if args.list:
         for scenario in SCENARIOS:
             print(f"{scenario.name:28} {scenario.what}")
+        print(f"{RACE_ROW:28} {RACE_WHAT}")
         raise SystemExit(0)
-    names = [n.strip() for n in args.only.split(",")] if args.only else [s.name for s in SCENARIOS]
-    unknown = [n for n in names if n not in BY_NAME]
+    names = [n.strip() for n in args.only.split(",")] if args.only else [*(s.name for s in SCENARIOS), RACE_ROW]
+    unknown = [n for n in names if n not in BY_NAME and n != RACE_ROW]
     if unknown:
         parser.error(f"--only: no scenario {', '.join(unknown)} (bench/chaos.py --list shows them)")
     if args.repeat < 1:
@@ -101,13 +107,19 @@ async def matrix(args: argparse.Namespace, spec, kill_at: int, root: Path, say, 
     reference = await asyncio.to_thread(train_without_fault, root / "reference", spec)
     rows = []
     for i, name in enumerate(args.names, 1):
-        scenario = BY_NAME[name]
-        say(f"[{i}/{len(args.names)}] {name}: {scenario.what}")
-        try:
-            row = await run_scenario(scenario, root / f"{name}-{i}", spec, kill_at, reference, slurm=slurm)
-        finally:
+        what = RACE_WHAT if name == RACE_ROW else BY_NAME[name].what
+        say(f"[{i}/{len(args.names)}] {name}: {what}")
+        if name == RACE_ROW:
             if slurm is not None:
-                slurm.reset()  # every node up and free for the next scenario
+                say("    skipped: the race runs on the local backend")
+                continue
+            row = await race_row(root / f"{name}-{i}", spec)
+        else:
+            try:
+                row = await run_scenario(BY_NAME[name], root / f"{name}-{i}", spec, kill_at, reference, slurm=slurm)
+            finally:
+                if slurm is not None:
+                    slurm.reset()  # every node up and free for the next scenario
         say(f"    {'passed' if row.passed else 'FAILED'} in {row.seconds:.0f} s; MTTR {row.mttr_seconds} {row.notes}")
         rows.append(row.as_dict())
     return rows

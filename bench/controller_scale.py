@@ -23,8 +23,9 @@ SIGKILLed once half the faults have landed. Printed:
   fault->first step  the MTTR of the simulated recovery: median, p99 (the simulated ranks take
                      0.55 s from launch to their first step)
   watch cost         the workers' CPU per healthy run per minute, and all of them as a share of a core
-  exactly once       every run recovered from its one incident once, to one new incarnation, and
-                     no node is held by two runs
+  exactly once       every run recovered from its one incident once, to one new incarnation
+                     (the one its decision named), and no node is held by two runs
+  needless reshards  incidents resharded though the pool held a spare for every run
 --issue runs the fleet's sittings, one after another, into one page: one run alone, 200 and 1,000
 runs on one worker (SQLite), 200 on four workers with homes of their own and a PostgreSQL store, one
 SIGKILLed mid-burst, and a rack across 200 runs.
@@ -83,8 +84,9 @@ took, first to last, the pace the controller kept against the faults' pace (faul
 span from first fault to last); *fault report -> replace decision* runs from detect's report to
 replace_or_reshard's end as the workflow records it; *fault -> first step* is the simulated
 recovery's MTTR (it includes the simulated ranks' 0.55 s from launch to their first step);
-*exactly once*: every run recovered from its one incident once, into one new incarnation, and no
-node is held by two runs."""
+*exactly once*: every run recovered from its one incident once, into one new incarnation (the one
+its decision named), and no node is held by two runs; with a spare for every run, a reshard is a
+needless one."""
 
 SPEC = {
     "name": "scale",
@@ -409,10 +411,16 @@ def check_exactly_once(home: Path, store: str, ids: list[str], statuses) -> list
         outcomes = [i.outcome for i in status.incidents]
         if outcomes != ["recovered"]:
             problems.append(f"{run_id}: incidents {outcomes}")
+        for incident in status.incidents:
+            decided, claimed = incident.decision, incident.new_assignment
+            if decided and claimed and (decided.nodes, decided.layout) != (claimed.nodes, claimed.layout):
+                problems.append(f"{run_id}: decided {decided.action} on {decided.nodes}, claimed {claimed.nodes}")
         incarnations = RunDir(home / "runs" / run_id).incarnations()
-        # A run that resharded when its claim lost a race grows back once a spare is free: a regrow.
-        if incarnations != list(range(2 + len(status.regrowths))):
-            problems.append(f"{run_id}: incarnations {incarnations} (regrows: {len(status.regrowths)})")
+        # A run that resharded grows back once a spare is free: a regrow, one incarnation once it
+        # claimed its nodes (a regrow whose claim another run won trains on: none).
+        claimed = [g for g in status.regrowths if g.nodes and (s := g.stages.get("replace_or_reshard")) and s.ended_at]
+        if incarnations != list(range(2 + len(claimed))):
+            problems.append(f"{run_id}: incarnations {incarnations} (regrows that claimed: {len(claimed)})")
         if status.state in (RunState.FAILED, RunState.ABORTED, RunState.COMPLETED):
             continue
         for node in status.assignment.nodes:
@@ -423,6 +431,29 @@ def check_exactly_once(home: Path, store: str, ids: list[str], statuses) -> list
             if held is None or held.role != "active" or held.owner != run_id:
                 problems.append(f"{node} of {run_id}'s assignment is {held and held.role} of {held and held.owner}")
     return problems
+
+
+async def histories_of(client, ids: list[str]) -> list[list]:
+    """The first workflow run's history events of each run."""
+    gate = asyncio.Semaphore(20)
+
+    async def one(run_id: str) -> list:
+        async with gate:
+            return (await chain_histories(client, run_id))[0]
+
+    return await asyncio.gather(*(one(run_id) for run_id in ids))
+
+
+def workflow_task_timeouts(events) -> int:
+    """Workflow tasks of one history that a worker took and did not finish in time (start to close):
+    each ran its local stages again. A sticky queue's schedule-to-start timeout is not one."""
+    from temporalio.api.enums.v1 import EventType, TimeoutType
+
+    return sum(
+        e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT
+        and e.workflow_task_timed_out_event_attributes.timeout_type == TimeoutType.TIMEOUT_TYPE_START_TO_CLOSE
+        for e in events
+    )
 
 
 async def statuses_of(client, ids: list[str]):
@@ -499,7 +530,9 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say, keep
             if failed:
                 say(f"  {failed[0].run_id}'s last activity: {await last_activity(env.client, failed[0].run_id)}")
             problems = check_exactly_once(home, store, [s.run_id for s in done], done)
-            histories = [(await chain_histories(env.client, run_id))[0] for run_id in hit[:50]]
+            histories = await histories_of(env.client, hit)
+            task_timeouts = sum(workflow_task_timeouts(events) for events in histories)
+            say(f"  workflow tasks timed out (the stages ran again): {task_timeouts}")
             logging.getLogger("temporalio").setLevel(logging.CRITICAL)  # terminating cancels every watch
             for status in statuses:
                 if status.state not in (RunState.FAILED, RunState.COMPLETED, RunState.ABORTED):
@@ -533,6 +566,8 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say, keep
         "failed_after_recovery": sum(s.state == RunState.FAILED for s in done),
         "failed_first": f"{failed[0].run_id}: {failed[0].reason}" if failed else "",
         "claims_refused": refused,
+        # One spare per run (not a rack's sitting): every reshard is one the pool did not call for.
+        "needless_reshards": None if sitting.rack else sum(i.decision.action == "reshard" for i in incidents),
         "worker_cpu_ms_per_incident": burst_cpu * 1000 / max(len(incidents), 1),
         # Faults that all came in one write (a rack) arrived at once: no rate.
         "arrival_per_s": (
@@ -547,7 +582,8 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say, keep
         "drained_s": drain_spread(incidents),
         "mttr_median_s": statistics.median(mttr),
         "mttr_p99_s": percentile(mttr, 99),
-        "events_per_incident": statistics.median([s[0] for s in map(incident_spans, histories) if s]),
+        "events_per_incident": statistics.median([s[0] for s in map(incident_spans, histories[:50]) if s]),
+        "workflow_task_timeouts": task_timeouts,
         "start_lag": lagged,
         "stage_activity_mean_s": {stage: timed[stage] for stage in DECISION_PATH if stage in timed},
         "spares_by_priority": by_priority,
@@ -657,6 +693,12 @@ def table(result: dict) -> perf_page.Table:
         ["all healthy runs' watch, share of one core", f"{result['watch_cores']:.1%}", None],
         ["worker CPU per incident, beyond the watch (ms)", f"{result['worker_cpu_ms_per_incident']:.0f}", None],
         ["claims refused (a spare taken by another run first; decided again)", f"{result['claims_refused']}", None],
+        *(
+            [["reshards with a spare for every run (needless)", f"{result['needless_reshards']}", None]]
+            if result.get("needless_reshards") is not None
+            else []
+        ),
+        ["workflow tasks timed out (their local stages ran again)", f"{result['workflow_task_timeouts']}", None],
         ["history events per incident", f"{result['events_per_incident']:.0f}", None],
         ["exactly once (incidents, incarnations, claims)", "yes" if result["exactly_once"] else "NO", None],
         *(

@@ -188,6 +188,11 @@ class ClusterBackend(Protocol):
         """The recorded assignment of an incarnation, if any."""
         ...
 
+    def claimed_assignment(self, run_id: str, incarnation: int) -> Assignment | None:
+        """The incarnation's assignment if its nodes were claimed (commit_assignment), even by an
+        attempt that died before recording it anywhere else; None when nothing claimed them."""
+        ...
+
     def rendezvous_port(self, run_id: str) -> int:
         """The port rank 0's store of the run's next incarnation listens on."""
         ...

@@ -208,6 +208,14 @@ class NodePool:
                 )
             return recorded
 
+    def claimed(self, run_id: str, incarnation: int) -> Assignment | None:
+        """The assignment recorded with the run's claim for the incarnation; None when none was made."""
+        with self.store.read() as tx:
+            row = tx.one(
+                "SELECT assignment FROM run_claims WHERE run_id = ? AND incarnation = ?", (run_id, incarnation)
+            )
+        return None if row is None else Assignment.model_validate_json(row[0])
+
     # --- what one run sees -------------------------------------------------------------------
 
     def inventory(self, run_id: str, allowance: int | None = None) -> Inventory:
@@ -238,7 +246,7 @@ class NodePool:
                 ("spare", node.note or "hot spare of the pool") if node.role == "free" else (node.role, node.note)
             )
             views.append(NodeRecord(name=node.name, role=role, healthy=node.healthy, died_at=node.died_at, note=note))
-        return Inventory(nodes=views, wants=wants, shared=shared, **counts)
+        return Inventory.model_validate({"nodes": views, "wants": wants, "shared": shared, **counts})
 
     def unhealthy(self, names: Sequence[str] | None = None) -> dict[str, datetime | None]:
         """The pool's dead nodes (of `names`, where given: a look asks of its run's nodes alone, however

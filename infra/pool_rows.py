@@ -72,12 +72,15 @@ def all_wants(tx: Transaction) -> list[SpareWant]:
 
 
 def lodge(tx: Transaction, wants: Iterable[SpareWant]) -> None:
-    """Lodge each want in place of its run's earlier one."""
+    """Lodge each want in place of its run's earlier one, unless that one is the same fault's and
+    placed: the stages ran again after their claim (a workflow task timed out in them), and their
+    need, lodged again unplaced, would make every run behind it count a spare it already holds."""
     tx.many(
         "INSERT INTO pool_wants (run_id, want, needed, placed, priority, lost_ranks, fault_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET want = excluded.want, "
         "needed = excluded.needed, placed = excluded.placed, priority = excluded.priority, "
-        "lost_ranks = excluded.lost_ranks, fault_at = excluded.fault_at",
+        "lost_ranks = excluded.lost_ranks, fault_at = excluded.fault_at "
+        "WHERE pool_wants.placed = 0 OR pool_wants.fault_at <> excluded.fault_at",
         [
             (w.run_id, w.model_dump_json(), w.needed, int(w.placed), w.priority, w.lost_ranks, iso(w.fault_at))
             for w in wants

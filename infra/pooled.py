@@ -101,6 +101,12 @@ class PooledRunFiles(RunFiles):
         """A free port of this machine: every incarnation's ranks run here."""
         return free_port()
 
+    def claimed_assignment(self, run_id: str, incarnation: int) -> Assignment | None:
+        """The incarnation's assignment as the pool recorded it with its claim (the file comes after;
+        a run claimed before the store kept claims has the file alone)."""
+        self._existing(run_id)
+        return self.pool.claimed(run_id, incarnation) or self.assignment(run_id, incarnation)
+
     def commit_assignment(
         self, run_id: str, assignment: Assignment, claims: Sequence[str] = (), releases: Sequence[str] = ()
     ) -> Assignment:

@@ -160,6 +160,10 @@ class RunFiles:
         write_json_atomic(run.spec_file, spec.model_dump(mode="json"))
         return run
 
+    def claimed_assignment(self, run_id: str, incarnation: int) -> Assignment | None:
+        """The incarnation's claimed assignment: here the claim and its record are one write."""
+        return self.assignment(run_id, incarnation)
+
     def assignment(self, run_id: str, incarnation: int) -> Assignment | None:
         """The recorded assignment of an incarnation, if any (written once: read once)."""
         known = self._assignments.get((run_id, incarnation))

@@ -87,6 +87,13 @@ class Inventory(Record):
         default=None,
         description="The nodes that failed together with the run's dead ones, where the pool tells (None: none did).",
     )
+    claimed: Assignment | None = Field(
+        default=None,
+        description=(
+            "The next incarnation's assignment, where an earlier execution of the same stages claimed its nodes "
+            "already (they ran again after a workflow task timeout or a worker's death): the decision is that one."
+        ),
+    )
 
     def free_spares(self) -> list[str]:
         """Healthy spare nodes, in name order (node-2 before node-10)."""

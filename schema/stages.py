@@ -153,6 +153,15 @@ class DrainResult(Record):
 class RescheduleInput(RunRequest):
     """Read the inventory for a recovery decision."""
 
+    incarnation: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "The incarnation the decision replaces: where its successor's nodes were claimed already, the inventory "
+            "carries that claim (Inventory.claimed). None: not asked (an execution from before it was)."
+        ),
+    )
+
     gather_seconds: float = Field(
         default=0.0,
         ge=0,

@@ -47,13 +47,13 @@ with workflow.unsafe.imports_passed_through():
         RunState,
         RunStatus,
     )
-    from lazarus.schema.stages import RescheduleInput, ReturnNodeInput, StopInput, StopResult
+    from lazarus.schema.stages import ReturnNodeInput, StopInput, StopResult
     from lazarus.schema.states import TERMINAL_STATES
     from lazarus.workflows.policy import nodes_for, plan_operator_reshard
 from lazarus.workflows import inputs
 from lazarus.workflows.inputs import expect
 from lazarus.workflows.run_parts import RunParts
-from lazarus.workflows.stage_calls import RunAborted, RunFailed, call_stage
+from lazarus.workflows.stage_calls import RunAborted, RunFailed, StageRefused, call_stage
 
 Request = TypeVar("Request", bound=ControlRequest)
 
@@ -357,14 +357,16 @@ class OperatorControls(RunParts):
     async def _reshard_now(self, pending: Pending[ReshardRequest]) -> bool:
         request, status = pending.request, self._status
         assert status.assignment is not None, "the run loop launches before it carries requests out"
-        reading = RescheduleInput(run_id=status.run_id)
-        inventory = await call_stage(self._policy, "reschedule", RecoveryActivities.reschedule, reading)
+        inventory = await call_stage(self._policy, "reschedule", RecoveryActivities.reschedule, self._reading())
         decision = plan_operator_reshard(inventory, status.assignment, request.dp, self._start.spec.layout.dp)
         if decision.action == "wait":
             return self._refuse(pending, decision.reason)
+        claimed = await self._claim_while_training(decision, "operator")
+        if isinstance(claimed, StageRefused):
+            return self._refuse(pending, f"{decision.reason}; at the claim, {claimed}: trained on; ask again")
         await self._stop_ranks(f"reshard to dp={request.dp}")
         status.wanted_dp = request.dp  # a regrow grows back to the operator's dp, not past it
-        done = await self._restart(decision)
+        done = await self._restart(decision, claimed)
         self._finish(pending, decision.reason)
         return done
 

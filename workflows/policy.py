@@ -93,6 +93,8 @@ def plan_recovery(
     replicas, the healthy nodes of broken replicas and the spares it may take can fill; healthy
     nodes left over go back to the pool. If not even min_dp fits, wait for capacity.
     """
+    if inventory.claimed is not None:
+        return plan_claimed(assignment, inventory.claimed, lost, target_dp)
     lost_set = set(lost) & set(assignment.nodes)
     lost_here = [node for node in assignment.nodes if node in lost_set]
     broken = broken_replicas(assignment, lost_set)
@@ -151,6 +153,41 @@ def _plan(assignment, lost_set, lost_here, broken, spares, target_dp, min_dp) ->
     )
 
 
+def plan_claimed(assignment: Assignment, claimed: Assignment, lost: list[str], target_dp: int) -> Decision:
+    """The decision an earlier execution of the same stages made and claimed (Inventory.claimed).
+    They ran again after a workflow task timeout or a worker's death; the pool now counts the
+    claimed nodes as the run's own, not as free spares, so deciding afresh would reshard a run whose
+    spare is in hand already (or pick another spare the claim never gets)."""
+    layout, lost_set = assignment.layout, set(lost) & set(assignment.nodes)
+    released = [n for n in assignment.nodes if n not in lost_set and n not in claimed.nodes]
+    again = f"incarnation {claimed.incarnation} was claimed on {', '.join(claimed.nodes)} before these stages ran again"
+    if claimed.layout != layout:
+        return Decision(
+            action="reshard",
+            layout=claimed.layout,
+            nodes=list(claimed.nodes),
+            lost_replicas=broken_replicas(assignment, lost_set),
+            released_nodes=released,
+            below_target_dp=claimed.layout.dp < target_dp,
+            reason=f"reshard dp {layout.dp} -> {claimed.layout.dp}: {again}",
+        )
+    replacements = {old: new for old, new in zip(assignment.nodes, claimed.nodes, strict=True) if old != new}
+    pairs = ", ".join(f"{old} -> {new}" for old, new in replacements.items())
+    kept = (
+        f"hot spare replaces lost node, world size {layout.world_size} kept ({pairs})" if pairs else "restart in place"
+    )
+    return Decision(
+        action="replace",
+        replacements=replacements,
+        layout=layout,
+        nodes=list(claimed.nodes),
+        lost_replicas=broken_replicas(assignment, lost_set),
+        released_nodes=released,
+        below_target_dp=layout.dp < target_dp,
+        reason=f"{kept}: {again}",
+    )
+
+
 def _replace_in_place(
     assignment: Assignment, lost_here: list[str], spares: list[str], broken: list[int], target_dp: int
 ) -> Decision:
@@ -198,6 +235,8 @@ def plan_operator_reshard(inventory: Inventory, assignment: Assignment, dp: int,
 
     Returns action "wait" (with the reason) when the nodes do not fit `dp`.
     """
+    if inventory.claimed is not None:
+        return plan_claimed(assignment, inventory.claimed, [], target_dp)
     layout = assignment.layout
     needed = nodes_for(layout, dp)
     pool = list(assignment.nodes) + inventory.free_spares()
@@ -235,6 +274,8 @@ def plan_regrow(inventory: Inventory, assignment: Assignment, wanted_dp: int, no
     """Grow to the largest dp <= `wanted_dp` that the run's nodes and the spares it may take fill:
     spares no other run's recovery needs (a recovery comes before a regrow), within `node_limit`.
     The run's nodes keep their places; the new ones come after. Action "wait" when none fits."""
+    if inventory.claimed is not None:
+        return plan_claimed(assignment, inventory.claimed, [], wanted_dp)
     layout = assignment.layout
     spares, contest = shared_spares(inventory, None, node_limit, needed=1)
     pool = list(assignment.nodes) + spares

@@ -1,5 +1,6 @@
 """Rescheduling a recovery: read the inventory until the policy can place the next incarnation,
-wait for capacity while it cannot (recovery.capacity_wait_seconds), then ask an operator.
+wait for capacity while it cannot (recovery.capacity_wait_seconds), then ask an operator; and
+claiming the decision's nodes (replace_or_reshard), for a recovery, a regrow or an operator.
 
 A mixin of TrainingRun, as the operator controls are (workflows/controls.py); the decision itself
 is the pure function of workflows/policy.py.
@@ -13,8 +14,8 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
     from lazarus.schema.controls import ApproveRequest
     from lazarus.schema.pool import SpareWant
-    from lazarus.schema.records import Decision, FaultReport, Incident, Inventory, RunState
-    from lazarus.schema.stages import RescheduleInput
+    from lazarus.schema.records import Assignment, Decision, FaultReport, Incident, Inventory, Regrowth, RunState
+    from lazarus.schema.stages import ReplaceInput, ResumeResult
     from lazarus.workflows.policy import batch_said, plan_recovery, spare_want
 from lazarus.workflows.run_parts import RunParts
 from lazarus.workflows.stage_calls import RunAborted, RunFailed
@@ -37,7 +38,8 @@ GATHER_POLL_SECONDS = 1.0
 
 
 class Rescheduling(RunParts):
-    """The reschedule stage of TrainingRun's recovery, with its capacity wait and escalation."""
+    """The reschedule stage of TrainingRun's recovery, with its capacity wait and escalation, and the
+    claim of what it decided."""
 
     async def _reschedule(self, incident: Incident, fault: FaultReport) -> Decision:
         """Read the inventory until the policy can place the next incarnation: without capacity,
@@ -48,8 +50,7 @@ class Rescheduling(RunParts):
         workflow.deprecate_patch(GATHER_PATCH)
         while True:
             self._check_abort()
-            reading = RescheduleInput(run_id=self._status.run_id)
-            inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, incident)
+            inventory = await self._stage("reschedule", RecoveryActivities.reschedule, self._reading(), incident)
             inventory = await self._gathered(inventory, incident)
             incident.shared = inventory.shared or incident.shared
             incident.decision = decision = self._plan(inventory, fault, min_dp)
@@ -67,6 +68,34 @@ class Rescheduling(RunParts):
             else:
                 capacity_until = waited + approval.wait_seconds
 
+    async def _replace_and_resume(
+        self,
+        decision: Decision,
+        incident: Incident | None,
+        fault_kind: str,
+        survivors_of: int | None = None,
+        timing: Regrowth | None = None,
+    ) -> ResumeResult:
+        """Replace-or-reshard and resume, for a fault's recovery (its incident records the stages) and
+        an operator's restart (no incident): claim the decision's nodes and write the next assignment,
+        start it from the newest complete checkpoint. TRAINING again unless a fault hit it first."""
+        self._enter(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
+        assignment = await self._claim(decision, fault_kind, incident if incident is not None else timing)
+        return await self._take_up(assignment, incident, survivors_of, timing)
+
+    async def _claim(self, decision: Decision, fault_kind: str, record: Incident | Regrowth | None) -> Assignment:
+        """The replace_or_reshard stage: claim the decision's nodes and record the next incarnation's
+        assignment (the stage timed on `record`)."""
+        status = self._status
+        assert status.assignment is not None, "the run loop launches before it replaces"
+        placing = ReplaceInput(
+            run_id=status.run_id,
+            decision=decision,
+            old_assignment=status.assignment,
+            fault_kind=fault_kind,
+        )
+        return await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard, placing, record)
+
     async def _gathered(self, inventory: Inventory, incident: Incident) -> Inventory:
         """The inventory once the runs hit with this one in its fault domain have drained (their
         needs of spares are then lodged, and the spares go by priority), read again every
@@ -80,8 +109,7 @@ class Rescheduling(RunParts):
             if (workflow.now() - started).total_seconds() >= limit:
                 break
             await workflow.sleep(GATHER_POLL_SECONDS)
-            reading = RescheduleInput(run_id=self._status.run_id)
-            inventory = await self._stage("reschedule", RecoveryActivities.reschedule, reading, incident)
+            inventory = await self._stage("reschedule", RecoveryActivities.reschedule, self._reading(), incident)
             now_undrained = len(inventory.shared.undrained) if inventory.shared else 0
             if now_undrained < undrained:
                 last_drain = workflow.now()

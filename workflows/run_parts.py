@@ -18,6 +18,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.schema.controls import ApproveRequest
     from lazarus.schema.policy import RecoveryPolicy
     from lazarus.schema.records import (
+        Assignment,
         Decision,
         FaultReport,
         Incident,
@@ -28,7 +29,8 @@ with workflow.unsafe.imports_passed_through():
         RunState,
         RunStatus,
     )
-    from lazarus.schema.stages import ResumeResult, StopResult
+    from lazarus.schema.stages import RescheduleInput, ResumeResult, StopResult
+from lazarus.workflows.stage_calls import StageRefused
 
 
 class RunParts:
@@ -52,6 +54,12 @@ class RunParts:
         assert policy is not None, "TrainingRun.__init__ sets it"
         return policy
 
+    def _reading(self) -> RescheduleInput:
+        """The reschedule stage's request: the run, and the incarnation its next claim would follow
+        (a claim made already is the decision: Inventory.claimed)."""
+        assignment = self._status.assignment
+        return RescheduleInput(run_id=self._status.run_id, incarnation=assignment and assignment.incarnation)
+
     def _enter(self, state: RunState) -> None:
         """Move the run to `state`, as the state machine allows (TrainingRun)."""
         raise NotImplementedError
@@ -72,11 +80,32 @@ class RunParts:
         survivors_of: int | None = None,
         timing: Regrowth | None = None,
     ) -> ResumeResult:
-        """Claim the decision's nodes and start the next incarnation (TrainingRun)."""
+        """Claim the decision's nodes and start the next incarnation (Rescheduling)."""
         raise NotImplementedError
 
-    async def _restart(self, decision: Decision) -> bool:
-        """Start the next incarnation on `decision`'s nodes; True when training is done (TrainingRun)."""
+    async def _claim(self, decision: Decision, fault_kind: str, record: Incident | Regrowth | None) -> Assignment:
+        """Claim the decision's nodes and record the next incarnation's assignment (Rescheduling)."""
+        raise NotImplementedError
+
+    async def _take_up(
+        self,
+        assignment: Assignment,
+        incident: Incident | None,
+        survivors_of: int | None = None,
+        timing: Regrowth | None = None,
+    ) -> ResumeResult:
+        """Make the claimed assignment the run's and start it (TrainingRun)."""
+        raise NotImplementedError
+
+    async def _claim_while_training(
+        self, decision: Decision, kind: str, timing: Regrowth | None = None
+    ) -> Assignment | StageRefused | None:
+        """Claim a growing layout's new nodes while the ranks train on (Regrowing)."""
+        raise NotImplementedError
+
+    async def _restart(self, decision: Decision, claimed: Assignment | None = None) -> bool:
+        """Start the next incarnation on `decision`'s nodes (claimed already: `claimed`); True when
+        training is done (TrainingRun)."""
         raise NotImplementedError
 
     async def _recover_all(self, fault: FaultReport) -> bool:

@@ -18,6 +18,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.activities.recovery import RecoveryActivities
     from lazarus.schema.faults import PLANNED_KINDS
     from lazarus.schema.records import (
+        Assignment,
         Decision,
         FaultReport,
         Incident,
@@ -32,7 +33,6 @@ with workflow.unsafe.imports_passed_through():
         DrainResult,
         LaunchInput,
         ReleaseInput,
-        ReplaceInput,
         ResumeInput,
         ResumeResult,
     )
@@ -344,30 +344,20 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
         keeps = self._policy.in_process and self._start.spec.trainer.saves_survivors
         return self._policy.boundary_grace_seconds if keeps and fault.kind in ("node_down", "rank_exit") else 0.0
 
-    async def _replace_and_resume(
+    async def _take_up(
         self,
-        decision: Decision,
+        assignment: Assignment,
         incident: Incident | None,
-        fault_kind: str,
         survivors_of: int | None = None,
         timing: Regrowth | None = None,
     ) -> ResumeResult:
-        """Replace-or-reshard and resume, for a fault's recovery (its incident records the stages) and
-        an operator's restart (no incident): claim the decision's nodes and write the next assignment,
-        start it from the newest complete checkpoint. TRAINING again unless a fault hit it first."""
+        """Make the claimed `assignment` the run's and start it (resume)."""
         status = self._status
-        assert status.assignment is not None, "the run loop launches before it replaces"
-        self._enter(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
-        placing = ReplaceInput(
-            run_id=status.run_id, decision=decision, old_assignment=status.assignment, fault_kind=fault_kind
-        )
-        record = incident if incident is not None else timing
-        assignment = await self._stage("replace_or_reshard", RecoveryActivities.replace_or_reshard, placing, record)
         status.assignment, status.layout = assignment, assignment.layout
         if incident is not None:
             incident.new_assignment = assignment
         fault_step = incident.fault.step if incident is not None else None
-        return await self._resume(assignment, record, fault_step, survivors_of)
+        return await self._resume(assignment, incident if incident is not None else timing, fault_step, survivors_of)
 
     async def _resume(self, assignment, record=None, fault_step=None, survivors_of=None) -> ResumeResult:
         """Start `assignment`'s incarnation (timed on `record`, an incident or a regrow): from what
@@ -390,10 +380,15 @@ class TrainingRun(OperatorControls, Rescheduling, Regrowing, TakingOver, Inciden
             self._enter(RunState.TRAINING)
         return resumed
 
-    async def _restart(self, decision: Decision) -> bool:
-        """An operator's restart (resume after a pause, reshard) on `decision`'s nodes; True when
-        training is done. A fault before the first step is recovered from next, by the run loop."""
-        resumed = await self._replace_and_resume(decision, None, fault_kind="operator")
+    async def _restart(self, decision: Decision, claimed: Assignment | None = None) -> bool:
+        """An operator's restart (resume after a pause, reshard) on `decision`'s nodes, or on the
+        assignment `claimed` for it already; True when training is done. A fault before the first
+        step is recovered from next, by the run loop."""
+        if claimed is None:
+            resumed = await self._replace_and_resume(decision, None, fault_kind="operator")
+        else:
+            self._enter(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
+            resumed = await self._take_up(claimed, None)
         self._next_fault = resumed.fault
         if resumed.fault is not None or resumed.completed:
             workflow.deprecate_patch(RESTART_PATCH)

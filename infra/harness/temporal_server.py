@@ -168,6 +168,7 @@ async def local_environment(
             # The UI's port rides on the environment for the tests that open it; the SDK's class has no such field.
             env.ui_port = ui_port if ui else None  # pyright: ignore[reportAttributeAccessIssue]
             return env
+    raise AssertionError("the last attempt returns or raises")
 
 
 PORT_ATTEMPTS = 3  # starts of the dev server on fresh ports before a test's server is given up

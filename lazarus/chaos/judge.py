@@ -164,6 +164,15 @@ def judge(
     row.checkpoints_lost = len(lost)
     if lost:
         row.notes.append(f"checkpoints lost: {lost}")
+    for incident in status.incidents:
+        decided, claimed = incident.decision, incident.new_assignment
+        if decided and claimed and (decided.nodes, decided.layout) != (claimed.nodes, claimed.layout):
+            # The stages ran again after the claim and decided afresh: the pool no longer showed the
+            # spare they had claimed as free (a workflow task timed out inside them).
+            row.notes.append(
+                f"FAIL incident {incident.number} decided {decided.action} on {', '.join(decided.nodes)}, "
+                f"but incarnation {claimed.incarnation} was claimed on {', '.join(claimed.nodes)}"
+            )
     late = late_commits(status, committed)
     if late:
         row.notes.append(f"FAIL checkpoints {late} committed by an incarnation after drain had ended it")

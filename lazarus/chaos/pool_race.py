@@ -14,16 +14,19 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from temporalio import activity
 from temporalio.client import Client
 
 from lazarus.activities.failpoints import Failpoints
 from lazarus.chaos.bed import POLL_SECONDS, ChaosError, wait_for
+from lazarus.chaos.judge import Row, judge, train_without_fault
 from lazarus.client.config import Settings
 from lazarus.client.runs import start_run
 from lazarus.infra.backend import ClusterBackend
 from lazarus.infra.backends.local.cluster import LocalCluster
+from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.schema import RunSpec, RunStatus, controls
 from lazarus.schema.contract import read_metrics
 from lazarus.schema.rundir import RunDir
@@ -118,3 +121,66 @@ async def race_for_one_spare(
         await a.execute_update(TrainingRun.return_node, returned)
         status = {"a": await a.result(), "b": await b.result()}
     return Race(ids, status, runs)
+
+
+RACE_ROW = "two-runs-one-spare"
+"""The chaos matrix's row of the race (bench/chaos.py): two runs of the matrix's spec, shrunk to
+two nodes each, lose a node at once with one spare between them."""
+
+
+def race_spec(spec: RunSpec) -> RunSpec:
+    """The matrix's spec for the race: dp 2 on two nodes of its own, one spare (local_pool's home)."""
+    data = spec.model_dump(mode="json")
+    data["layout"] |= {"dp": 2, "pp": 1, "dp_shard": 1, "tp": 1, "ranks_per_node": 1}
+    data["cluster"] |= {"backend": "local", "active_nodes": 2, "spare_nodes": 1}
+    data["faults"] = []
+    return RunSpec.model_validate(data)
+
+
+def judge_race(race: Race, spec: RunSpec, reference: dict[int, float]) -> Row:
+    """The race as one row: each run judged as a scenario's (no checkpoint watch: none counted lost),
+    and what the race must show: a (priority) replaced, b resharded and grew back once, no node in
+    both runs' assignments, no claim lost and retried."""
+    rows = {key: judge(f"{RACE_ROW}:{key}", spec, race.runs[key], race.status[key], reference, {}, {}) for key in "ab"}
+    row = Row(scenario=RACE_ROW, notes=[f"{key}: {note}" for key, r in rows.items() for note in r.notes])
+    row.state = "/".join(r.state for r in rows.values())
+    row.recovered = all(r.recovered for r in rows.values())
+    row.losses_equal = all(r.losses_equal for r in rows.values())
+    differences = [r.max_loss_difference for r in rows.values() if r.max_loss_difference is not None]
+    row.max_loss_difference = max(differences) if len(differences) == 2 else None
+    for name in ("incidents", "new_incarnations", "duplicate_starts", "spares_claimed", "double_claims"):
+        setattr(row, name, sum(getattr(r, name) for r in rows.values()))
+    row.mttr_seconds = [m for r in rows.values() for m in r.mttr_seconds]
+    row.restored_from = [f for r in rows.values() for f in r.restored_from]
+    a, b = race.status["a"], race.status["b"]
+    actions = [i.decision.action if i.decision else None for i in (*a.incidents, *b.incidents)]
+    if actions != ["replace", "reshard"]:
+        row.notes.append(f"FAIL decisions {actions}: a (priority 5) replaces, b reshards (one spare)")
+    if [(g.outcome, g.to_dp) for g in b.regrowths] != [("regrown", 2)]:
+        row.notes.append(f"FAIL b's regrows {[(g.outcome, g.to_dp) for g in b.regrowths]}: one, back to dp 2")
+    if race.runs["b"].incarnations() != [0, 1, 2] or race.runs["a"].incarnations() != [0, 1]:
+        row.notes.append(
+            f"FAIL incarnations a {race.runs['a'].incarnations()}, b {race.runs['b'].incarnations()}: "
+            "one per recovery and regrow"
+        )
+    shared = set(a.assignment.nodes) & set(b.assignment.nodes) if a.assignment and b.assignment else set()
+    row.double_claims += len(shared)
+    return row
+
+
+async def race_row(folder: Path, spec: RunSpec) -> Row:
+    """Run the race of the matrix's spec on a private dev server and a fresh home under `folder`."""
+    started = time.monotonic()
+    raced = race_spec(spec)
+    reference = await asyncio.to_thread(train_without_fault, folder / "reference", raced)
+    env = await local_environment()
+    try:
+        cluster = LocalCluster(folder / "home")
+        race = await race_for_one_spare(env.client, local_pool(cluster), raced, priority_a=5)
+    except ChaosError as error:
+        return Row(scenario=RACE_ROW, notes=[f"FAIL {error}"], seconds=round(time.monotonic() - started, 1))
+    finally:
+        await env.shutdown()
+    row = judge_race(race, raced, reference)
+    row.seconds = round(time.monotonic() - started, 1)
+    return row

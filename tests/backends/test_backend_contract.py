@@ -7,12 +7,18 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from datetime import UTC, datetime
 
 import pytest
 
+from lazarus.activities.ownership import take_over_run
 from lazarus.infra.backend import ClusterBackend, ClusterError
+from lazarus.schema import FaultReport
 from lazarus.schema.contract import SurvivorManifest, write_survivor
+from lazarus.schema.ownership import Owner
 from lazarus.schema.rundir import commit_checkpoint
+from lazarus.schema.stages import TakeOverInput
+from lazarus.workflows.policy import plan_recovery, spare_want
 from tests.support.backends import every_rank_training
 from tests.support.waiting import wait_until
 
@@ -78,6 +84,30 @@ def test_a_spare_is_claimed_exactly_once_and_leftovers_go_back(backend):
     shrunk = first.model_copy(update={"incarnation": 2, "nodes": [spare]})
     backend.cluster.commit_assignment("r1", shrunk, releases=[backend.active[0]])
     assert backend.cluster.inventory("r1").free_spares() == [backend.active[0]]
+
+
+def test_stages_that_ran_again_after_their_claim_find_it_and_decide_as_it(backend):
+    """A workflow task timed out after replace_or_reshard claimed: drain lodges the fault's need again,
+    reschedule reads the inventory, and the claim made is what the policy decides."""
+    old = backend.launch("r1")
+    lost, spare = backend.active[1], backend.spares[0]
+    now = datetime.now(UTC)
+    fault = FaultReport(kind="node_down", nodes=[lost], incarnation=0, occurred_at=now, detected_at=now, step=3)
+    need = spare_want("r1", old, fault, priority=0)
+    backend.cluster.want_spares("r1", need)
+    backend.cluster.quarantine("r1", [lost], "test: node_down")
+    assert backend.cluster.claimed_assignment("r1", 1) is None
+    decided = plan_recovery(backend.cluster.inventory("r1"), old, [lost], target_dp=2, min_dp=1)
+    proposal = old.model_copy(update={"incarnation": 1, "nodes": decided.nodes})
+    claimed = backend.cluster.commit_assignment("r1", proposal, claims=[spare])
+    assert backend.lodged_want("r1").placed
+    backend.cluster.want_spares("r1", need)  # the stages again
+    assert backend.lodged_want("r1").placed  # a need met: no other run counts it as open
+    inventory = backend.cluster.inventory("r1")
+    inventory.claimed = backend.cluster.claimed_assignment("r1", 1)
+    assert inventory.claimed == claimed and inventory.free_spares() == []
+    again = plan_recovery(inventory, old, [lost], target_dp=2, min_dp=1)
+    assert (again.action, again.nodes, again.replacements) == ("replace", claimed.nodes, {lost: spare})
 
 
 def test_quarantine_holds_a_node_out_until_it_is_returned(backend):
@@ -194,3 +224,20 @@ def test_stages_are_recorded_where_the_cluster_shows_them_without_failing(backen
     backend.cluster.record_stage("r1", "drained", "stopped incarnation 0")
     backend.cluster.release_standbys("r1")
     assert backend.cluster.records_stages == (backend.name == "kubernetes")
+
+
+def test_a_take_over_between_a_regrow_s_claim_and_its_stop_stops_the_training_incarnation(local_backend):
+    """A regrow claims incarnation 1 while incarnation 0 trains, and the workflow is reset before its
+    ranks stop: the new owner finds 1 claimed and not started, and 0 stopped, so that the two never
+    train at once."""
+    old = local_backend.launch("r1")
+    every_rank_training(local_backend, "r1")
+    grown = old.model_copy(update={"incarnation": 1, "nodes": [*old.nodes, local_backend.spares[0]]})
+    local_backend.cluster.commit_assignment("r1", grown, claims=[local_backend.spares[0]])
+    assert sum(r.alive for r in local_backend.cluster.observe("r1", 0).ranks) == 2
+    owner = Owner(workflow_id="r1", execution="reset-1", lineage="first")
+    taking = TakeOverInput(run_id="r1", owner=owner, previous=None, kind="adopt")
+    found = take_over_run(local_backend.cluster, taking, wait_seconds=1.0)
+    assert found.assignment == grown and not found.launched
+    assert not any(r.alive for r in local_backend.cluster.observe("r1", 0).ranks)
+    assert local_backend.cluster.run_dir("r1").ended_file(0).exists()

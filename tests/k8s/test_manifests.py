@@ -117,7 +117,9 @@ def drive_every_method(harness: Harness) -> set[str]:
     assert cluster.assignment("r1", 0) == old and cluster.run_dir("r1").root.is_dir()
     new = old.model_copy(update={"incarnation": 1, "nodes": [harness.active[0], spare]})
     assert cluster.vet_spare("r1", spare) is None  # no health agent marks it sick
-    cluster.commit_assignment("r1", new, claims=[spare])
+    assert cluster.claimed_assignment("r1", 1) is None
+    recorded = cluster.commit_assignment("r1", new, claims=[spare])
+    assert cluster.claimed_assignment("r1", 1) == recorded  # what stages that ran again decide on
     with pytest.raises(ClusterError, match="restarts every rank"):  # survivors keep no process here
         cluster.rejoin_ranks("r1", 1, 3, Rejoin(incarnation=0, ranks=[0], source_replica=0))
     cluster.log_tail("r1", 0, 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lazarus.infra.backend import ClusterBackend
 from lazarus.schema import Assignment, RunSpec, parse_spec
+from lazarus.schema.pool import SpareWant
 from tests.support.waiting import wait_until
 
 RANK = Path(__file__).resolve().parent / "rank.py"
@@ -41,6 +42,19 @@ class Harness:
                 "cluster": cluster,
             }
         )
+
+    def lodged_want(self, run_id: str) -> SpareWant | None:
+        """The run's need of spares as the backend keeps it for the other runs to read."""
+        wants = getattr(self.cluster, "wants", None)
+        if wants is not None:  # Kubernetes: on the run's ConfigMap, read by the pool's other runs
+            namespace, pool = (
+                self.cluster_section["kubernetes"]["namespace"],
+                self.cluster_section["kubernetes"]["pool"],
+            )
+            lodged = wants.others(namespace, pool, "")
+        else:  # the pool's store
+            lodged = self.cluster.pool.read().wants  # pyright: ignore[reportAttributeAccessIssue]
+        return next((w for w in lodged if w.run_id == run_id), None)
 
     def launch(self, run_id: str, spec: RunSpec | None = None) -> Assignment:
         """What the launch activity does: create the run, assign its active nodes, start incarnation 0."""

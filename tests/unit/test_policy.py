@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from lazarus.schema import Assignment, Inventory, Layout, NodeRecord
-from lazarus.workflows.policy import nodes_for, plan_recovery
+from lazarus.workflows.policy import nodes_for, plan_claimed, plan_recovery
 
 
 def world(layout: Layout, spares: int, dead_spares: int = 0) -> tuple[Inventory, Assignment]:
@@ -143,3 +143,33 @@ def test_global_batch_kept_is_said_only_where_lazarus_keeps_it():
     assert batch_said(reshard, lazarus_keeps_batch=True) == reshard
     said = batch_said(reshard, lazarus_keeps_batch=False).reason
     assert said == "reshard dp 4 -> 2 (the script's own arithmetic decides its global batch)"
+
+
+DECIDED = ("action", "nodes", "layout", "replacements", "released_nodes", "lost_replicas", "below_target_dp")
+
+
+@given(layout=layouts, spares=st.integers(0, 4), data=st.data())
+def test_a_claim_made_before_the_stages_ran_again_is_the_decision_again(layout, spares, data):
+    """After a workflow task timed out inside the stages, they run again on a pool that holds the
+    spare they claimed as the run's own: the decision is still the one the claim carried out."""
+    inventory, assignment = world(layout, spares)
+    lost = data.draw(st.lists(st.sampled_from(assignment.nodes), unique=True))
+    first = plan_recovery(inventory, assignment, lost, target_dp=layout.dp, min_dp=1)
+    assume(first.action != "wait")
+    claimed = Assignment(incarnation=1, nodes=first.nodes, layout=first.layout, master_port=2)
+    again = plan_claimed(assignment, claimed, lost, target_dp=layout.dp)
+    assert {f: getattr(again, f) for f in DECIDED} == {f: getattr(first, f) for f in DECIDED}
+    assert "before these stages ran again" in again.reason
+
+
+def test_deciding_afresh_after_the_claim_would_reshard_a_run_whose_spare_is_in_hand():
+    """Why the claim is the decision: the pool after the claim lists no free spare."""
+    inventory, assignment = world(DP4, spares=1)
+    first = plan_recovery(inventory, assignment, ["node-2"], target_dp=4, min_dp=1)
+    roles = {"node-2": "quarantined", "node-4": "active"}
+    after = Inventory(nodes=[NodeRecord(name=n.name, role=roles.get(n.name, n.role)) for n in inventory.nodes])
+    assert first.action == "replace" and after.free_spares() == []
+    assert plan_recovery(after, assignment, ["node-2"], target_dp=4, min_dp=1).action == "reshard"
+    claimed = Assignment(incarnation=1, nodes=first.nodes, layout=DP4, master_port=2)
+    again = plan_claimed(assignment, claimed, ["node-2"], target_dp=4)
+    assert again.action == "replace" and again.replacements == {"node-2": "node-4"}

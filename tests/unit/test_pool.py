@@ -217,6 +217,28 @@ def test_a_claim_retried_with_another_proposal_gets_the_assignment_its_first_att
     assert two_runs.pool.node(extra).role == "free" and two_runs.pool.node("node-2").owner == "a"
 
 
+def test_a_need_lodged_again_by_stages_that_ran_again_stays_placed_and_finds_its_claim(two_runs):
+    """The stages ran again after their claim (a workflow task timed out inside them): drain lodges
+    the same fault's need again, unplaced. The pool keeps it placed, so a run behind it does not
+    count a spare that a holds already, and reschedule finds the assignment a claimed."""
+    now = datetime.now(UTC)
+    need = SpareWant(run_id="a", incarnation=0, needed=1, lost_ranks=1, fault_at=now)
+    two_runs.want_spares("a", need)
+    assert two_runs.claimed_assignment("a", 1) is None
+    first = replacing(two_runs, "a", "node-1", "node-2")
+    two_runs.commit_assignment("a", first, claims=["node-2"])
+    two_runs.want_spares("a", need)
+    [lodged] = two_runs.pool.read().wants
+    assert (lodged.placed, lodged.got) == (True, 1)
+    assert two_runs.pool.inventory("b", allowance=3).needed_first == 0
+    assert two_runs.claimed_assignment("a", 1) == first
+    # The next fault's need is a need again.
+    later = need.model_copy(update={"incarnation": 1, "fault_at": now + timedelta(seconds=5)})
+    two_runs.want_spares("a", later)
+    [lodged] = two_runs.pool.read().wants
+    assert not lodged.placed and lodged.incarnation == 1
+
+
 def test_a_database_restarted_under_a_claim_fails_it_whole_and_its_retry_claims_once(tmp_path, postgres_server):
     from tests.support.fixtures import schema_of_its_own
 

@@ -397,10 +397,11 @@ async def test_a_fault_before_a_restarts_first_step_is_the_next_incident(time_sk
     ]
 
 
-async def test_a_regrow_whose_node_another_run_claimed_after_the_stop_resumes_on_the_held_nodes(time_skipping_env):
-    """The pool offered node-9, the ranks stopped for the regrow, and another run claimed node-9
-    first: the run starts again at dp 3 on its own nodes (it failed on the refused claim before)."""
-    stages = FakeStages(watch=[fault(), "capacity", "done"], spares=(), claim_lost_at=2)
+async def test_a_regrow_whose_node_another_run_claimed_first_trains_on_and_backs_off(time_skipping_env):
+    """The pool offered node-9 and another run claimed it first: the regrow claims before it stops
+    the ranks, so they train on untouched (no stop, no new incarnation), and the watch looks for
+    nodes again only after a backoff."""
+    stages = FakeStages(watch=[fault(), "capacity", "capacity", "done"], spares=(), claim_lost_at=2)
     status = await run_workflow(time_skipping_env, stages, make_spec(min_dp=1))
 
     assert status.state == RunState.COMPLETED, status.reason
@@ -408,18 +409,13 @@ async def test_a_regrow_whose_node_another_run_claimed_after_the_stop_resumes_on
     assert (regrowth.from_dp, regrowth.to_dp, regrowth.nodes) == (3, 3, [])
     assert regrowth.outcome == "capacity gone"
     assert "at the claim, replace_or_reshard refused (SpareUnavailable)" in regrowth.reason, regrowth.reason
+    assert "trained on, next look in" in regrowth.reason, regrowth.reason
     assert status.layout.dp == 3 and status.assignment.nodes == ["node-0", "node-1", "node-3"]
-    assert status.assignment.incarnation == 2  # the fault's, then the restart after the lost claim
+    assert status.assignment.incarnation == 1  # the fault's; the lost claim started nothing
     after_fault = stages.names()[stages.names().index("resume") + 1 :]
-    assert after_fault[:7] == [
-        "detect",
-        "reschedule",
-        "stop",
-        "replace_or_reshard",
-        "replace_or_reshard",
-        "resume",
-        "detect",
-    ]
+    assert after_fault == ["detect", "reschedule", "replace_or_reshard", "detect", "detect", "release"]
+    # The watch right after the lost claim does not look for nodes (the backoff); the next may.
+    assert stages.regrow_asks[0] == 1 and stages.regrow_asks[1] is None
 
 
 @pytest.mark.parametrize("regrow", [True, False], ids=["regrows", "held-by-policy"])
@@ -438,7 +434,8 @@ async def test_a_resharded_run_grows_back_when_the_pool_has_the_nodes_unless_the
     assert stages.regrow_asks == [1]  # dp 3 -> 4 needs one more node
     [regrowth] = status.regrowths
     assert (regrowth.from_dp, regrowth.to_dp, regrowth.nodes, regrowth.outcome) == (3, 4, ["node-9"], "regrown")
-    assert list(regrowth.stages) == ["reschedule", "stop", "replace_or_reshard", "resume"]
+    # The nodes are claimed while the ranks train on; then they stop and start on the larger layout.
+    assert list(regrowth.stages) == ["reschedule", "replace_or_reshard", "stop", "resume"]
     assert status.layout.dp == 4 and status.assignment.nodes == ["node-0", "node-1", "node-3", "node-9"]
     after_fault = stages.names()[stages.names().index("resume") + 1 :]
-    assert after_fault[:6] == ["detect", "reschedule", "stop", "replace_or_reshard", "resume", "detect"]
+    assert after_fault[:6] == ["detect", "reschedule", "replace_or_reshard", "stop", "resume", "detect"]

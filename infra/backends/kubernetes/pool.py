@@ -116,7 +116,16 @@ class PoolWants:
         self.core = core
 
     def lodge(self, namespace: str, pool: str, want: SpareWant) -> None:
-        """Put the run's want on its ConfigMap (in place of an earlier one)."""
+        """Put the run's want on its ConfigMap (in place of an earlier one, unless that is the same
+        fault's and placed: the stages ran again after their claim, and the need is met)."""
+        config_map = self.core.read_namespaced_config_map(run_object_name(want.run_id), namespace)
+        if (text := annotations_of(config_map).get(WANT_ANNOTATION)) is not None:
+            lodged = SpareWant.model_validate_json(text)
+            if lodged.placed and (lodged.incarnation, lodged.fault_at) == (want.incarnation, want.fault_at):
+                return
+        self._put(namespace, pool, want)
+
+    def _put(self, namespace: str, pool: str, want: SpareWant) -> None:
         patch = {"metadata": {"labels": {POOL_LABEL: pool}, "annotations": {WANT_ANNOTATION: want.model_dump_json()}}}
         self.core.patch_namespaced_config_map(run_object_name(want.run_id), namespace, patch)
 
@@ -137,7 +146,7 @@ class PoolWants:
             return
         want = SpareWant.model_validate_json(text)
         if not want.placed:
-            self.lodge(
+            self._put(
                 namespace,
                 labels_of(config_map).get(POOL_LABEL, ""),
                 want.model_copy(update={"placed": True, "got": got}),
