@@ -187,7 +187,17 @@ class Workers:
     """`lazarus worker --backend simulated` processes on one task queue, store and runs' folder, each on
     `home` or (`separate_homes`) a home of its own, stopped by pid."""
 
-    def __init__(self, count: int, home: Path, address: str, queue: str, store: str, separate_homes: bool = False):
+    def __init__(
+        self,
+        count: int,
+        home: Path,
+        address: str,
+        queue: str,
+        store: str,
+        separate_homes: bool = False,
+        code: Path | None = None,
+        name: str = "worker",
+    ):
         env = {
             **os.environ,
             ENV_ADDRESS: address,
@@ -195,8 +205,11 @@ class Workers:
             ENV_STORE: store,
             ENV_RUNS: str(home / "runs"),
         }
+        if code is not None:  # another checkout's code (bench/upgrade.py): its package ahead of the installed one
+            env["PYTHONPATH"] = str(code)
         homes = [home / f"worker-home-{i}" if separate_homes else home for i in range(count)]
-        self.logs = [open(home / f"worker-{i}.log", "w") for i in range(count)]  # noqa: SIM115 - closed in stop
+        self.name = name
+        self.logs = [open(home / f"{name}-{i}.log", "w") for i in range(count)]  # noqa: SIM115 - closed in stop
         self.metrics_ports = free_ports(count)
         self.processes = [
             subprocess.Popen(
@@ -212,7 +225,7 @@ class Workers:
     async def ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         for index, process in enumerate(self.processes):
-            log = self.home / f"worker-{index}.log"
+            log = self.home / f"{self.name}-{index}.log"
             while "worker pid" not in log.read_text():
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"controller_scale: worker {index} did not start:\n{log.read_text()[-2000:]}")
@@ -271,7 +284,7 @@ class Workers:
         return sum(log.read_text().count("ApplicationError: SpareUnavailable") for log in self.log_files())
 
     def log_files(self) -> list[Path]:
-        return [self.home / f"worker-{i}.log" for i in range(len(self.processes))]
+        return [self.home / f"{self.name}-{i}.log" for i in range(len(self.processes))]
 
     def live(self) -> list[subprocess.Popen]:
         return [p for p in self.processes if p.poll() is None]

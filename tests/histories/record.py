@@ -22,6 +22,10 @@ they carry deprecated markers only, and the deprecate_patch calls may go.
                      activity carried a summary.
   rack.json          two runs lose a node each to one rack (simulated nodes); the one recorded
                      waits on its timer for the other to drain before it decides (GATHER_PATCH).
+  grow.json          a node lost without a spare (reshard to dp 3), returned: the regrow claims it
+                     before the ranks stop (regrow-claims-first); an operator reshards to dp 2 and
+                     back to dp 4, the second claiming first (reshard-claims-first). Recorded
+                     2026-12-07, after the others: the window's newest.
 
 `no_spare`, `hot_spare_v1`, `reshard_v1`, `restart_done_v1`, `restart_fault_v1` and `local_stages`
 were dropped when the gates were deprecated: each took an old branch (or predated a gate), and
@@ -112,6 +116,22 @@ async def escalation(client, settings, cluster, spec) -> None:
     await handle.result()
 
 
+async def grow(client, settings, cluster, spec) -> None:
+    """A node lost without a spare: reshard to dp 3; the node returned: the regrow claims it while
+    the ranks train, then stops them and resumes at dp 4; an operator reshards to dp 2 and back to
+    dp 4, the second claiming its nodes before the ranks stop."""
+    run = cluster.run_dir("grow")
+    handle = await start_run(client, settings, spec, "grow")
+    await asyncio.to_thread(wait_until, lambda: trained_step(run) >= 12, "step 12", 120)
+    cluster.kill_node("grow", "node-2")
+    await wait_for_state(handle, lambda s: s.state == RunState.TRAINING and s.layout.dp == 3)
+    await handle.execute_update(TrainingRun.return_node, controls.ReturnNodeRequest(node="node-2"))
+    await wait_for_state(handle, lambda s: s.state == RunState.TRAINING and s.layout.dp == 4)
+    await handle.execute_update(TrainingRun.reshard, controls.ReshardRequest(dp=2))
+    await handle.execute_update(TrainingRun.reshard, controls.ReshardRequest(dp=4))
+    await handle.result()
+
+
 class SlowToLodge(SimulatedCluster):
     """The simulated backend, where run rack-b takes a second longer to lodge its need of spares
     at drain: rack-a reads the inventory before it, and waits."""
@@ -187,6 +207,7 @@ async def main() -> None:
         "story",
         "no_capacity",
         "rack",
+        "grow",
     }
     if "hot_spare" in names:
         await record("hot_spare", load_spec(SMALL), kill_at=15)
@@ -208,6 +229,8 @@ async def main() -> None:
         )
     if "rack" in names:
         await rack("rack")
+    if "grow" in names:
+        await record("grow", changed(SMALL, cluster={"spare_nodes": 0}, trainer={"steps": 400}), drive=grow)
     if "story" in names:
         await record("story", changed(DEMO, trainer={"steps": 60}), kill_at=25)
     if "no_capacity" in names:
