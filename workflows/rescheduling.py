@@ -16,7 +16,7 @@ with workflow.unsafe.imports_passed_through():
     from lazarus.schema.pool import SpareWant
     from lazarus.schema.records import Assignment, Decision, FaultReport, Incident, Inventory, Regrowth, RunState
     from lazarus.schema.stages import ReplaceInput, ResumeResult
-    from lazarus.workflows.policy import batch_said, plan_recovery, spare_want
+    from lazarus.workflows.policy import batch_said, plan_claimed, plan_recovery, spare_want
 from lazarus.workflows.run_parts import RunParts
 from lazarus.workflows.stage_calls import RunAborted, RunFailed
 
@@ -80,7 +80,22 @@ class Rescheduling(RunParts):
         an operator's restart (no incident): claim the decision's nodes and write the next assignment,
         start it from the newest complete checkpoint. TRAINING again unless a fault hit it first."""
         self._enter(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
+        old = self._status.assignment
         assignment = await self._claim(decision, fault_kind, incident if incident is not None else timing)
+        if (
+            incident is not None
+            and old is not None
+            and (assignment.nodes, assignment.layout)
+            != (
+                decision.nodes,
+                decision.layout,
+            )
+        ):
+            # An earlier attempt of these stages claimed first: its workflow task timed out while its
+            # local activity ran on, and committed after this attempt's reschedule had read no claim.
+            # The claim stands (exactly once); the incident says what it is.
+            claimed = plan_claimed(old, assignment, incident.fault.nodes, self._start.spec.layout.dp)
+            incident.decision = batch_said(claimed, self._status.steps_from == "trainer")
         return await self._take_up(assignment, incident, survivors_of, timing)
 
     async def _claim(self, decision: Decision, fault_kind: str, record: Incident | Regrowth | None) -> Assignment:

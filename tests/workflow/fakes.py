@@ -99,6 +99,7 @@ class FakeStages:
         resume_gate: asyncio.Event | None = None,
         resumes: list | None = None,
         return_gate: asyncio.Event | None = None,
+        claimed_before: str | None = None,
     ):
         self.watch = list(watch)
         self.resumes = list(resumes or [])
@@ -107,6 +108,9 @@ class FakeStages:
         self.spare_dies_before_claim = spare_dies_before_claim
         self.claim_lost_at = claim_lost_at  # that replace_or_reshard call finds its new nodes taken by another run
         self.spare_returns_at_read = spare_returns_at_read
+        # A spare an earlier attempt of the stages claimed after this one read the pool: the claim
+        # returns its assignment, whatever this attempt decided.
+        self.claimed_before = claimed_before
         self.spares = list(spares)
         self.drain_failures = drain_failures
         self.resume_timeouts = resume_timeouts
@@ -222,13 +226,14 @@ class FakeStages:
             # A spare that dies while free is dead, not this run's quarantine.
             self.dead.update(request.decision.replacements.values())
             raise ApplicationError("node-4 is no longer a free spare", type="SpareUnavailable", non_retryable=True)
-        for node in decision.nodes:
+        nodes = decision.nodes
+        if self.claimed_before is not None:
+            nodes = [self.claimed_before if n in decision.replacements.values() else n for n in nodes]
+        for node in nodes:
             self.nodes[node] = "active"
         for node in decision.released_nodes:
             self.nodes[node] = "spare"
-        return old.model_copy(
-            update={"incarnation": old.incarnation + 1, "nodes": decision.nodes, "layout": decision.layout}
-        )
+        return old.model_copy(update={"incarnation": old.incarnation + 1, "nodes": nodes, "layout": decision.layout})
 
     @activity.defn(name="resume")
     async def resume(self, request: ResumeInput) -> ResumeResult:

@@ -397,6 +397,21 @@ async def test_a_fault_before_a_restarts_first_step_is_the_next_incident(time_sk
     ]
 
 
+async def test_a_claim_an_earlier_attempt_of_the_stages_made_is_what_the_incident_says(time_skipping_env):
+    """The earlier attempt's workflow task timed out while its replace_or_reshard ran on and claimed
+    node-5 after this attempt read the pool and decided on node-4: the claim stands, and the
+    incident's decision is the claim, not the stale choice."""
+    stages = FakeStages(watch=[fault(), "done"], spares=("node-4", "node-5"), claimed_before="node-5")
+    status = await run_workflow(time_skipping_env, stages, make_spec())
+
+    assert status.state == RunState.COMPLETED, status.reason
+    [incident] = status.incidents
+    assert incident.new_assignment.nodes == ["node-0", "node-1", "node-5", "node-3"]
+    assert incident.decision.nodes == incident.new_assignment.nodes
+    assert incident.decision.action == "replace" and incident.decision.replacements == {"node-2": "node-5"}
+    assert "before these stages ran again" in incident.decision.reason, incident.decision.reason
+
+
 async def test_a_regrow_whose_node_another_run_claimed_first_trains_on_and_backs_off(time_skipping_env):
     """The pool offered node-9 and another run claimed it first: the regrow claims before it stops
     the ranks, so they train on untouched (no stop, no new incarnation), and the watch looks for
