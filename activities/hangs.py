@@ -80,11 +80,15 @@ def judge_hangs(look: Look) -> Verdict | None:
         )
         return look.fault("hang", [culprit], look.now - age, reason)
     if idle:
-        culprit, went_idle = min(idle, key=lambda item: (_step(item[0]), item[1]))
+        # Every rank idles behind a hung one; a process that cannot run (stopped, uninterruptible) is
+        # the culprit before the one that happened to idle first.
+        held = [item for item in idle if item[0].held]
+        culprit, went_idle = min(held or idle, key=lambda item: (_step(item[0]), item[1]))
         quiet = look.now - max(since for _, since in idle)
+        why = f"cannot run (process state {culprit.held}), idle since" if culprit.held else "went idle first,"
         reason = (
             f"every rank has sat idle (no CPU, no output) for {quiet:.1f} s or more ({limit}); rank {culprit.rank} on "
-            f"{culprit.node} went idle first, {look.now - went_idle:.1f} s ago"
+            f"{culprit.node} {why} {look.now - went_idle:.1f} s ago"
             + (f", at step {_step(culprit)}" if _step(culprit) >= 0 else "")
         )
         return dataclasses.replace(look.fault("hang", [culprit], went_idle, reason), dump_stacks=dump)

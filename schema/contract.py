@@ -167,6 +167,14 @@ class RankObservation(Record):
             "or no launcher watches it)."
         ),
     )
+    held: str | None = Field(
+        default=None,
+        description=(
+            "Its process's state letter where its launcher's last sample of it idle found it unable to run: T "
+            "(stopped), t (stopped by a tracer), D (uninterruptible sleep, as on a stuck file system). None where it "
+            "runs or waits as a process does, or no launcher watches it."
+        ),
+    )
 
 
 class LaunchRecord(Record):

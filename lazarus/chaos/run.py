@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import traceback
 import uuid
@@ -40,7 +41,7 @@ def scenario_checks(trial: Trial, status) -> list[str]:
         node, stopped_at = trial.hang
         fault = status.incidents[0].fault
         found = fault.detected_at.timestamp() - stopped_at
-        notes.append(f"{fault.kind} on {', '.join(fault.nodes)} found {found:.1f} s after the stop")
+        notes.append(f"{fault.kind} on {', '.join(fault.nodes)} found {found:.1f} s after the stop{judged_by(fault)}")
         explicit = trial.spec.recovery.hang_after_seconds
         limit = DERIVED_HANG_LIMIT_SECONDS if explicit is None else explicit + HANG_FOUND_MARGIN_SECONDS
         if fault.kind != "hang" or fault.nodes != [node] or found > limit:
@@ -64,6 +65,12 @@ def scenario_checks(trial: Trial, status) -> list[str]:
         if incident.resumed_from_step in trial.corrupted:
             notes.append(f"FAIL resumed from the corrupted checkpoint of step {incident.resumed_from_step}")
     return notes
+
+
+def judged_by(fault) -> str:
+    """The hang time the watch judged a hang by, as its reason says it (', hang time N s'); '' otherwise."""
+    found = re.search(r"hang time ([\d.]+) s|(?:hang_after|quiet_hang)_seconds ([\d.]+)", fault.reason)
+    return f", hang time {next(g for g in found.groups() if g)} s" if found else ""
 
 
 def half_saved_checks(trial: Trial, node: str) -> list[str]:
@@ -213,7 +220,7 @@ def held_checks(trial: Trial, status) -> list[str]:
     fault, planned = status.incidents[0].fault, trial.spec.faults[0]
     found = (fault.detected_at - fault.occurred_at).total_seconds()
     since = "the first rank went idle" if planned.effect == "stuck" else "the step stalled"
-    notes = [f"{fault.kind} on {', '.join(fault.nodes)}, found {found:.1f} s after {since}"]
+    notes = [f"{fault.kind} on {', '.join(fault.nodes)}, found {found:.1f} s after {since}{judged_by(fault)}"]
     if fault.kind != "hang":
         notes.append(f"FAIL the {planned.effect} rank was not found as a hang ({fault.kind}: {fault.reason})")
     if fault.nodes != [planned.node]:

@@ -132,3 +132,25 @@ def test_the_local_backend_reports_idle_since_from_the_launchers(cluster):
     after = cluster.observe("r1", 0).ranks
     assert after[0].idle_since == before[0].idle_since < time.time() - 0.9  # asleep: put
     assert after[1].idle_since > before[1].idle_since > time.time() - 2.5  # spinning: keeps moving
+
+
+def test_a_stopped_process_is_held_and_one_waiting_in_a_sleep_is_not(tmp_path, processes):
+    """Every rank behind a hung one idles; the launcher tells the one that cannot run (SIGSTOP: state
+    T) from those that wait (S), and a continued one is no longer held."""
+    run = RunDir(tmp_path)
+    watch = IdleWatch(run, 0, sample_seconds=0)
+    waiting = start_rank(processes, run, SLEEPS, rank=0)
+    stopped = start_rank(processes, run, SLEEPS, rank=1)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    wait_until(lambda: Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", "stopped")
+    first = time.time()
+    for rank in (0, 1):
+        watch.idle_since(rank, first)  # the first sample only starts the idle clock
+    later = first + 1.0
+    assert watch.idle_since(0, later) == first and watch.idle_since(1, later) == first
+    assert watch.held(0) is None and watch.held(1) == "T"
+    os.kill(stopped.pid, signal.SIGCONT)
+    wait_until(lambda: Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T", "continued")
+    watch.idle_since(1, later + 1.0)
+    assert watch.held(1) is None
+    assert waiting.poll() is None

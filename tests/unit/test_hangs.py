@@ -86,6 +86,20 @@ def test_every_rank_idle_for_the_hang_time_is_a_hang_blaming_the_one_that_went_i
     assert look(idle(0), idle(1, idle_age=0.3)).fault is None
 
 
+def test_among_ranks_all_idle_one_whose_process_cannot_run_is_blamed_before_the_first_to_idle():
+    # A script without heartbeats (steps from its output): rank 2 was SIGSTOPped, the others wait for
+    # it in the next collective, and rank 0's launcher happened to sample it idle first.
+    quiet = [
+        rank(r, step=None, beat_age=5, alive_age=None).model_copy(update={"idle_since": NOW - age})
+        for r, age in ((0, 2.4), (1, 2.0), (2, 1.9), (3, 2.0))
+    ]
+    assert look(*quiet).fault.nodes == ["node-0"]  # nothing tells them apart but the order they idled in
+    quiet[2] = quiet[2].model_copy(update={"held": "T"})
+    fault = look(*quiet).fault
+    assert fault.kind == "hang" and fault.nodes == ["node-2"] and fault.rank == 2
+    assert "rank 2 on node-2 cannot run (process state T)" in fault.reason
+
+
 def test_a_rank_that_reports_no_steps_is_judged_by_idleness_alone():
     quiet = [
         rank(r, step=None, beat_age=5, alive_age=None).model_copy(update={"idle_since": NOW - 5}) for r in range(2)

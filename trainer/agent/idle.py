@@ -51,6 +51,7 @@ class _Seen:
     ticks: int | None = None  # CPU ticks when it went idle
     since: float | None = None  # idle_since
     sampled_at: float = float("-inf")
+    held: str | None = None  # its state letter at the last sample where it could not run (HELD_STATES)
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -73,6 +74,20 @@ def _children(pid: int) -> list[int]:
 def _cpu_ticks(fields: list[str]) -> int:
     """utime + stime + cutime + cstime (fields 14 to 17) in clock ticks."""
     return sum(int(value) for value in fields[11:15])
+
+
+HELD_STATES = frozenset("TtD")
+"""Process states (/proc/PID/stat) of a process that cannot run on its own: stopped (SIGSTOP),
+stopped by a tracer, in uninterruptible sleep (a stuck disk or network file system)."""
+
+
+def process_held(pid: int, start_time: int) -> str | None:
+    """The state letter of process `pid` (started at `start_time`) where it is one of HELD_STATES;
+    None where it runs, sleeps as a waiting process does, or is gone."""
+    fields = _stat_fields(pid)
+    if fields is None or int(fields[19]) != start_time:
+        return None
+    return fields[0] if fields[0] in HELD_STATES else None
 
 
 def tree_cpu_ticks(pid: int, start_time: int) -> int | None:
@@ -136,4 +151,12 @@ class IdleWatch:
         allowed = IDLE_CPU_TICKS + IDLE_CPU_SHARE * idle_for * TICKS_PER_SECOND
         if seen.since is None or seen.ticks is None or output != seen.output or ticks - seen.ticks > allowed:
             seen.output, seen.ticks, seen.since = output, ticks, now
+        # Only an idle rank's state is read: every rank behind a hung one idles too, and the one whose
+        # process cannot run is the likelier culprit than the one that happened to idle first.
+        seen.held = process_held(seen.pid, seen.start_time) if seen.since < now else None
         return seen.since
+
+    def held(self, rank: int) -> str | None:
+        """The state letter of the rank's process at the last sample, where it could not run (HELD_STATES)."""
+        seen = self._seen.get(rank)
+        return seen.held if seen is not None else None

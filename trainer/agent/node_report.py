@@ -116,6 +116,7 @@ class NodeReporter:
                     exit=ended,
                     launcher_alive=True,
                     idle_since=self.idle.idle_since(rank, now) if alive and ended is None else None,
+                    held=self.idle.held(rank) if alive and ended is None else None,
                 )
             )
         return ranks
