@@ -75,6 +75,7 @@ async def watch(
     beat_every = heartbeat_spacing() or HEARTBEAT_EVERY_SECONDS
     while True:
         looking = (cluster, run_id, incarnation, policy, last_poll, total_steps, pace)
+        judged_by = pace.hang_after()
         verdict, now = look(*looking) if cluster.quick_observe else await look_in_thread(*looking)
         if verdict.fault is not None and verdict.fault.rank is not None:
             verdict.fault.log_tail = await in_thread(cluster.log_tail, run_id, incarnation, verdict.fault.rank)
@@ -97,7 +98,8 @@ async def watch(
         last_poll = now
         if since_heartbeat() >= beat_every:
             heartbeat(progress_of(verdict, now))
-        wait = EXIT_SETTLE_SECONDS if exited else look_again_in(verdict, now, policy, beat_every, pace.learning) + late
+        learning = still_learning(pace, judged_by)
+        wait = EXIT_SETTLE_SECONDS if exited else look_again_in(verdict, now, policy, beat_every, learning) + late
         waited_from = time.monotonic()
         exited = await cluster.wait_for_exit(run_id, incarnation, wait)
         if not exited:
@@ -106,6 +108,13 @@ async def watch(
             # rather than falling behind on everything (its recoveries, their heartbeats).
             behind = max(0.0, time.monotonic() - waited_from - wait)
             late = min(0.5 * late + behind, beat_every / 2)
+
+
+def still_learning(pace: Pace, judged_by: float) -> bool:
+    """Whether the next look comes as soon as while the pace learns the step times: it still does, or
+    the look just taken taught it a hang time shorter than `judged_by`, the one that look judged its
+    settled_until by (a rank stopped just then would otherwise be found a steady look late)."""
+    return pace.learning or pace.hang_after() < judged_by
 
 
 def look_again_in(verdict: Verdict, now: float, policy, beat_every: float, learning: bool = False) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lazarus.activities.look import Verdict
 from lazarus.activities.pace import LEARNING_LOOK_SECONDS, MIN_GAPS, STEADY_LOOK_SECONDS, Pace
-from lazarus.activities.watching import look_again_in
+from lazarus.activities.watching import look_again_in, still_learning
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema import RecoveryPolicy
 from lazarus.schema.node_reports import NodeReading, NodeSummary, StepTime
@@ -182,3 +182,18 @@ def test_a_steady_run_is_looked_at_often_only_while_its_pace_learns_its_step_tim
     untimed = Pace(POLICY)
     run(untimed, MIN_GAPS + 3, 0.5, lambda _: {})
     assert len(untimed.gaps) >= MIN_GAPS and untimed.learning
+
+
+def test_the_look_that_teaches_the_pace_its_hang_time_is_followed_by_a_learning_look():
+    # The look judged its settled_until by the startup grace (a minute), then its reports gave the
+    # pace enough step times for a hang time of a second: the next look must not wait a steady one.
+    pace = Pace(POLICY)
+    for look in range(2):
+        step = 4 * (look + 1)
+        pace.observe(timed_look(step, (step - 1, 0.2), (step, 0.12)), step, 7000.0 + look)
+    judged_by = pace.hang_after()
+    assert judged_by == 60 and pace.learning
+    pace.observe(timed_look(12, (11, 0.2), (12, 0.12)), 12, 7002.0)
+    assert not pace.learning and pace.hang_after() < judged_by
+    assert still_learning(pace, judged_by)
+    assert not still_learning(pace, pace.hang_after())  # the next look judges by the hang time learnt
