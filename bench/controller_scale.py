@@ -374,7 +374,9 @@ def plan_faults(pool: NodePool, ids: list[str], spread: float, rng: random.Rando
     return sorted((rng.uniform(0, spread), [rng.choice(held[run_id])]) for run_id in ids)
 
 
-async def burst(pool: NodePool, faults: list[tuple[float, list[str]]], workers: Workers, kill: bool, say) -> None:
+async def burst(pool: NodePool, faults: list[tuple[float, list[str]]], at_half=None) -> None:
+    """Kill the planned nodes on time (the pool holds them dead); `at_half()`, awaited, once half of
+    them died."""
     started = time.monotonic()
     for index, (at, nodes) in enumerate(faults):
         await asyncio.sleep(max(0.0, at - (time.monotonic() - started)))
@@ -382,8 +384,8 @@ async def burst(pool: NodePool, faults: list[tuple[float, list[str]]], workers: 
         await asyncio.to_thread(
             pool.set_health, {n: {"healthy": False, "died_at": now, "note": "killed (bench)"} for n in nodes}
         )
-        if kill and index == len(faults) // 2:
-            say(f"  SIGKILLed worker pid {workers.kill_one()} after {index + 1} of {len(faults)} faults")
+        if at_half is not None and index == len(faults) // 2:
+            await at_half()
 
 
 def keeping_up(incidents) -> tuple[float, float]:
@@ -525,7 +527,11 @@ async def measure(sitting: Sitting, healthy_seconds: float, seed: int, say, keep
             faults = await asyncio.to_thread(sitting.faults, pool, ids, rng)
             say(f"{sum(len(n) for _, n in faults)} nodes die in {len(faults)} fault(s) within {sitting.spread:g} s")
             cpu_before, at_before, lag_before = workers.cpu(), time.monotonic(), workers.loop_lag()
-            await burst(pool, faults, workers, sitting.kill_worker, say)
+
+            async def kill_one() -> None:
+                say(f"  SIGKILLed worker pid {workers.kill_one()} after {len(faults) // 2 + 1} of {len(faults)} faults")
+
+            await burst(pool, faults, kill_one if sitting.kill_worker else None)
             hit = sorted({n.owner for n in pool.read().nodes if not n.healthy and n.owner})
             recovered_query = "LazarusState='TRAINING' AND LazarusIncidents>=1"
             await wait_for(env.client, recovered_query, len(hit), say, "recovered", RECOVERY_WAIT_SECONDS, give_up=True)

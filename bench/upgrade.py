@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
@@ -42,6 +41,7 @@ from bench.controller_scale import (
     RECOVERY_WAIT_SECONDS,
     Sitting,
     Workers,
+    burst,
     histories_of,
     percentile,
     statuses_of,
@@ -111,19 +111,6 @@ def tasks_by_worker(histories, pids: dict[int, str]) -> dict[str, int]:
 
 def remove_checkout(folder: Path) -> None:
     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(folder)], capture_output=True)
-
-
-async def burst(pool: NodePool, faults, at_half=None) -> None:
-    """Kill the planned nodes on time; `at_half()` (awaited) once half of them died."""
-    started = time.monotonic()
-    for index, (at, nodes) in enumerate(faults):
-        await asyncio.sleep(max(0.0, at - (time.monotonic() - started)))
-        now = datetime.now(UTC)
-        await asyncio.to_thread(
-            pool.set_health, {n: {"healthy": False, "died_at": now, "note": "killed (bench)"} for n in nodes}
-        )
-        if at_half is not None and index == len(faults) // 2:
-            await at_half()
 
 
 def task_failures(histories) -> list[str]:
