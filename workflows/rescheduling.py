@@ -82,15 +82,8 @@ class Rescheduling(RunParts):
         self._enter(RunState.REPLACING if decision.action == "replace" else RunState.RESHARDING)
         old = self._status.assignment
         assignment = await self._claim(decision, fault_kind, incident if incident is not None else timing)
-        if (
-            incident is not None
-            and old is not None
-            and (assignment.nodes, assignment.layout)
-            != (
-                decision.nodes,
-                decision.layout,
-            )
-        ):
+        as_decided = (assignment.nodes, assignment.layout) == (decision.nodes, decision.layout)
+        if incident is not None and old is not None and not as_decided:
             # An earlier attempt of these stages claimed first: its workflow task timed out while its
             # local activity ran on, and committed after this attempt's reschedule had read no claim.
             # The claim stands (exactly once); the incident says what it is.
