@@ -52,6 +52,13 @@ worker about half a millisecond (four nodes' reports read and judged, with the e
 at 1,000 runs a worker, a look a second cost a healthy run about 35 ms of CPU a minute, one every
 2 s about 21 (bench/controller_scale.py)."""
 
+FIRST_STEPS_LOOK_SECONDS = 0.25
+"""The longest a watch waits between looks at a steady run while its pace has too few step times to
+derive the hang time (MIN_GAPS; seconds): each look brings the newest step time of each node's
+report, so the first second or so of a start or a restore teaches it, and a rank stopped early is
+judged by the derived hang time, not the startup grace (a node stopped 1.5 s into the chaos spec's
+run was found 9.6 s after it with 1 s looks, 2 of 13 sittings)."""
+
 LEARNING_LOOK_SECONDS = 1.0
 """The longest a watch waits between looks at a steady run while its pace is learning (Pace.learning;
 seconds): each look brings the two step times that the nodes' reports time, so the derived hang
@@ -131,6 +138,15 @@ class Pace:
         startup grace holds), or the looks themselves time the steps (no launcher does), so that
         looking seldom would stretch the step times and the hang time derived from them."""
         return len(self.gaps) < MIN_GAPS or self._timed_by_looks
+
+    @property
+    def learning_look(self) -> float | None:
+        """How soon the next look of a steady run should come while the pace learns (seconds): soon
+        while it has too few step times, every LEARNING_LOOK_SECONDS while the looks time the steps;
+        None once it has learnt them."""
+        if len(self.gaps) < MIN_GAPS:
+            return FIRST_STEPS_LOOK_SECONDS
+        return LEARNING_LOOK_SECONDS if self._timed_by_looks else None
 
     def hang_after(self) -> float:
         """How long the run's step may stall before it counts as hung (seconds)."""

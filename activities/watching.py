@@ -98,8 +98,8 @@ async def watch(
         last_poll = now
         if since_heartbeat() >= beat_every:
             heartbeat(progress_of(verdict, now))
-        learning = still_learning(pace, judged_by)
-        wait = EXIT_SETTLE_SECONDS if exited else look_again_in(verdict, now, policy, beat_every, learning) + late
+        soon = learning_look(pace, judged_by)
+        wait = EXIT_SETTLE_SECONDS if exited else look_again_in(verdict, now, policy, beat_every, soon) + late
         waited_from = time.monotonic()
         exited = await cluster.wait_for_exit(run_id, incarnation, wait)
         if not exited:
@@ -110,24 +110,28 @@ async def watch(
             late = min(0.5 * late + behind, beat_every / 2)
 
 
-def still_learning(pace: Pace, judged_by: float) -> bool:
-    """Whether the next look comes as soon as while the pace learns the step times: it still does, or
-    the look just taken taught it a hang time shorter than `judged_by`, the one that look judged its
-    settled_until by (a rank stopped just then would otherwise be found a steady look late)."""
-    return pace.learning or pace.hang_after() < judged_by
+def learning_look(pace: Pace, judged_by: float) -> float | None:
+    """How soon the next look should come while the pace learns the step times (Pace.learning_look;
+    None: at the steady pace): also a learning look after a look that taught it a hang time shorter
+    than `judged_by`, the one that look judged its settled_until by (a rank stopped just then would
+    otherwise be found a steady look late)."""
+    soon = pace.learning_look
+    if soon is None and pace.hang_after() < judged_by:
+        return LEARNING_LOOK_SECONDS
+    return soon
 
 
-def look_again_in(verdict: Verdict, now: float, policy, beat_every: float, learning: bool = False) -> float:
+def look_again_in(verdict: Verdict, now: float, policy, beat_every: float, learning: float | None = None) -> float:
     """How long to wait before the next look (seconds): the policy's heartbeat interval, or, while
     every node is steady, until time alone could change the verdict (Look.settled_until), at most
-    STEADY_LOOK_SECONDS (LEARNING_LOOK_SECONDS while the pace is `learning` the run's step times) and
+    STEADY_LOOK_SECONDS (`learning`, the look of a pace that learns the run's step times: learning_look) and
     the heartbeat spacing. A process's exit wakes the watch at once either way, and so does a death
     the backend learns of where it can tell (wait_for_exit), so a watch of a healthy run costs a look
     every few seconds instead of ten a second and is as quick to see a death."""
     interval = policy.heartbeat_interval_seconds
     if verdict.settled_until is None:
         return interval
-    steady = LEARNING_LOOK_SECONDS if learning else STEADY_LOOK_SECONDS
+    steady = STEADY_LOOK_SECONDS if learning is None else learning
     return max(interval, min(verdict.settled_until - now + EXIT_SETTLE_SECONDS, steady, beat_every))
 
 

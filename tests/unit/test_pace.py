@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from lazarus.activities.look import Verdict
-from lazarus.activities.pace import LEARNING_LOOK_SECONDS, MIN_GAPS, STEADY_LOOK_SECONDS, Pace
-from lazarus.activities.watching import look_again_in, still_learning
+from lazarus.activities.pace import FIRST_STEPS_LOOK_SECONDS, LEARNING_LOOK_SECONDS, MIN_GAPS, STEADY_LOOK_SECONDS, Pace
+from lazarus.activities.watching import learning_look, look_again_in
 from lazarus.infra.backend import Observation, RankObservation
 from lazarus.schema import RecoveryPolicy
 from lazarus.schema.node_reports import NodeReading, NodeSummary, StepTime
@@ -171,17 +171,19 @@ def test_a_steady_run_is_looked_at_often_only_while_its_pace_learns_its_step_tim
     policy = RecoveryPolicy(heartbeat_interval_seconds=0.1)
     timed = Pace(POLICY)
     assert timed.learning  # no step time yet: the startup grace holds the hang time
-    assert look_again_in(verdict, 7000.0, policy, beat_every=5.0, learning=timed.learning) == LEARNING_LOOK_SECONDS
+    soon = timed.learning_look
+    assert look_again_in(verdict, 7000.0, policy, beat_every=5.0, learning=soon) == FIRST_STEPS_LOOK_SECONDS
     for look in range(3):  # each look's reports time two steps
         step = 4 * (look + 1)
         timed.observe(timed_look(step, (step - 1, 0.2), (step, 0.12)), step, 7000.0 + look)
     assert not timed.learning and len(timed.gaps) >= MIN_GAPS
-    assert look_again_in(verdict, 7003.0, policy, beat_every=5.0, learning=timed.learning) == STEADY_LOOK_SECONDS
-    assert look_again_in(verdict, 7003.0, policy, beat_every=2.0, learning=False) == 2.0  # a heartbeat is due first
+    assert timed.learning_look is None
+    assert look_again_in(verdict, 7003.0, policy, beat_every=5.0, learning=None) == STEADY_LOOK_SECONDS
+    assert look_again_in(verdict, 7003.0, policy, beat_every=2.0, learning=None) == 2.0  # a heartbeat is due first
     # Where no launcher times the steps the looks do: looking seldom would stretch every step time.
     untimed = Pace(POLICY)
     run(untimed, MIN_GAPS + 3, 0.5, lambda _: {})
-    assert len(untimed.gaps) >= MIN_GAPS and untimed.learning
+    assert len(untimed.gaps) >= MIN_GAPS and untimed.learning and untimed.learning_look == LEARNING_LOOK_SECONDS
 
 
 def test_the_look_that_teaches_the_pace_its_hang_time_is_followed_by_a_learning_look():
@@ -195,5 +197,5 @@ def test_the_look_that_teaches_the_pace_its_hang_time_is_followed_by_a_learning_
     assert judged_by == 60 and pace.learning
     pace.observe(timed_look(12, (11, 0.2), (12, 0.12)), 12, 7002.0)
     assert not pace.learning and pace.hang_after() < judged_by
-    assert still_learning(pace, judged_by)
-    assert not still_learning(pace, pace.hang_after())  # the next look judges by the hang time learnt
+    assert learning_look(pace, judged_by) == LEARNING_LOOK_SECONDS
+    assert learning_look(pace, pace.hang_after()) is None  # the next look judges by the hang time learnt
