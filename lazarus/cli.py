@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
             print(error.code, file=sys.stderr)
     except Exception as error:  # noqa: BLE001 - whatever it was, the process ends below, explicitly
         code = _failed(prog, error, settings)
+    except BaseException as error:  # noqa: BLE001 - a cancellation that escaped: not past os._exit below
+        traceback.print_exception(error)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # End explicitly, after an error too: Temporal's native client can crash at interpreter exit

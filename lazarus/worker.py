@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from datetime import timedelta
 
@@ -151,15 +152,43 @@ def serve_metrics(port: int, metrics: Metrics, address: str = "127.0.0.1"):
     return server
 
 
-async def serve(worker: QueueWorkers, *helpers: asyncio.Task) -> None:
-    """Run the worker until SIGINT or SIGTERM, then shut it down cleanly, and its helper tasks."""
+async def serve(workers: QueueWorkers, *helpers: asyncio.Task) -> None:
+    """Run the workers until SIGINT or SIGTERM, then shut them down, and their helper tasks. A worker
+    that fails first (its server stopped answering before it started) ends the others, and its error
+    is raised; one still starting when the signal comes is cancelled, not waited for, as its server
+    may be gone."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    async with worker:
-        await stop.wait()
-    for helper in helpers:
-        helper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await helper
+    try:
+        await serve_until(stop, workers, *helpers)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+async def serve_until(stop: asyncio.Event, workers: QueueWorkers, *helpers: asyncio.Task) -> None:
+    """`serve`, until `stop` is set."""
+    # The workers' run() rather than `async with`: a worker failing while the others shut down
+    # would cancel this task from inside their shutdown (the SDK's context manager does).
+    runs = {worker: asyncio.ensure_future(worker.run()) for worker in workers.workers}
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([stopping, *runs.values()], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        for worker, run in runs.items():
+            if not worker.is_running and not run.done():
+                run.cancel()  # still checking its namespace with the server: nothing to shut down
+        await asyncio.gather(*(worker.shutdown() for worker in runs if worker.is_running))
+        ended = await asyncio.gather(*runs.values(), return_exceptions=True)
+        for helper in helpers:
+            helper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await helper
+    failures = [e for e in ended if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
+    if failures and not stop.is_set():
+        raise failures[0]
+    for failure in failures:
+        logging.getLogger(__name__).warning("a worker ended with an error as it stopped: %s", failure)

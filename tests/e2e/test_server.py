@@ -104,25 +104,27 @@ def _zombie(pid: int) -> bool:
 
 
 def test_a_worker_whose_server_is_gone_ends_on_sigterm(tmp_path):
+    """Also when the server went while the worker still checked its namespace with it (under load,
+    1 in 12 sittings here ended in a cancellation that hung the interpreter's exit)."""
     port, ui_port = free_ports(2)
     server = start_detached(tmp_path / "server", port, ui_port)
     env = {**os.environ, "LAZARUS_TEMPORAL_ADDRESS": f"127.0.0.1:{port}", "LAZARUS_HOME": str(tmp_path / "home")}
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "lazarus.cli", "worker"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    out, err = tmp_path / "worker.out", tmp_path / "worker.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "lazarus.cli", "worker"], env=env, stdout=stdout, stderr=stderr
+        )
     try:
-        assert worker.stdout is not None and worker.stdout.readline().startswith("worker pid ")
+        wait_until(lambda: out.read_text().startswith("worker pid "), "the worker to start", 30)
         assert stop_detached(tmp_path / "server") == server
         worker.send_signal(signal.SIGTERM)
-        code = worker.wait(timeout=60)
-        stderr = worker.stderr.read() if worker.stderr else ""
-        assert code == 0 and "Traceback" not in stderr, stderr[-2000:]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.wait(timeout=20)
+        assert worker.returncode == 0, f"status {worker.returncode}: {err.read_text()[-2000:]}"
+        assert "Traceback" not in err.read_text(), err.read_text()[-2000:]
     finally:
         worker.kill()
+        worker.wait()
         stop_detached(tmp_path / "server")
 
 
