@@ -166,8 +166,9 @@ class RecoveryActivities:
     @owned
     async def drain(self, request: DrainInput) -> DrainResult:
         """Quarantine the blamed nodes, stop every rank of the incarnation, drop half-written checkpoints."""
-        # Drain runs once per incident: the place to count the incident's detection time.
-        if activity.info().attempt == 1:
+        # Drain runs once per incident (its first call's first attempt): the place to count the
+        # incident's detection time.
+        if activity.info().attempt == 1 and request.waited is None:
             self.metrics.stage_seconds.labels("detect").observe(request.detect_seconds)
         try:
             held_back = await in_thread(hold_out, self.cluster, request)
@@ -175,6 +176,8 @@ class RecoveryActivities:
             raise _permanent(error, "UnknownNode") from None
         await self.failpoints.reach("drain.after_quarantine")
         drained = await in_thread(end_incarnation, self.cluster, request, held_back)
+        if drained.unfinished is not None:
+            return drained
         await self._note(
             request.run_id,
             "drained",

@@ -28,7 +28,9 @@ def timed(stage: str):
             started, wall = time.monotonic(), time.time()
             observe_start_lag(self.metrics, stage, wall)
             result = await method(self, request)
-            self.metrics.stage_seconds.labels(stage).observe(time.monotonic() - started)
+            # A drain cut at its cap is counted once, by the call that finishes it.
+            if getattr(result, "unfinished", None) is None:
+                self.metrics.stage_seconds.labels(stage).observe(time.monotonic() - started)
             info = activity.info()
             self.metrics.spans.append(Span(info.workflow_id, stage, info.attempt, wall, time.time()))
             return result

@@ -64,6 +64,16 @@ class DetectInput(RunRequest):
     )
 
 
+class DrainWaits(Record):
+    """How long a drain has waited for the ranks, each grace's share (seconds)."""
+
+    survivors: float = Field(default=0.0, ge=0, description="Waited for the survivors to save and end (seconds).")
+    checkpoint: float = Field(default=0.0, ge=0, description="Waited for a checkpoint in flight to commit (seconds).")
+    boundary: float = Field(
+        default=0.0, ge=0, description="Waited for the survivors to reach their step boundary (seconds)."
+    )
+
+
 class DrainInput(RunRequest):
     """Stop an incarnation and quarantine the nodes blamed for its fault."""
 
@@ -117,6 +127,19 @@ class DrainInput(RunRequest):
             "(seconds; 0: stop every rank, the restart path)."
         ),
     )
+    wait_cap_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "The most this call waits for the ranks in all; a grace still running then ends the call with "
+            "DrainResult.unfinished, and the drain goes on in a call of its own from there (seconds; None: every "
+            "grace runs out here)."
+        ),
+    )
+    waited: DrainWaits | None = Field(
+        default=None,
+        description="What an earlier, unfinished call of this drain waited: its graces go on from there (None: none).",
+    )
 
 
 class DrainResult(Record):
@@ -146,6 +169,13 @@ class DrainResult(Record):
         description=(
             "Ranks that kept their processes and wait at their step boundary for the next incarnation -> the step "
             "they hold (RecoveryPolicy.in_process); empty: every rank was stopped."
+        ),
+    )
+    unfinished: DrainWaits | None = Field(
+        default=None,
+        description=(
+            "Set when the call reached wait_cap_seconds with a grace running: how long each grace has run; the ranks "
+            "were not stopped yet and every other field is empty. None: the drain is done."
         ),
     )
 

@@ -9,7 +9,9 @@ burst of faults across a fleet is decided in a few events a run (bench/controlle
 0.2 s from report to decision for 200 runs, against 0.6 s as activities of their own). They are recorded
 in the history as markers, with their timeouts and retry policy from the spec as every stage; a
 worker lost in one is replaced when the workflow task times out, and the stage runs again (every
-stage is idempotent).
+stage is idempotent). A local activity holds its workflow task, and with it the run's queries and
+updates, so a drain waits for the ranks at most LOCAL_WAIT_SECONDS there; a grace that runs longer
+(a survivor that does not end) goes on in an activity of its own, with the task free.
 
 A stage that refuses its request for good (a non-retryable ApplicationError) raises StageRefused,
 which the recovery may answer (a spare lost before its claim is decided again); a stage that
@@ -101,6 +103,12 @@ activities with a task of their own each)."""
 LOCAL_STAGES = ("drain", "reschedule", "replace_or_reshard")
 """Stages that run as local activities (LOCAL_STAGES_PATCH)."""
 
+LOCAL_WAIT_SECONDS = 0.5
+"""The most a local drain waits for the ranks (DrainInput.wait_cap_seconds) before the rest of its
+graces runs as an activity of its own: how late an operator's query or update may be answered
+during a drain (seconds). A death's survivors save and end within tens of milliseconds, so most
+drains end inside it."""
+
 
 def root_cause(error: BaseException) -> str:
     """The innermost cause's message: what the last attempt died of, not Temporal's wrapping."""
@@ -120,8 +128,17 @@ async def call_stage(policy: RecoveryPolicy, name: str, method: Any, request: An
     try:
         if name in LOCAL_STAGES:
             workflow.deprecate_patch(LOCAL_STAGES_PATCH)
-            del options["heartbeat_timeout"]  # a local activity's liveness is its workflow task's
-            return await workflow.execute_local_activity_method(method, request, summary=summary, **options)
+            # A local activity's liveness is its workflow task's: it has no heartbeat timeout.
+            local = {key: value for key, value in options.items() if key != "heartbeat_timeout"}
+            if "wait_cap_seconds" in type(request).model_fields:
+                request = request.model_copy(update={"wait_cap_seconds": LOCAL_WAIT_SECONDS})
+            result = await workflow.execute_local_activity_method(method, request, summary=summary, **local)
+            if getattr(result, "unfinished", None) is None:
+                return result
+            # A local activity holds the workflow task, and with it every query and update, until it
+            # ends: the rest of a long wait runs as an activity of its own, which leaves the task free.
+            request = request.model_copy(update={"waited": result.unfinished, "wait_cap_seconds": None})
+            summary = activity_summary(name, request)
         return await workflow.execute_activity_method(method, request, summary=summary, **options)
     except (ActivityError, ApplicationError) as error:
         # A local activity's failure comes as itself, another's inside an ActivityError.

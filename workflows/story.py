@@ -47,7 +47,8 @@ def activity_summary(stage: str, request) -> str:
         case DrainInput():
             incident = request.reason.split(": ", 2)
             why = f" ({incident[0]}: {incident[1]})" if len(incident) == 3 else ""
-            return f"drain {nodes(request.nodes)}, incarnation {request.incarnation}{why}"
+            rest = ": the rest of its graces" if request.waited is not None else ""
+            return f"drain {nodes(request.nodes)}, incarnation {request.incarnation}{why}{rest}"
         case ReplaceInput():
             decision = request.decision
             if decision.action == "replace" and decision.replacements:

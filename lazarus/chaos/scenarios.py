@@ -15,6 +15,7 @@ from typing import Literal
 
 from lazarus.activities.failpoints import STAGE_FAILPOINTS
 from lazarus.chaos.bed import ChaosError, wait_for
+from lazarus.chaos.controls import SURVIVOR_HOLD_SECONDS, controls_in_drain
 from lazarus.chaos.swaps import SICK_CHECK, SLOW_FACTOR, STRAGGLER_WINDOW_SECONDS, node_sick, node_slowed
 from lazarus.chaos.trial import Trial
 from lazarus.schema import STAGES
@@ -375,5 +376,12 @@ SCENARIOS = [
         faults=in_survivor_save,
     ),
     Scenario("worker-and-node", "the worker and a node dying together", worker_and_node, own_bed=True),
+    Scenario(
+        "controls-in-drain",
+        f"a node lost while a survivor is stopped, which holds drain {SURVIVOR_HOLD_SECONDS:g} s; the status query "
+        "and a pause answered meanwhile",
+        controls_in_drain,
+        recovery={"survivor_grace_seconds": SURVIVOR_HOLD_SECONDS},
+    ),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}

@@ -9,14 +9,15 @@ import signal
 import time
 from pathlib import Path
 
-from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from lazarus.chaos.bed import ChaosBed, ChaosError, CheckpointWatch, wait_for
 from lazarus.client.runs import connect, run_status, start_run
 from lazarus.schema.contract import read_heartbeat, read_metrics
+from lazarus.schema.controls import PauseRequest
 from lazarus.schema.files import read_json
-from lazarus.schema.records import Assignment, RunStatus
+from lazarus.schema.records import Assignment, RunState, RunStatus
 from lazarus.schema.run import RunSpec
 from lazarus.workflows.training_run import TrainingRun
 
@@ -116,6 +117,23 @@ class Trial:
         assert self.handle is not None, "start() started the run"
         status = await self.handle.query(TrainingRun.status)
         return any(words in warning for warning in status.warnings)
+
+    async def in_state(self, state: RunState) -> bool:
+        """Whether the run's status query says it is in `state`."""
+        assert self.handle is not None, "start() started the run"
+        return (await self.handle.query(TrainingRun.status)).state == state
+
+    async def answer_times(self) -> tuple[float, float]:
+        """How long the run's status query, then an operator's pause, took to be answered (seconds)."""
+        assert self.handle is not None, "start() started the run"
+        asked = time.monotonic()
+        await self.handle.query(TrainingRun.status)
+        answered = time.monotonic()
+        try:
+            await self.handle.execute_update(TrainingRun.pause, PauseRequest(reason="chaos: asked during a drain"))
+        except WorkflowUpdateFailedError:
+            pass  # refused (the run is not training) is an answer
+        return answered - asked, time.monotonic() - answered
 
     def incarnation(self) -> int:
         """The newest incarnation with an assignment."""

@@ -72,6 +72,9 @@ def test_the_web_ui_shows_each_stage_of_a_recovery_with_its_summary(dev_env, hom
         dom = chromium(tmp_path / "profile", "--dump-dom", page).stdout
         labels = [html.unescape(label) for label in re.findall(r">([a-z_]+ \u2022 [^<]+)<", dom)]
         shown = dict(label.split(" \u2022 ", 1)[::-1] for label in labels)  # summary -> stage
+        # A drain whose survivors took longer than a local activity waits (a loaded machine's) goes
+        # on as an activity of its own, shown with its summary.
+        shown.pop("drain node-2, incarnation 0 (incident 1: node_down): the rest of its graces", None)
         if shown == expected and all(f">{stage}<" in dom for stage in LOCAL_STAGES):
             break
     assert shown == expected, labels

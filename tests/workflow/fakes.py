@@ -24,6 +24,7 @@ from lazarus.schema.stages import (
     DetectInput,
     DrainInput,
     DrainResult,
+    DrainWaits,
     LaunchInput,
     LaunchResult,
     ReleaseInput,
@@ -100,6 +101,7 @@ class FakeStages:
         resumes: list | None = None,
         return_gate: asyncio.Event | None = None,
         claimed_before: str | None = None,
+        survivors_gate: asyncio.Event | None = None,
     ):
         self.watch = list(watch)
         self.resumes = list(resumes or [])
@@ -117,6 +119,9 @@ class FakeStages:
         self.resume_sleep = resume_sleep
         self.calls: list[tuple[str, int]] = []
         self.drains: list[DrainInput] = []  # every drain's request, retries included
+        # Survivors that end only once the test sets it: drain waits for them under its cap.
+        self.survivors_gate = survivors_gate
+        self.drains_local: list[bool] = []  # whether each drain call ran as a local activity
         self.detect_cancelled = asyncio.Event()
         self.detect_gate = asyncio.Event()
         self.watch_over = asyncio.Event()  # clear while a detect blocks
@@ -190,8 +195,17 @@ class FakeStages:
     async def drain(self, request: DrainInput) -> DrainResult:
         attempt = self._called("drain")
         self.drains.append(request)
+        self.drains_local.append(activity.info().is_local)
         if attempt <= self.drain_failures:
             raise RuntimeError(f"transient drain failure on attempt {attempt}")
+        if self.survivors_gate is not None and request.wait_cap_seconds is not None:
+            try:
+                await asyncio.wait_for(self.survivors_gate.wait(), request.wait_cap_seconds)
+            except TimeoutError:
+                waited = DrainWaits(survivors=request.wait_cap_seconds)
+                return DrainResult(quarantined=[], stopped_ranks=[], removed_partial_checkpoints=[], unfinished=waited)
+        elif self.survivors_gate is not None:
+            await heartbeat_until(self.survivors_gate)
         for node in request.nodes:
             self.nodes[node] = "quarantined"
         return DrainResult(

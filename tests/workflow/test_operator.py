@@ -113,6 +113,31 @@ async def test_drain_node_starts_the_same_recovery_and_refuses_unknown_nodes(dev
         assert status.quarantined_nodes == ["node-1"]
 
 
+async def test_controls_are_answered_while_survivors_hold_the_drain(dev_env):
+    survivors_end = asyncio.Event()
+    stages = FakeStages(watch=[fault(nodes=["node-2"]), "done"], survivors_gate=survivors_end)
+    async with running(dev_env, stages) as handle:
+        # The survivors never end until the answers below came: each came while the drain waited.
+        assert (await until_state(handle, RunState.DRAINING)).state == RunState.DRAINING
+        assert "the run is DRAINING; pause once it trains again" in await refused(
+            handle, TrainingRun.pause, controls.PauseRequest()
+        )
+        changes = controls.SetPolicyRequest(changes={"max_incidents": 5})
+        assert (await handle.execute_update(TrainingRun.set_policy, changes)).message == "policy updated"
+        survivors_end.set()
+        status = await handle.result()
+    assert stages.drains_local == [True, False]  # cut at its cap, the drain went on as an activity of its own
+    first, rest = stages.drains
+    assert first.wait_cap_seconds is not None and first.waited is None
+    assert rest.wait_cap_seconds is None and rest.waited.survivors == first.wait_cap_seconds
+    [incident] = status.incidents
+    # What the drain that finished found is the incident's, not the cut call's empty result.
+    assert (incident.outcome, incident.checkpoint_in_flight, incident.discarded_checkpoints) == ("recovered", 20, [20])
+    assert status.quarantined_nodes == ["node-2"]
+    assert status.assignment.nodes == ["node-0", "node-1", "node-4", "node-3"]
+    assert status.policy.max_incidents == 5
+
+
 async def test_drain_node_during_another_recovery_runs_after_it(dev_env):
     gate = asyncio.Event()
     stages = FakeStages(watch=[fault(nodes=["node-2"]), "block", "done"], spares=("node-4", "node-5"), resume_gate=gate)
