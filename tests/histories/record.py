@@ -25,7 +25,10 @@ they carry deprecated markers only, and the deprecate_patch calls may go.
   grow.json          a node lost without a spare (reshard to dp 3), returned: the regrow claims it
                      before the ranks stop (regrow-claims-first); an operator reshards to dp 2 and
                      back to dp 4, the second claiming first (reshard-claims-first). Recorded
-                     2026-12-07, after the others: the window's newest.
+                     2026-12-07, after the others.
+  held_drain.json    a node killed while a survivor is stopped (SIGSTOP): drain outlasts a local
+                     activity's wait and goes on as an activity of its own (DrainResult.unfinished);
+                     the status queried meanwhile. Recorded 2026-12-08: the window's newest.
 
 `no_spare`, `hot_spare_v1`, `reshard_v1`, `restart_done_v1`, `restart_fault_v1` and `local_stages`
 were dropped when the gates were deprecated: each took an old branch (or predated a gate), and
@@ -38,6 +41,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -50,6 +55,7 @@ from lazarus.infra.backends.local.cluster import LocalCluster
 from lazarus.infra.backends.simulated.cluster import SimulatedCluster
 from lazarus.infra.harness.temporal_server import local_environment
 from lazarus.schema import RunState, controls, load_spec, parse_spec
+from lazarus.schema.files import read_json
 from lazarus.worker import build_worker
 from lazarus.workflows.training_run import TrainingRun
 from tests.support.runs import trained_step
@@ -132,6 +138,19 @@ async def grow(client, settings, cluster, spec) -> None:
     await handle.result()
 
 
+async def held_drain(client, settings, cluster, spec) -> None:
+    """A survivor stopped as node-2 dies holds drain for the survivors' grace: its local call is
+    cut at its cap and the rest runs as an activity; the status is asked while it waits."""
+    run = cluster.run_dir("held_drain")
+    handle = await start_run(client, settings, spec, "held_drain")
+    await asyncio.to_thread(wait_until, lambda: trained_step(run) >= 12, "step 12", 120)
+    survivor = run.pid_file(0, cluster.assignment("held_drain", 0).nodes.index("node-1") * spec.layout.ranks_per_node)
+    os.kill(read_json(survivor)["pid"], signal.SIGSTOP)
+    cluster.kill_node("held_drain", "node-2")
+    await wait_for_state(handle, lambda s: s.state == RunState.DRAINING)
+    await handle.result()
+
+
 class SlowToLodge(SimulatedCluster):
     """The simulated backend, where run rack-b takes a second longer to lodge its need of spares
     at drain: rack-a reads the inventory before it, and waits."""
@@ -208,6 +227,7 @@ async def main() -> None:
         "no_capacity",
         "rack",
         "grow",
+        "held_drain",
     }
     if "hot_spare" in names:
         await record("hot_spare", load_spec(SMALL), kill_at=15)
@@ -231,6 +251,8 @@ async def main() -> None:
         await rack("rack")
     if "grow" in names:
         await record("grow", changed(SMALL, cluster={"spare_nodes": 0}, trainer={"steps": 400}), drive=grow)
+    if "held_drain" in names:
+        await record("held_drain", changed(SMALL, recovery={"survivor_grace_seconds": 3}), drive=held_drain)
     if "story" in names:
         await record("story", changed(DEMO, trainer={"steps": 60}), kill_at=25)
     if "no_capacity" in names:
