@@ -119,8 +119,30 @@ async def race_for_one_spare(
         pool.repair(pool.victims["a"])
         returned = controls.ReturnNodeRequest(node=pool.victims["a"])
         await a.execute_update(TrainingRun.return_node, returned)
-        status = {"a": await a.result(), "b": await b.result()}
+        deadline = time.monotonic() + RACE_END_SECONDS
+        status = {key: await ended(handle, key, deadline - time.monotonic()) for key, handle in (("a", a), ("b", b))}
     return Race(ids, status, runs)
+
+
+RACE_END_SECONDS = 200.0
+"""How long both runs get to end once a's node is returned (seconds): a few times what they take
+here, and short of the tests' own timeout, so that a race that hangs says where each run stands."""
+
+
+async def ended(handle, key: str, timeout: float) -> RunStatus:
+    """The run's final status; ChaosError naming its state, step, incidents and regrows at `timeout`."""
+    try:
+        return await asyncio.wait_for(handle.result(), max(1.0, timeout))
+    except TimeoutError:
+        status: RunStatus = await handle.query(TrainingRun.status)
+        incidents = [(i.fault.kind, i.outcome, list(i.stages)) for i in status.incidents]
+        regrows = [
+            (g.outcome, g.to_dp, {n: s.ended_at is not None for n, s in g.stages.items()}) for g in status.regrowths
+        ]
+        raise ChaosError(
+            f"run {key} had not ended {RACE_END_SECONDS:g} s after the return: {status.state.value} at step "
+            f"{status.step}; incidents {incidents}; regrows (outcome, dp, stage ended) {regrows}"
+        ) from None
 
 
 RACE_ROW = "two-runs-one-spare"
