@@ -99,7 +99,9 @@ async def watch(
         if since_heartbeat() >= beat_every:
             heartbeat(progress_of(verdict, now))
         soon = learning_look(pace, judged_by)
-        wait = EXIT_SETTLE_SECONDS if exited else look_again_in(verdict, now, policy, beat_every, soon) + late
+        due_at = getattr(until, "due_at", None)  # what the caller owes at a time of its own (_ReportDue)
+        due = due_at() if due_at is not None else None
+        wait = EXIT_SETTLE_SECONDS if exited else look_again_in(verdict, now, policy, beat_every, soon, due) + late
         waited_from = time.monotonic()
         exited = await cluster.wait_for_exit(run_id, incarnation, wait)
         if not exited:
@@ -121,18 +123,22 @@ def learning_look(pace: Pace, judged_by: float) -> float | None:
     return soon
 
 
-def look_again_in(verdict: Verdict, now: float, policy, beat_every: float, learning: float | None = None) -> float:
+def look_again_in(
+    verdict: Verdict, now: float, policy, beat_every: float, learning: float | None = None, due: float | None = None
+) -> float:
     """How long to wait before the next look (seconds): the policy's heartbeat interval, or, while
     every node is steady, until time alone could change the verdict (Look.settled_until), at most
     STEADY_LOOK_SECONDS (`learning`, the look of a pace that learns the run's step times: learning_look) and
-    the heartbeat spacing. A process's exit wakes the watch at once either way, and so does a death
+    the heartbeat spacing; never past `due` (time.time()), when the watch owes a progress report or
+    a read of the pool. A process's exit wakes the watch at once either way, and so does a death
     the backend learns of where it can tell (wait_for_exit), so a watch of a healthy run costs a look
     every few seconds instead of ten a second and is as quick to see a death."""
     interval = policy.heartbeat_interval_seconds
+    owed = float("inf") if due is None else max(0.0, due - now)
     if verdict.settled_until is None:
-        return interval
+        return min(interval, owed)
     steady = STEADY_LOOK_SECONDS if learning is None else learning
-    return max(interval, min(verdict.settled_until - now + EXIT_SETTLE_SECONDS, steady, beat_every))
+    return min(owed, max(interval, min(verdict.settled_until - now + EXIT_SETTLE_SECONDS, steady, beat_every)))
 
 
 STACK_KEPT_CHARACTERS = 4000
@@ -218,6 +224,12 @@ class _ReportDue:
         self.next_spare_check = started
         self.capacity = False
         self.swap: PlannedSwap | None = None
+
+    def due_at(self) -> float:
+        """When the watch must look next for this (time.time()): the progress report, or the next
+        read of the pool where the request asks about capacity."""
+        capacity = self.next_capacity_check if self.request.regrow_nodes is not None else float("inf")
+        return min(self.report_at, capacity)
 
     async def __call__(self, verdict: Verdict, now: float) -> bool:
         swap = planned_swap(verdict, self.request.policy)

@@ -180,6 +180,10 @@ def test_a_steady_run_is_looked_at_often_only_while_its_pace_learns_its_step_tim
     assert timed.learning_look is None
     assert look_again_in(verdict, 7003.0, policy, beat_every=5.0, learning=None) == STEADY_LOOK_SECONDS
     assert look_again_in(verdict, 7003.0, policy, beat_every=2.0, learning=None) == 2.0  # a heartbeat is due first
+    # A progress report or a read of the pool (a regrow's) due sooner than a steady look: the look comes then.
+    assert look_again_in(verdict, 7003.0, policy, beat_every=5.0, due=7003.5) == 0.5
+    assert look_again_in(verdict, 7003.0, policy, beat_every=5.0, due=7002.0) == 0.0  # overdue: at once
+    assert look_again_in(verdict, 7003.0, policy, beat_every=5.0, due=7100.0) == STEADY_LOOK_SECONDS
     # Where no launcher times the steps the looks do: looking seldom would stretch every step time.
     untimed = Pace(POLICY)
     run(untimed, MIN_GAPS + 3, 0.5, lambda _: {})
