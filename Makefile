@@ -102,9 +102,11 @@ demo: $(STAMP)
 # Two pytest processes (pytest-xdist), each with a file at a time: the suite waits on timers,
 # servers and processes for about a third of its run, which the other process fills. A file stays
 # in one process, so a module's shared fixture (the chaos bed, the TLS frontend) starts once.
-# `make test ARGS="-n 0"` runs it in one process.
+# `make test ARGS="-n 0"` runs it in one process. A process that a test's timeout ends (pyproject.toml:
+# timeout_method) is not replaced: the run ends with that test named, where a replaced process once
+# left the run waiting for good.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0
 
 test: $(STAMP) tls-proxy browser slurm-packages postgres-packages
 	$(PYTEST) $(ARGS)
